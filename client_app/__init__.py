@@ -1,0 +1,1 @@
+"""The ClientApp: a hospital's side of every run, beside its own data."""

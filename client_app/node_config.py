@@ -1,0 +1,62 @@
+"""A SuperNode's ``--node-config``: who the hospital is and where its data and state live.
+
+Deployment: ``hospital``, ``data-dir`` and ``state-dir`` name the site's own folders. Simulation:
+Flower sets ``partition-id``/``num-partitions`` and the hospital takes that partition of the
+job's data set. Unknown keys and wrong types are refused with the key named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, ValidationError, model_validator
+
+from common.config import ConfigError, JobConfig, Section, describe_validation_error
+
+
+class NodeConfig(Section):
+    partition_id: int | None = Field(None, ge=0)
+    num_partitions: int | None = Field(None, ge=1)
+    hospital: str = ""
+    data_dir: str = ""
+    state_dir: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    modalities: str = Field("", description="Brain task: the MRI modalities this hospital has, e.g. 'flair,t1ce'.")
+    bit_width: int = Field(0, ge=0, le=32, description="QFedPolyp: this hospital's bit-width (0: from run config).")
+
+    @model_validator(mode="after")
+    def _has_data(self) -> "NodeConfig":
+        if not self.data_dir and self.partition_id is None:
+            raise ValueError("a hospital needs data-dir (deployment) or partition-id (simulation)")
+        if self.partition_id is not None and self.num_partitions is not None and self.partition_id >= self.num_partitions:
+            raise ValueError(f"partition-id {self.partition_id} is not below num-partitions {self.num_partitions}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.hospital or f"hospital-{self.partition_id:02d}"
+
+    def state_folder(self, cfg: JobConfig, run_name: str) -> Path:
+        root = Path(self.state_dir) if self.state_dir else Path(cfg.state_dir) / self.name
+        return root / run_name
+
+    def properties(self) -> dict[str, Any]:
+        """What the hospital tells the server about itself besides its name and size."""
+        props: dict[str, Any] = {}
+        if self.modalities:
+            props["modalities"] = self.modalities
+        if self.bit_width:
+            props["bit-width"] = self.bit_width
+        return props
+
+
+def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
+    try:
+        node = NodeConfig.model_validate(dict(raw))
+    except ValidationError as error:
+        where = raw.get("hospital") or (f"hospital-{raw['partition-id']:02d}" if "partition-id" in raw else "this node")
+        raise ConfigError(describe_validation_error(error, what=f"node config of {where}")) from None
+    if node.data_dir and not Path(node.data_dir).exists():
+        raise ConfigError(f"node config of {node.name} key 'data-dir': {node.data_dir!r} does not exist")
+    return node

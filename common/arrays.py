@@ -1,0 +1,77 @@
+"""Named NumPy arrays: moving model state in and out of torch, averaging it, and checking it.
+
+A model travels as ``dict[name, ndarray]`` in its state-dict order, buffers included, so every
+method, codec and checkpoint speaks the same language and nothing depends on positions.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+import torch
+
+NamedArrays = dict[str, np.ndarray]
+
+
+class ArraysMismatch(ValueError):
+    """Arrays that do not fit the expected names, shapes or dtypes; the message says which."""
+
+
+def model_arrays(model: torch.nn.Module) -> NamedArrays:
+    return {name: tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()}
+
+
+def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """Load named arrays into a model; every state entry must be present with its shape."""
+    check_like(arrays, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, "model arrays")
+    state = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in arrays.items()}
+    model.load_state_dict(state, strict=True)
+
+
+def check_like(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str,
+               require_finite: bool = True) -> None:
+    """Raise :class:`ArraysMismatch` unless ``arrays`` has reference's names, shapes and finite floats."""
+    missing = [k for k in reference if k not in arrays]
+    extra = [k for k in arrays if k not in reference]
+    if missing or extra:
+        raise ArraysMismatch(f"{what}: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                             f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for name, ref in reference.items():
+        value = arrays[name]
+        if value.shape != ref.shape:
+            raise ArraysMismatch(f"{what}: {name} has shape {value.shape}, expected {ref.shape}")
+        if value.dtype.kind != ref.dtype.kind:
+            raise ArraysMismatch(f"{what}: {name} has dtype {value.dtype}, expected {ref.dtype}")
+        if require_finite and value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise ArraysMismatch(f"{what}: {name} holds NaN or Inf")
+
+
+def is_float(array: np.ndarray) -> bool:
+    return array.dtype.kind == "f"
+
+
+def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterable[float]) -> NamedArrays:
+    """FedAvg of named arrays, in float64, cast back to each array's dtype.
+
+    Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not weights: they take the
+    largest value instead of an average.
+    """
+    arrays, weights = list(arrays), np.asarray(list(weights), dtype=np.float64)
+    if not arrays or weights.sum() <= 0:
+        raise ValueError("weighted_average needs at least one array set with positive weight")
+    weights = weights / weights.sum()
+    result: NamedArrays = {}
+    for name, first in arrays[0].items():
+        if is_float(first):
+            total = np.zeros(first.shape, dtype=np.float64)
+            for item, w in zip(arrays, weights):
+                total += w * item[name]
+            result[name] = total.astype(first.dtype)
+        else:
+            result[name] = np.max(np.stack([item[name] for item in arrays]), axis=0).astype(first.dtype)
+    return result
+
+
+def total_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
+    return int(sum(a.nbytes for a in arrays.values()))

@@ -1,0 +1,174 @@
+"""The job's settings: one validated model shared by the server, the hospitals and the benchmarks.
+
+Flower hands run config over as a flat dict whose nested tables are joined with dots
+(``fedprox.mu``). :func:`load_job_config` unflattens it and validates it with pydantic, so an
+unknown key, a wrong type or an impossible value stops the run before round 1 with a message that
+names the key, in the spelling the user typed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+TaskName = Literal["classification", "polyp-segmentation", "brain-tumour-segmentation"]
+DatasetName = Literal["synthetic", "ham10000", "npz", "image-mask", "brats"]
+
+#: Which data set formats each task can read.
+TASK_DATASETS: dict[str, tuple[str, ...]] = {
+    "classification": ("synthetic", "ham10000", "npz"),
+    "polyp-segmentation": ("synthetic", "image-mask"),
+    "brain-tumour-segmentation": ("synthetic", "brats"),
+}
+
+
+class ConfigError(ValueError):
+    """A run or node configuration that cannot work; the message names the key at fault."""
+
+
+def _hyphen(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class Section(BaseModel):
+    """Base for every config table: hyphenated keys, unknown keys refused, values checked on assignment."""
+
+    model_config = ConfigDict(
+        alias_generator=_hyphen, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True
+    )
+
+
+class FedProxSection(Section):
+    mu: float = Field(0.01, ge=0.0, description="Weight of the proximal term (mu/2)||w - w_global||^2.")
+
+
+class JobConfig(Section):
+    """Every run-config key. Defaults here equal those in pyproject.toml (a test keeps them in step)."""
+
+    run_name: str = Field("", description="Folder under results-dir; empty: <task>-<strategy>-<date-time>.")
+    task: TaskName = "classification"
+    strategy: str = "fedavg"
+    num_server_rounds: int = Field(5, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    fraction_train: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of hospitals trained per round.")
+    min_train_hospitals: int = Field(2, ge=1, description="A round needs at least this many replies.")
+    min_available_hospitals: int = Field(2, ge=1, description="Wait for this many hospitals before round 1.")
+    round_timeout: float = Field(600.0, gt=0.0, description="Seconds to wait for hospital replies per round.")
+    seed: int = 42
+    batch_size: int = Field(32, ge=1)
+    learning_rate: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+
+    dataset: DatasetName = "synthetic"
+    data_dir: str = Field("", description="Simulation: the whole data set, partitioned across hospitals.")
+    test_dir: str = Field("", description="Server's held-out test set (deployment); empty: split off data-dir.")
+    image_size: int = Field(32, ge=8, le=1024)
+    num_classes: int = Field(0, ge=0, description="0: take it from the data set.")
+    partitioner: Literal["iid", "dirichlet", "by-source"] = "iid"
+    dirichlet_alpha: float = Field(0.5, gt=0.0)
+    min_partition_size: int = Field(10, ge=1)
+    val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+    test_fraction: float = Field(0.2, gt=0.0, lt=0.9)
+    synthetic_samples: int = Field(1200, ge=20, description="Training samples the generator makes in all.")
+
+    results_dir: str = "results"
+    state_dir: str = Field("state", description="Simulation: root of the virtual hospitals' state folders.")
+    resume_from: str = Field("", description="Checkpoint file or run folder to continue from.")
+    keep_checkpoints: int = Field(2, ge=1, description="Round checkpoints kept besides the latest.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    evaluate_every: int = Field(1, ge=1, description="Evaluate the global model on the test set every N rounds.")
+
+    fedprox: FedProxSection = FedProxSection()
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        from common.methods.registry import method_names  # local: the registry imports this module
+
+        if value not in method_names():
+            raise ValueError(f"unknown strategy {value!r}; choose one of {', '.join(method_names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        if self.dataset not in TASK_DATASETS[self.task]:
+            raise ValueError(
+                f"dataset={self.dataset!r} does not fit task={self.task!r}; "
+                f"use one of {', '.join(TASK_DATASETS[self.task])}"
+            )
+        if self.min_available_hospitals < self.min_train_hospitals:
+            raise ValueError("min-available-hospitals must be at least min-train-hospitals")
+        from common.methods.registry import method_tasks
+
+        if self.task not in method_tasks(self.strategy):
+            raise ValueError(f"strategy={self.strategy!r} does not support task={self.task!r}")
+        return self
+
+    # --- conveniences ---------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.results_dir) / (self.run_name or "unnamed")
+
+    def to_flat(self) -> dict[str, Any]:
+        """Flat dotted-key dict, the shape of Flower's run config."""
+        return flatten(self.model_dump(by_alias=True))
+
+    def check_paths(self) -> None:
+        """Paths the server itself reads must exist (checked before round 1)."""
+        if self.dataset != "synthetic" and not self.data_dir and not self.test_dir:
+            raise ConfigError(f"data-dir: dataset={self.dataset!r} needs data-dir (simulation) or test-dir")
+        for key in ("data_dir", "test_dir"):
+            value = getattr(self, key)
+            if value and not Path(value).exists():
+                raise ConfigError(f"{_hyphen(key)}: {value!r} does not exist")
+        if self.resume_from and not Path(self.resume_from).exists():
+            raise ConfigError(f"resume-from: {self.resume_from!r} does not exist")
+
+
+def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in nested.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {'.'.join(parts[:-1])} is a value, not a table")
+        node[parts[-1]] = value
+    return nested
+
+
+def describe_validation_error(error: ValidationError, what: str = "run config") -> str:
+    """One line per problem, each naming the key as the user spells it (``fedprox.mu``)."""
+    lines = []
+    for problem in error.errors():
+        key = ".".join(str(part) for part in problem["loc"]) or "(whole config)"
+        message = problem["msg"]
+        if problem["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{what} key {key!r}: {message} (got {problem.get('input')!r})")
+    return "; ".join(lines)
+
+
+def load_job_config(flat: Mapping[str, Any], *, check_paths: bool = False) -> JobConfig:
+    """Validate a flat Flower run config; raise :class:`ConfigError` naming every bad key."""
+    try:
+        config = JobConfig.model_validate(unflatten(flat))
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+    if check_paths:
+        config.check_paths()
+    return config

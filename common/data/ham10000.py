@@ -1,0 +1,69 @@
+"""HAM10000 in its own layout: ``images/<image_id>.jpg`` and ``HAM10000_metadata.csv``."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from .containers import DataError, LabelledImages
+from .image_files import cached_arrays, read_rgb
+
+#: The seven diagnoses in the usual (alphabetical) order; label i is HAM10000_CLASSES[i].
+HAM10000_CLASSES = ("akiec", "bcc", "bkl", "df", "mel", "nv", "vasc")
+METADATA_FILE = "HAM10000_metadata.csv"
+
+
+def read_metadata(folder: Path) -> list[tuple[str, str]]:
+    """(image_id, dx) rows of the metadata file, checked for the columns and the class set."""
+    path = folder / METADATA_FILE
+    if not path.is_file():
+        raise DataError(f"{path}: metadata file not found (a HAM10000 folder holds {METADATA_FILE} and images/)")
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        missing = {"image_id", "dx"} - set(reader.fieldnames or [])
+        if missing:
+            raise DataError(f"{path}: missing column(s) {sorted(missing)}")
+        rows = []
+        for line_number, row in enumerate(reader, start=2):
+            if row["dx"] not in HAM10000_CLASSES:
+                raise DataError(
+                    f"{path}, line {line_number}: label dx={row['dx']!r} of {row['image_id']} is not one of "
+                    f"{list(HAM10000_CLASSES)}"
+                )
+            rows.append((row["image_id"], row["dx"]))
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def load_ham10000(folder: str | Path, image_size: int) -> LabelledImages:
+    """Load every image the metadata lists, resized to image_size (cached after the first read)."""
+    folder = Path(folder)
+    rows = read_metadata(folder)
+    files = [folder / "images" / f"{image_id}.jpg" for image_id, _ in rows]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise DataError(f"{missing[0]}: image listed in {METADATA_FILE} not found ({len(missing)} missing in all)")
+
+    def decode() -> dict[str, np.ndarray]:
+        return {"images": np.stack([read_rgb(p, image_size) for p in files])}
+
+    arrays = cached_arrays([folder / METADATA_FILE, *files], f"ham10000-{image_size}", decode)
+    labels = np.array([HAM10000_CLASSES.index(dx) for _, dx in rows], dtype=np.int64)
+    names = np.array([image_id for image_id, _ in rows])
+    return LabelledImages(arrays["images"], labels, HAM10000_CLASSES, names)
+
+
+def write_ham10000(data: LabelledImages, folder: Path, source_folder: Path) -> None:
+    """Write a HAM10000-layout folder holding ``data``'s images (copied from ``source_folder``)."""
+    import shutil
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    with (folder / METADATA_FILE).open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["image_id", "dx"])
+        for name, label in zip(data.names, data.labels):
+            writer.writerow([name, data.class_names[label]])
+            shutil.copy2(source_folder / "images" / f"{name}.jpg", folder / "images" / f"{name}.jpg")

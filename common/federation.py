@@ -1,0 +1,155 @@
+"""The server's side of a run, whatever carries the messages: choose hospitals, build what each one
+receives, accept or refuse replies, aggregate, evaluate, and keep the round history.
+
+The Flower strategy (``strategies.base``) and the in-process runner (``common.inprocess``) both
+drive a :class:`Federation`; they differ only in how payloads reach hospitals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from common.config import JobConfig
+from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate, ServerMethod, pack_json, unpack_json
+from common.methods.registry import server_class
+from common.tasks import get_task, task_class
+
+log = logging.getLogger("fedmed")
+
+
+@dataclass
+class RoundReply:
+    """What came back from one chosen hospital: a payload, or the error it reported."""
+
+    hospital: HospitalInfo
+    payload: Payload | None
+    error: str | None = None
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: int, seed: int, rnd: int) -> list[HospitalInfo]:
+    """This round's hospitals: a seeded draw over hospitals sorted by name, so reruns and resumed
+    runs choose the same ones whatever node ids the transport assigned."""
+    ordered = sorted(hospitals, key=lambda h: h.name)
+    count = min(len(ordered), max(minimum, int(round(fraction * len(ordered)))))
+    picked = np.random.default_rng([seed, rnd]).choice(len(ordered), size=count, replace=False)
+    return [ordered[i] for i in sorted(picked)]
+
+
+def weighted_mean_metrics(items: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Per-key mean weighted by the first element (sample counts); keys missing somewhere are skipped."""
+    if not items:
+        return {}
+    keys = set.intersection(*(set(m) for _, m in items))
+    total = sum(w for w, _ in items) or 1.0
+    return {k: float(sum(w * m[k] for w, m in items) / total) for k in sorted(keys)
+            if all(isinstance(m[k], (int, float)) and math.isfinite(m[k]) for _, m in items)}
+
+
+class Federation:
+    """One run's server state: the method, the test set, the round history."""
+
+    def __init__(self, cfg: JobConfig, method: ServerMethod | None = None, test_data: Any = None):
+        self.cfg = cfg
+        if method is None:
+            task_type = task_class(cfg.task)
+            self.test_data = task_type.load_test(cfg) if test_data is None else test_data
+            task = get_task(cfg, task_type.describe(self.test_data))
+            method = server_class(cfg.strategy)(cfg, task)
+            method.initialize()
+        else:
+            self.test_data = test_data
+        self.method = method
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def next_round(self) -> int:
+        return len(self.history) + 1
+
+    # --- one round --------------------------------------------------------------------------------
+    def select(self, rnd: int, hospitals: list[HospitalInfo]) -> list[HospitalInfo]:
+        return select_hospitals(hospitals, self.cfg.fraction_train, self.cfg.min_train_hospitals, self.cfg.seed, rnd)
+
+    def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
+        return self.method.downlink(rnd, hospital)
+
+    def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply],
+                       started: float) -> dict[str, Any]:
+        """Check every reply, aggregate the accepted ones, let the server work, evaluate, record."""
+        accepted: list[HospitalUpdate] = []
+        refused: dict[str, str] = {}
+        for reply in replies:
+            name = reply.hospital.name
+            if reply.payload is None:
+                refused[name] = f"hospital reported an error: {reply.error}"
+                continue
+            update = HospitalUpdate(reply.hospital, reply.payload)
+            try:
+                self.method.check(update)
+            except RejectedUpdate as reason:
+                refused[name] = str(reason)
+                continue
+            accepted.append(update)
+        for name, reason in refused.items():
+            log.warning("round %d: refused the update of %s: %s", rnd, name, reason)
+        answered = {r.hospital.name for r in replies}
+        missing = [h.name for h in chosen if h.name not in answered]
+        if missing:
+            log.warning("round %d: no reply from %s before the timeout", rnd, ", ".join(missing))
+
+        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
+                                  "aggregated": [u.hospital.name for u in accepted], "missing": missing,
+                                  "refused": refused}
+        if len(accepted) >= self.cfg.min_train_hospitals:
+            record["method"] = self.method.aggregate(rnd, accepted)
+            record["method"].update(self.method.server_step(rnd))
+        else:
+            record["skipped"] = (f"{len(accepted)} accepted update(s), fewer than min-train-hospitals="
+                                 f"{self.cfg.min_train_hospitals}; the global model is unchanged")
+            log.warning("round %d: %s", rnd, record["skipped"])
+        record["traffic"] = {r.hospital.name: {"down": r.bytes_down, "up": r.bytes_up} for r in replies}
+        for name in missing:
+            record["traffic"][name] = {"down": next((r.bytes_down for r in replies if r.hospital.name == name), 0), "up": 0}
+        record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
+        record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
+        record["hospital_metrics"] = {u.hospital.name: dict(u.payload.metrics) for u in accepted}
+        record["train"] = weighted_mean_metrics([(u.num_examples, dict(u.payload.metrics)) for u in accepted])
+        record["train"].pop("num-examples", None)
+        if rnd % self.cfg.evaluate_every == 0 or rnd == self.cfg.num_server_rounds:
+            record["test"] = self.method.evaluate(self.test_data)
+        record["seconds"] = round(time.time() - started, 3)
+        self.history.append(record)
+        log.info("round %d/%d: %s", rnd, self.cfg.num_server_rounds, describe(record))
+        return record
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = {f"method/{k}": v for k, v in self.method.state_dict().items()}
+        state["run/history"] = pack_json(self.history)
+        state["run/config"] = pack_json(self.cfg.model_dump(mode="json", by_alias=True))
+        return state
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.history = unpack_json(state["run/history"])
+        self.method.load_state_dict({k.removeprefix("method/"): v for k, v in state.items() if k.startswith("method/")})
+
+
+def describe(record: dict[str, Any]) -> str:
+    """A one-line progress summary of a round record."""
+    parts = [f"{len(record['aggregated'])}/{len(record['chosen'])} hospitals"]
+    if record.get("refused"):
+        parts.append(f"refused {sorted(record['refused'])}")
+    if record.get("missing"):
+        parts.append(f"missing {record['missing']}")
+    test = record.get("test", {})
+    parts += [f"{k}={v:.4f}" for k, v in test.items() if "/" not in k and k != "num-examples" and isinstance(v, float)]
+    parts.append(f"up={record['bytes_up'] / 1e6:.2f}MB down={record['bytes_down'] / 1e6:.2f}MB")
+    parts.append(f"{record['seconds']:.1f}s")
+    return ", ".join(parts)

@@ -1,0 +1,62 @@
+"""Federated runs in one process, without Flower: for benchmarks, GPU machines without Flower, and tests.
+
+The same :class:`~common.federation.Federation` and the same hospital halves as a Flower run; a
+hospital's method object is created afresh for every round, as in a Flower deployment, so all
+state a hospital keeps must go through its state store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from common.config import JobConfig
+from common.federation import Federation, RoundReply
+from common.methods.registry import hospital_class
+from common.site import Site, build_site
+
+log = logging.getLogger("fedmed")
+
+
+def simulated_hospital_name(partition_id: int) -> str:
+    return f"hospital-{partition_id:02d}"
+
+
+def simulated_sites(cfg: JobConfig, num_hospitals: int, state_root: str | Path | None = None,
+                    device: str = "auto", properties: list[dict[str, Any]] | None = None) -> list[Site]:
+    """Partitions 0..num_hospitals-1 of the job's data set, as in a Flower simulation."""
+    sites = []
+    for pid in range(num_hospitals):
+        name = simulated_hospital_name(pid)
+        state_dir = Path(state_root) / name if state_root else None
+        sites.append(build_site(cfg, name, partition_id=pid, num_partitions=num_hospitals, state_dir=state_dir,
+                                device=device, properties=(properties or [{}] * num_hospitals)[pid]))
+    return sites
+
+
+def run_rounds(cfg: JobConfig, sites: list[Site], federation: Federation | None = None,
+               on_round_end: Callable[[Federation, dict], None] | None = None,
+               last_round: int | None = None) -> Federation:
+    """Run rounds ``federation.next_round .. last_round`` (default: the config's last)."""
+    federation = federation or Federation(cfg)
+    by_name = {site.name: site for site in sites}
+    infos = [hospital_class(cfg.strategy)(cfg, site).info() for site in sites]
+    for rnd in range(federation.next_round, (last_round or cfg.num_server_rounds) + 1):
+        started = time.time()
+        chosen = federation.select(rnd, infos)
+        replies = []
+        for info in chosen:
+            payload = federation.downlink(rnd, info)
+            try:
+                reply = hospital_class(cfg.strategy)(cfg, by_name[info.name]).train(rnd, payload)
+            except Exception as error:  # a failing hospital is reported, the round goes on
+                log.exception("hospital %s failed in round %d", info.name, rnd)
+                replies.append(RoundReply(info, None, f"{type(error).__name__}: {error}", payload.nbytes(), 0))
+                continue
+            replies.append(RoundReply(info, reply, None, payload.nbytes(), reply.nbytes()))
+        record = federation.complete_round(rnd, chosen, replies, started)
+        if on_round_end is not None:
+            on_round_end(federation, record)
+    return federation

@@ -1,0 +1,1 @@
+"""Federated methods as plain PyTorch/NumPy code: one module per method, registered in ``registry``."""

@@ -1,0 +1,160 @@
+"""The two halves of a federated method, free of any transport.
+
+``ServerMethod`` owns the global state between rounds: it says what each hospital receives,
+checks and aggregates what comes back, and saves its state for checkpoints. ``HospitalMethod``
+is a hospital's local step. Flower strategies and ClientApp handlers only move :class:`Payload`
+objects between them; the in-process runner calls them directly (benchmarks, GPU machines
+without Flower, tests).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import numpy as np
+import torch
+
+from common.arrays import ArraysMismatch, NamedArrays, check_like
+from common.config import JobConfig
+from common.site import Site
+from common.tasks import Task, get_task
+
+ConfigValue = Union[bool, int, float, str, bytes, list]
+
+
+@dataclass
+class Payload:
+    """One message's content: named array groups, scalar/bytes config and numeric metrics."""
+
+    arrays: dict[str, NamedArrays] = field(default_factory=dict)
+    config: dict[str, ConfigValue] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Raw content size (array bytes + config bytes), the in-process stand-in for measured traffic."""
+        array_bytes = sum(a.nbytes for group in self.arrays.values() for a in group.values())
+        config_bytes = sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in self.config.values())
+        return int(array_bytes + config_bytes + 8 * len(self.metrics))
+
+
+@dataclass(frozen=True)
+class HospitalInfo:
+    """What a hospital tells the server about itself when the run starts."""
+
+    name: str
+    num_examples: int
+    properties: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HospitalUpdate:
+    """A hospital's accepted reply to a training round."""
+
+    hospital: HospitalInfo
+    payload: Payload
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.payload.metrics.get("num-examples", 0))
+
+
+class RejectedUpdate(Exception):
+    """A reply the server will not aggregate; ``str(error)`` is the logged reason."""
+
+
+class ServerMethod(ABC):
+    """Server side of a method. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: JobConfig, task: Task | None = None):
+        self.cfg = cfg
+        self.task = task or get_task(cfg)
+        self.global_arrays: NamedArrays = {}
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Create the initial global model, seeded by the job's seed."""
+        torch.manual_seed(self.cfg.seed)
+        from common.arrays import model_arrays
+
+        self.global_arrays = model_arrays(self.task.build_model())
+
+    def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
+        """What ``hospital`` receives to train in round ``rnd``: by default the global model."""
+        return Payload(arrays={"model": self.global_arrays}, config=self.round_config(rnd))
+
+    def round_config(self, rnd: int) -> dict[str, ConfigValue]:
+        return {"server-round": rnd, "run-name": self.cfg.run_name, **self.task.model_spec()}
+
+    def check(self, update: HospitalUpdate) -> None:
+        """Refuse a malformed reply (raise :class:`RejectedUpdate` with the reason)."""
+        if update.num_examples <= 0:
+            raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
+        if "model" not in update.payload.arrays:
+            raise RejectedUpdate("reply carries no 'model' arrays")
+        try:
+            check_like(update.payload.arrays["model"], self.global_arrays, "model update")
+        except ArraysMismatch as error:
+            raise RejectedUpdate(str(error)) from None
+
+    @abstractmethod
+    def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
+        """Fold the accepted updates into the global state; return round metrics worth recording."""
+
+    def server_step(self, rnd: int) -> dict[str, Any]:
+        """Work the server does on its own after aggregation (e.g. training on its data)."""
+        return {}
+
+    # --- evaluation -------------------------------------------------------------------------------
+    def evaluation_model(self) -> torch.nn.Module:
+        from common.arrays import load_model_arrays
+
+        model = self.task.build_model()
+        load_model_arrays(model, self.global_arrays)
+        return model
+
+    def evaluate(self, test_data) -> dict[str, float]:
+        """Metrics of the global model on the server's held-out test set."""
+        return self.task.evaluate(self.evaluation_model(), test_data)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> NamedArrays:
+        """Everything needed to continue, as named arrays (see :func:`pack_json` for non-array state)."""
+        return {f"global/{k}": v for k, v in self.global_arrays.items()}
+
+    def load_state_dict(self, state: NamedArrays) -> None:
+        self.global_arrays = {k.removeprefix("global/"): v for k, v in state.items() if k.startswith("global/")}
+
+
+class HospitalMethod(ABC):
+    """A hospital's side of a method: local training (and evaluation) on its own site."""
+
+    def __init__(self, cfg: JobConfig, site: Site, task: Task | None = None):
+        self.cfg = cfg
+        self.site = site
+        self.task = task or get_task(cfg)
+
+    def info(self) -> HospitalInfo:
+        return HospitalInfo(self.site.name, len(self.site.train), dict(self.site.properties))
+
+    @abstractmethod
+    def train(self, rnd: int, payload: Payload) -> Payload:
+        """Train on the received payload and return the reply (``metrics['num-examples']`` set)."""
+
+    def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
+        """Metrics of the received model on this hospital's validation data."""
+        model = self.task.model_from_payload(payload)
+        return self.task.evaluate(model, self.site.val, self.site.device)
+
+
+def pack_json(value: Any) -> np.ndarray:
+    """JSON-able state as a uint8 array, so checkpoints hold arrays only (no pickle)."""
+    return np.frombuffer(json.dumps(value, sort_keys=True).encode(), dtype=np.uint8).copy()
+
+
+def unpack_json(array: np.ndarray) -> Any:
+    return json.loads(array.tobytes().decode())

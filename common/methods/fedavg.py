@@ -1,0 +1,38 @@
+"""FedAvg (McMahan et al. 2017): hospitals train the whole model; the server averages by sample count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.arrays import model_arrays, weighted_average
+from common.tasks.base import ExtraLoss
+
+from .base import HospitalMethod, HospitalUpdate, Payload, ServerMethod
+
+
+class FedAvgServer(ServerMethod):
+    name = "fedavg"
+
+    def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
+        self.global_arrays = weighted_average([u.payload.arrays["model"] for u in updates],
+                                              [u.num_examples for u in updates])
+        return {}
+
+
+class FedAvgHospital(HospitalMethod):
+    """Local training of the received model; the reply also carries the received model's validation
+    metrics (``val-*``), so no separate evaluation round trip is needed."""
+
+    def extra_loss(self, received: dict) -> ExtraLoss | None:
+        """A term added to the task loss (FedProx's proximal term); none for FedAvg."""
+        return None
+
+    def train(self, rnd: int, payload: Payload) -> Payload:
+        model = self.task.model_from_payload(payload)
+        self.task.check_data(self.site.train, f"hospital {self.site.name}")
+        received = self.task.evaluate(model, self.site.val, self.site.device)
+        stats = self.task.fit(model, self.site.train, self.site.device, self.site.round_seed(rnd),
+                              extra_loss=self.extra_loss(payload.arrays["model"]))
+        metrics = {"num-examples": len(self.site.train), **stats}
+        metrics.update({f"val-{k}": v for k, v in received.items() if k != "num-examples"})
+        return Payload(arrays={"model": model_arrays(model)}, metrics=metrics)

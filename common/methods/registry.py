@@ -1,0 +1,64 @@
+"""The one list of methods: name -> tasks it supports, its server and hospital halves, its Flower strategy.
+
+Adding a method means a module here, a strategy module, and one entry below. Classes are named
+by import path and loaded lazily, so validating a config imports neither torch models nor Flower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+
+TWO_D = ("classification", "polyp-segmentation")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    tasks: tuple[str, ...]
+    server: str
+    hospital: str
+    strategy: str
+    summary: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("fedavg", TWO_D, "common.methods.fedavg:FedAvgServer", "common.methods.fedavg:FedAvgHospital",
+                   "strategies.fedavg:FedAvgStrategy", "Federated averaging weighted by sample counts"),
+        MethodSpec("fedprox", TWO_D, "common.methods.fedavg:FedAvgServer", "common.methods.fedprox:FedProxHospital",
+                   "strategies.fedprox:FedProxStrategy", "FedAvg with a proximal term on the hospital side"),
+    )
+}
+
+
+def method_names() -> list[str]:
+    return sorted(METHODS)
+
+
+def method_spec(name: str) -> MethodSpec:
+    if name not in METHODS:
+        raise KeyError(f"unknown strategy {name!r}; choose one of {', '.join(method_names())}")
+    return METHODS[name]
+
+
+def method_tasks(name: str) -> tuple[str, ...]:
+    return method_spec(name).tasks
+
+
+def load(path: str):
+    module, attribute = path.split(":")
+    return getattr(import_module(module), attribute)
+
+
+def server_class(name: str):
+    return load(method_spec(name).server)
+
+
+def hospital_class(name: str):
+    return load(method_spec(name).hospital)
+
+
+def strategy_class(name: str):
+    return load(method_spec(name).strategy)

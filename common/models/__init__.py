@@ -1,0 +1,1 @@
+"""Networks: MONAI's where they fit, our own where a method needs a particular structure."""

@@ -1,0 +1,101 @@
+"""A hospital as the methods see it: its data, its device, its properties and its persistent memory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class HospitalStateStore:
+    """What a hospital must remember between the rounds it takes part in, in its own state folder.
+
+    Saved once per round it trains in (``state-r00007.npz``, written atomically). Loading for
+    round r returns the newest state saved *before* r, so when the server resumes from an
+    earlier checkpoint the hospital replays from the matching state, and a SuperNode restart
+    loses nothing. With ``folder=None`` the state lives in memory (tests, in-process runs).
+    """
+
+    _PATTERN = re.compile(r"state-r(\d+)\.npz$")
+
+    def __init__(self, folder: str | Path | None, keep: int = 3):
+        self.folder = Path(folder) if folder else None
+        self.keep = keep
+        self._memory: dict[int, dict[str, np.ndarray]] = {}
+
+    def rounds(self) -> list[int]:
+        if self.folder is None:
+            return sorted(self._memory)
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := self._PATTERN.match(p.name)))
+
+    def load(self, before_round: int) -> dict[str, np.ndarray] | None:
+        earlier = [r for r in self.rounds() if r < before_round]
+        if not earlier:
+            return None
+        if self.folder is None:
+            return dict(self._memory[earlier[-1]])
+        with np.load(self.folder / f"state-r{earlier[-1]:05d}.npz", allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+
+    def save(self, rnd: int, arrays: dict[str, np.ndarray]) -> None:
+        if self.folder is None:
+            self._memory[rnd] = {k: np.array(v, copy=True) for k, v in arrays.items()}
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            target = self.folder / f"state-r{rnd:05d}.npz"
+            partial = self.folder / f".state-r{rnd:05d}.{os.getpid()}.tmp.npz"
+            np.savez(partial, **arrays)
+            os.replace(partial, target)
+        for old in self.rounds()[:-self.keep]:
+            self._memory.pop(old, None)
+            if self.folder is not None:
+                (self.folder / f"state-r{old:05d}.npz").unlink(missing_ok=True)
+
+
+def resolve_device(choice: str = "auto") -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU; ``cuda`` without a GPU is an error."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible on this machine")
+    return torch.device(choice)
+
+
+@dataclass
+class Site:
+    """One hospital: ``train``/``val`` data (any container), device, properties, persistent state."""
+
+    name: str
+    train: Any
+    val: Any
+    device: torch.device = torch.device("cpu")
+    properties: dict[str, Any] = field(default_factory=dict)
+    state: HospitalStateStore = field(default_factory=lambda: HospitalStateStore(None))
+    seed: int = 0
+
+    def round_seed(self, rnd: int) -> int:
+        """A seed for this hospital's randomness in round ``rnd``: the same on every rerun or resume."""
+        digest = hashlib.sha256(f"{self.seed}|{self.name}|{rnd}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
+
+
+def build_site(cfg, name: str, *, partition_id: int | None = None, num_partitions: int | None = None,
+               data_dir: str | None = None, state_dir: str | Path | None = None, device: str = "auto",
+               properties: dict[str, Any] | None = None) -> Site:
+    """Load a hospital's data and wrap it with its device and state folder."""
+    from common.tasks import task_class
+
+    seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}|{name}|split".encode()).digest()[:4], "little")
+    train, val = task_class(cfg.task).load_hospital_data(
+        cfg, partition_id=partition_id, num_partitions=num_partitions, data_dir=data_dir,
+        properties=properties or {}, seed=seed)
+    return Site(name, train, val, resolve_device(device), dict(properties or {}),
+                HospitalStateStore(state_dir), seed=cfg.seed)

@@ -1,0 +1,155 @@
+"""The task interface and the local training loop shared by the 2D tasks."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from common.config import JobConfig
+
+#: ImageNet statistics, the usual normalisation for RGB medical photographs (and FedProIn's).
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+ExtraLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def images_to_tensor(images: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint8 (N, H, W, C) -> normalised float (N, C, H, W): ImageNet statistics for RGB, 0.5/0.5 otherwise."""
+    x = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float().div_(255.0)
+    if x.shape[1] == 3:
+        mean = torch.from_numpy(IMAGENET_MEAN).to(device).view(1, 3, 1, 1)
+        std = torch.from_numpy(IMAGENET_STD).to(device).view(1, 3, 1, 1)
+    else:
+        mean, std = 0.5, 0.5
+    return (x - mean) / std
+
+
+def random_flips(rng: np.random.Generator, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same random horizontal/vertical flip per sample on every tensor (image and mask alike)."""
+    n = tensors[0].shape[0]
+    flip_w = torch.from_numpy(rng.random(n) < 0.5).to(tensors[0].device)
+    flip_h = torch.from_numpy(rng.random(n) < 0.5).to(tensors[0].device)
+    out = []
+    for t in tensors:
+        shape = (n,) + (1,) * (t.ndim - 1)
+        t = torch.where(flip_w.view(shape), t.flip(-1), t)
+        t = torch.where(flip_h.view(shape), t.flip(-2), t)
+        out.append(t)
+    return tuple(out)
+
+
+class Task(ABC):
+    """A task: model, loss, batches, training loop and evaluation.
+
+    ``spec`` is what a hospital needs to build the same model as the server (number of classes,
+    input channels); the server derives it from its test data and sends it with every round.
+    """
+
+    name: str
+
+    def __init__(self, cfg: JobConfig, spec: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.spec: dict[str, Any] = dict(spec or {})
+
+    # --- model ------------------------------------------------------------------------------------
+    @staticmethod
+    @abstractmethod
+    def describe(data) -> dict[str, Any]:
+        """The model spec implied by a data set (the server's test set)."""
+
+    def model_spec(self) -> dict[str, Any]:
+        return {f"model.{k}": v for k, v in self.spec.items()}
+
+    def adopt_spec(self, config: dict[str, Any]) -> None:
+        """Take the model spec from a received round config (hospital side)."""
+        self.spec.update({k.removeprefix("model."): v for k, v in config.items() if k.startswith("model.")})
+
+    @abstractmethod
+    def build_model(self) -> torch.nn.Module:
+        ...
+
+    def model_from_payload(self, payload) -> torch.nn.Module:
+        from common.arrays import load_model_arrays
+
+        self.adopt_spec(payload.config)
+        model = self.build_model()
+        load_model_arrays(model, payload.arrays["model"])
+        return model
+
+    # --- data -------------------------------------------------------------------------------------
+    @classmethod
+    def load_test(cls, cfg: JobConfig):
+        """The server's held-out test set."""
+        from common.data.sources import server_test_set
+
+        return server_test_set(cfg)
+
+    @classmethod
+    def load_hospital_data(cls, cfg: JobConfig, *, partition_id: int | None = None, num_partitions: int | None = None,
+                           data_dir: str | None = None, properties: dict[str, Any] | None = None,
+                           seed: int = 0) -> tuple[Any, Any]:
+        """A hospital's (train, val): its own folder in deployment, its partition in simulation."""
+        from common.data.sources import load_folder, simulated_hospital, train_val
+
+        if data_dir:
+            data = load_folder(cfg, data_dir)
+        else:
+            data = simulated_hospital(cfg, int(partition_id or 0), int(num_partitions or 1))
+        return train_val(data, cfg.val_fraction, seed)
+
+    @abstractmethod
+    def batches(self, data, batch_size: int, device: torch.device, rng: np.random.Generator | None,
+                train: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) batches; shuffled and augmented when ``train``."""
+
+    @abstractmethod
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def check_data(self, data, where: str) -> None:
+        """Raise a clear error when a hospital's data does not fit the model spec."""
+
+    # --- training and evaluation -------------------------------------------------------------------
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay)
+
+    def fit(self, model: torch.nn.Module, data, device: torch.device, seed: int, epochs: int | None = None,
+            extra_loss: ExtraLoss | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+        """Local training: ``epochs`` passes over ``data`` with Adam; returns the mean training loss."""
+        torch.manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        model.to(device).train()
+        optimizer = optimizer or self.make_optimizer(model)
+        total, steps = 0.0, 0
+        for _ in range(epochs or self.cfg.local_epochs):
+            for x, y in self.batches(data, self.cfg.batch_size, device, rng, train=True):
+                output = model(x)
+                loss = self.loss(output, y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model, x, y, output)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach())
+                steps += 1
+        return {"train-loss": total / max(steps, 1)}
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module, data, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+        ...
+
+    @property
+    def headline_metric(self) -> str:
+        """The metric a summary leads with."""
+        return "accuracy"
+
+
+def index_batches(n: int, batch_size: int, rng: np.random.Generator | None, drop_last: bool = False) -> Iterator[np.ndarray]:
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    stop = n - n % batch_size if drop_last and n >= batch_size else n
+    for start in range(0, stop, batch_size):
+        yield order[start:start + batch_size]

@@ -1,0 +1,62 @@
+"""Image classification (skin lesions, blood cells, generated textures) with MONAI's ResNet-18."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.data.containers import DataError, LabelledImages
+from common.metrics import classification_metrics
+from common.models.resnet import build_resnet18_classifier
+
+from .base import Task, images_to_tensor, index_batches, random_flips
+
+
+class ClassificationTask(Task):
+    name = "classification"
+
+    @staticmethod
+    def describe(data: LabelledImages) -> dict[str, Any]:
+        return {"num-classes": len(data.class_names), "in-channels": int(data.images.shape[-1]),
+                "class-names": ",".join(data.class_names)}
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.spec["num-classes"])
+
+    def build_model(self) -> torch.nn.Module:
+        return build_resnet18_classifier(self.num_classes, int(self.spec.get("in-channels", 3)), self.cfg.image_size)
+
+    def check_data(self, data: LabelledImages, where: str) -> None:
+        if len(data) and int(data.labels.max()) >= self.num_classes:
+            bad = int(np.flatnonzero(data.labels >= self.num_classes)[0])
+            raise DataError(f"{where}: {data.names[bad]} has label {int(data.labels[bad])}, "
+                            f"but the job has {self.num_classes} classes")
+
+    def batches(self, data: LabelledImages, batch_size: int, device: torch.device, rng: np.random.Generator | None,
+                train: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in index_batches(len(data), batch_size, rng if train else None, drop_last=train):
+            x = images_to_tensor(data.images[index], device)
+            if train and rng is not None:
+                (x,) = random_flips(rng, x)
+            yield x, torch.from_numpy(data.labels[index]).to(device)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
+
+    @torch.no_grad()
+    def predict(self, model: torch.nn.Module, data: LabelledImages, device: torch.device) -> np.ndarray:
+        model.to(device).eval()
+        predictions = [model(x).argmax(dim=1).cpu().numpy()
+                       for x, _ in self.batches(data, 256, device, None, train=False)]
+        return np.concatenate(predictions) if predictions else np.zeros(0, dtype=np.int64)
+
+    def evaluate(self, model: torch.nn.Module, data: LabelledImages, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+        if len(data) == 0:
+            return {}
+        metrics = classification_metrics(data.labels, self.predict(model, data, device))
+        metrics["num-examples"] = float(len(data))
+        return metrics

@@ -1,0 +1,1 @@
+"""The ServerApp: validates the job, runs the rounds, writes checkpoints and results."""

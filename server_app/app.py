@@ -1,0 +1,57 @@
+"""The ServerApp: validate the job, build the method's strategy, run the rounds, save after each one."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from common.config import JobConfig
+from common.federation import Federation
+from common.methods.registry import strategy_class
+
+from .checkpoint import save_checkpoint
+from .results import render_summary, write_results
+from .run_config import load_run_config
+
+log = logging.getLogger("fedmed")
+app = ServerApp()
+
+
+def setup_logging() -> None:
+    if not any(getattr(h, "_fedmed", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s fedmed %(levelname)s: %(message)s", "%H:%M:%S"))
+        handler._fedmed = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def open_federation(cfg: JobConfig, checkpoint) -> Federation:
+    federation = Federation(cfg)
+    if checkpoint is not None:
+        federation.load_state_dict(checkpoint)
+        log.info("resuming %s after round %d", cfg.run_name, len(federation.history))
+    return federation
+
+
+def save_round(federation: Federation, record: dict) -> None:
+    """After every round: checkpoint first, then the result files (rebuilt from the history)."""
+    cfg = federation.cfg
+    save_checkpoint(cfg.run_dir, record["round"], federation.state_dict(), keep=cfg.keep_checkpoints)
+    write_results(cfg.run_dir, cfg.to_flat(), federation.history)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    setup_logging()
+    cfg, checkpoint = load_run_config(context.run_config)  # a bad config stops here, before round 1
+    log.info("run %s: results in %s", cfg.run_name, cfg.run_dir)
+    federation = open_federation(cfg, checkpoint)
+    strategy = strategy_class(cfg.strategy)(federation, on_round_end=save_round)
+    strategy.start(grid)
+    write_results(cfg.run_dir, cfg.to_flat(), federation.history)
+    log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), federation.history))

@@ -1,0 +1,64 @@
+"""Round checkpoints: the global model and all strategy state as named arrays in one ``.npz`` file.
+
+Written to a temporary file and renamed, so a checkpoint on disk is always whole; loading never
+unpickles anything. ``checkpoints/round-00007.npz`` holds the state after round 7.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+_PATTERN = re.compile(r"round-(\d+)\.npz$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found or read; the message names the file."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(run_dir: Path, rnd: int, state: dict[str, np.ndarray], keep: int = 2) -> Path:
+    folder = checkpoint_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"round-{rnd:05d}.npz"
+    partial = folder / f".round-{rnd:05d}.{os.getpid()}.tmp.npz"
+    np.savez(partial, **state)
+    os.replace(partial, target)
+    for old in list_checkpoints(run_dir)[:-(keep + 1)]:
+        old.unlink(missing_ok=True)
+    return target
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _PATTERN.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, or the latest checkpoint of a run folder."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: no checkpoints (expected {checkpoint_dir(path)}/round-NNNNN.npz)")
+    return found[-1]
+
+
+def load_checkpoint(path: str | Path) -> dict[str, np.ndarray]:
+    file = find_checkpoint(path)
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        raise CheckpointError(f"{file}: cannot read checkpoint ({error})") from None
