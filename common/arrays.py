@@ -25,7 +25,7 @@ def model_arrays(model: torch.nn.Module) -> NamedArrays:
 def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
     """Load named arrays into a model; every state entry must be present with its shape."""
     check_like(arrays, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, "model arrays")
-    state = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in arrays.items()}
+    state = {name: torch.from_numpy(np.require(value, requirements="C")) for name, value in arrays.items()}
     model.load_state_dict(state, strict=True)
 
 
@@ -69,7 +69,7 @@ def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterab
                 total += w * item[name]
             result[name] = total.astype(first.dtype)
         else:
-            result[name] = np.max(np.stack([item[name] for item in arrays]), axis=0).astype(first.dtype)
+            result[name] = np.asarray(np.max(np.stack([item[name] for item in arrays]), axis=0), dtype=first.dtype)
     return result
 
 

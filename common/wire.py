@@ -24,7 +24,7 @@ class MalformedPayload(ValueError):
 
 def to_recorddict(payload: Payload) -> RecordDict:
     records: dict[str, Any] = {
-        f"{ARRAYS_PREFIX}{group}": ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()})
+        f"{ARRAYS_PREFIX}{group}": ArrayRecord({name: Array(np.require(value, requirements="C")) for name, value in arrays.items()})
         for group, arrays in payload.arrays.items()
     }
     records[CONFIG_KEY] = ConfigRecord(dict(payload.config))

@@ -77,9 +77,9 @@ def read_volume(path: Path) -> np.ndarray:
 def _downsample(volume: np.ndarray, factor: int, nearest: bool) -> np.ndarray:
     if factor == 1:
         return volume
-    if nearest:
-        return volume[::factor, ::factor, ::factor]
     d, h, w = (s // factor * factor for s in volume.shape)
+    if nearest:  # the centre voxel of each block
+        return volume[factor // 2:d:factor, factor // 2:h:factor, factor // 2:w:factor]
     v = volume[:d, :h, :w]
     return v.reshape(d // factor, factor, h // factor, factor, w // factor, factor).mean(axis=(1, 3, 5))
 

@@ -72,9 +72,10 @@ def source_partition(strata: np.ndarray, num_partitions: int, seed: int) -> list
     sources, counts = np.unique(strata, return_counts=True)
     if num_partitions < len(sources):
         raise DataError(f"{len(sources)} sources need at least {len(sources)} hospitals, got {num_partitions}")
-    shares = np.maximum(1, np.floor(num_partitions * counts / counts.sum()).astype(int))
-    while shares.sum() < num_partitions:  # give the rest to the sources with most samples per hospital
-        shares[np.argmax(counts / shares)] += 1
+    quotas = num_partitions * counts / counts.sum()
+    shares = np.maximum(1, np.floor(quotas).astype(int))
+    while shares.sum() < num_partitions:  # largest remainder first
+        shares[np.argmax(quotas - shares)] += 1
     while shares.sum() > num_partitions:
         candidates = np.flatnonzero(shares > 1)
         shares[candidates[np.argmin(counts[candidates] / shares[candidates])]] -= 1

@@ -1,0 +1,70 @@
+"""Writing per-hospital folders for a deployment, split exactly as a simulation of the same job would be.
+
+``<out>/test`` is the server's held-out test set (``test-dir``), ``<out>/hospital-NN`` each
+hospital's ``data-dir``, in the data set's own format; ``<out>/manifest.json`` lists what each
+holds. Generated data is written as MedMNIST-style npz (classification) or PNG image/mask pairs
+(polyps), so a deployment can be tried without real data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from common.config import JobConfig
+
+from .containers import LabelledImages, SegmentationImages
+from .ham10000 import write_ham10000
+from .image_mask import write_image_mask
+from .medmnist_npz import write_npz
+from .sources import partition_indices, simulation_split
+
+
+def _write_pngs(data: SegmentationImages, folder: Path) -> None:
+    for image, mask, name, source in zip(data.images, data.masks, data.names, data.sources):
+        for sub, pixels in (("images", image), ("masks", mask * 255)):
+            target = folder / str(source) / sub
+            target.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(pixels.astype(np.uint8)).save(target / Path(str(name)).with_suffix(".png").name)
+
+
+def write_site(cfg: JobConfig, data, folder: Path, split_name: str) -> None:
+    """One folder in the format the job's dataset reads (generated data: npz or PNG pairs)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if cfg.dataset == "ham10000":
+        write_ham10000(data, folder, Path(cfg.data_dir))
+    elif cfg.dataset == "image-mask":
+        write_image_mask(data, folder, Path(cfg.data_dir))
+    elif isinstance(data, LabelledImages):  # npz, or generated classification data
+        write_npz(folder / "data.npz", {split_name: data})
+    else:  # generated polyps
+        _write_pngs(data, folder)
+
+
+def describe(data) -> dict[str, Any]:
+    if isinstance(data, LabelledImages):
+        counts = data.class_counts()
+        return {"samples": len(data), "classes": {n: int(c) for n, c in zip(data.class_names, counts)}}
+    sources, counts = np.unique(data.sources, return_counts=True)
+    return {"samples": len(data), "sources": {str(s): int(c) for s, c in zip(sources, counts)}}
+
+
+def export_partitions(cfg: JobConfig, num_hospitals: int, out: Path) -> dict[str, Any]:
+    """Write ``out/test`` and ``out/hospital-NN``; return (and write) the manifest."""
+    split = simulation_split(cfg)
+    manifest: dict[str, Any] = {"dataset": cfg.dataset, "task": cfg.task, "partitioner": cfg.partitioner,
+                                "dirichlet-alpha": cfg.dirichlet_alpha, "seed": cfg.seed, "sites": {}}
+    out.mkdir(parents=True, exist_ok=True)
+    write_site(cfg, split.test, out / "test", "test")
+    manifest["sites"]["test"] = describe(split.test)
+    for pid, index in enumerate(partition_indices(cfg, split.pool, num_hospitals)):
+        name = f"hospital-{pid:02d}"
+        part = split.pool.subset(index)
+        write_site(cfg, part, out / name, "train")
+        manifest["sites"][name] = describe(part)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

@@ -1,0 +1,36 @@
+"""Shared test fixtures: the real data folder (tests skip when it is absent), small job configs,
+and a private decoded-image cache so tests never touch the user's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = (ROOT.parent / "shared" / "data").resolve()
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    os.environ["FEDMED_CACHE_DIR"] = str(tmp_path_factory.mktemp("fedmed-cache"))
+
+
+def shared_data(*parts: str) -> Path:
+    """A path under ../shared/data, or skip the test with the reason."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"real data not available: {path} is absent (tests read ../shared/data beside the repository)")
+    return path
+
+
+@pytest.fixture
+def small_classification():
+    from common.config import JobConfig
+
+    return JobConfig(run_name="test", num_server_rounds=2, synthetic_samples=120, image_size=16, batch_size=16,
+                     min_partition_size=5)

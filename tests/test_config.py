@@ -1,0 +1,80 @@
+"""Run and node config validation: every problem named by its key before round 1."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from client_app.node_config import load_node_config
+from common.config import ConfigError, JobConfig, flatten, load_job_config
+
+from .conftest import ROOT
+
+
+def pyproject_run_config() -> dict:
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        return flatten(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+def test_pyproject_lists_every_key_with_the_model_default():
+    # Flower only lets users override keys present in pyproject.toml, so both must agree.
+    assert pyproject_run_config() == JobConfig().to_flat()
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match="'num-server-round'.*unknown key"):
+        load_job_config({"num-server-round": 3})
+
+
+def test_unknown_nested_key_is_named_with_its_table():
+    with pytest.raises(ConfigError, match="'fedprox.nu'"):
+        load_job_config({"fedprox.nu": 0.1})
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match="'num-server-rounds'"):
+        load_job_config({"num-server-rounds": "five"})
+    with pytest.raises(ConfigError, match="'local-epochs'"):
+        load_job_config({"local-epochs": 1.5})
+
+
+def test_impossible_values_are_named():
+    with pytest.raises(ConfigError, match="'fraction-train'"):
+        load_job_config({"fraction-train": 0.0})
+    with pytest.raises(ConfigError, match="'fedprox.mu'"):
+        load_job_config({"fedprox.mu": -1.0})
+
+
+def test_unknown_strategy_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown strategy 'fedfoo'.*fedavg"):
+        load_job_config({"strategy": "fedfoo"})
+
+
+def test_dataset_must_fit_the_task():
+    with pytest.raises(ConfigError, match="does not fit task"):
+        load_job_config({"task": "polyp-segmentation", "dataset": "ham10000"})
+
+
+def test_missing_data_directory_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="data-dir.*does not exist"):
+        load_job_config({"dataset": "ham10000", "data-dir": str(tmp_path / "nowhere")}, check_paths=True)
+    with pytest.raises(ConfigError, match="data-dir"):
+        load_job_config({"dataset": "ham10000"}, check_paths=True)
+
+
+def test_valid_overrides_are_typed():
+    cfg = load_job_config({"num-server-rounds": 7, "fedprox.mu": 0.1, "strategy": "fedprox"})
+    assert cfg.num_server_rounds == 7 and cfg.fedprox.mu == 0.1 and cfg.strategy == "fedprox"
+
+
+def test_node_config_needs_data_and_names_bad_keys(tmp_path):
+    with pytest.raises(ConfigError, match="data-dir.*partition-id"):
+        load_node_config({"hospital": "st-olav"})
+    with pytest.raises(ConfigError, match="node config of st-olav key 'data-dri'"):
+        load_node_config({"hospital": "st-olav", "data-dri": str(tmp_path)})
+    with pytest.raises(ConfigError, match="st-olav key 'data-dir'.*does not exist"):
+        load_node_config({"hospital": "st-olav", "data-dir": str(tmp_path / "missing")})
+    node = load_node_config({"hospital": "st-olav", "data-dir": str(tmp_path), "device": "cpu"})
+    assert node.name == "st-olav"
+    assert load_node_config({"partition-id": 3, "num-partitions": 5}).name == "hospital-03"
