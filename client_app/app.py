@@ -77,7 +77,7 @@ def train(message: Message, context: Context) -> Message:
     node = load_node_config(context.node_config)
     payload = from_recorddict(message.content)
     site = hospital_site(cfg, node, run_name=str(payload.config.get("run-name", "")))
-    reply = hospital_class(cfg.strategy)(cfg, site).train(int(payload.config["server-round"]), payload)
+    reply = hospital_class(cfg.strategy)(cfg, site).timed_train(int(payload.config["server-round"]), payload)
     return Message(to_recorddict(reply), reply_to=message)
 
 

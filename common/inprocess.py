@@ -50,7 +50,7 @@ def run_rounds(cfg: JobConfig, sites: list[Site], federation: Federation | None 
         for info in chosen:
             payload = federation.downlink(rnd, info)
             try:
-                reply = hospital_class(cfg.strategy)(cfg, by_name[info.name]).train(rnd, payload)
+                reply = hospital_class(cfg.strategy)(cfg, by_name[info.name]).timed_train(rnd, payload)
             except Exception as error:  # a failing hospital is reported, the round goes on
                 log.exception("hospital %s failed in round %d", info.name, rnd)
                 replies.append(RoundReply(info, None, f"{type(error).__name__}: {error}", payload.nbytes(), 0))

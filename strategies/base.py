@@ -40,6 +40,24 @@ def numeric_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float
     return flat
 
 
+def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+    """Push messages and collect replies until all are in or ``timeout`` passes.
+
+    Flower's ``Grid.send_and_receive`` sleeps 3 s between polls, which adds 1.5 s on average to
+    every round trip; here the first polls come every 0.25 s, slowing to 2 s for long trainings.
+    """
+    pending = {mid for mid in grid.push_messages(messages) if mid}
+    replies: list[Message] = []
+    started = time.time()
+    while pending and time.time() - started < timeout:
+        arrived = list(grid.pull_messages(pending))
+        replies.extend(arrived)
+        pending -= {m.metadata.reply_to_message_id for m in arrived}
+        if pending:
+            time.sleep(min(2.0, 0.25 + (time.time() - started) / 60))
+    return replies
+
+
 class MethodStrategy(Strategy):
     """Runs a federated method through Flower. Subclasses only name the method (see ``strategies/``)."""
 
@@ -75,7 +93,7 @@ class MethodStrategy(Strategy):
             return
         queries = [Message(RecordDict({"config": ConfigRecord({"query": "hospital-info"})}),
                            message_type=MessageType.QUERY, dst_node_id=node) for node in new]
-        for reply in grid.send_and_receive(queries, timeout=self.cfg.round_timeout):
+        for reply in send_and_receive(grid, queries, self.cfg.round_timeout):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
@@ -150,7 +168,7 @@ class MethodStrategy(Strategy):
         result = Result()
         for rnd in range(self.federation.next_round, num_rounds + 1):
             messages = self.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid)
-            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            replies = send_and_receive(grid, messages, timeout) if messages else []
             arrays, metrics = self.aggregate_train(rnd, replies)
             result.arrays = arrays
             if metrics is not None:

@@ -10,6 +10,7 @@ without Flower, tests).
 from __future__ import annotations
 
 import json
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
@@ -144,6 +145,14 @@ class HospitalMethod(ABC):
     @abstractmethod
     def train(self, rnd: int, payload: Payload) -> Payload:
         """Train on the received payload and return the reply (``metrics['num-examples']`` set)."""
+
+    def timed_train(self, rnd: int, payload: Payload) -> Payload:
+        """``train``, with the hospital's own compute time in ``metrics['hospital-seconds']``
+        (what the overhead benchmark subtracts from a round's wall time)."""
+        started = time.perf_counter()
+        reply = self.train(rnd, payload)
+        reply.metrics["hospital-seconds"] = time.perf_counter() - started
+        return reply
 
     def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
         """Metrics of the received model on this hospital's validation data."""

@@ -22,6 +22,15 @@ def build_resnet18_classifier(num_classes: int, in_channels: int = 3, image_size
     return resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes, **_stem(image_size))
 
 
+def build_small_cnn_classifier(num_classes: int, in_channels: int, image_size: int) -> torch.nn.Module:
+    """MONAI's small residual Classifier CNN (8-16-32 channels, ~25k parameters): for load tests and demos
+    where the model should cost next to nothing."""
+    from monai.networks.nets import Classifier
+
+    return Classifier(in_shape=(in_channels, image_size, image_size), classes=num_classes, channels=(8, 16, 32),
+                      strides=(2, 2, 2))
+
+
 def build_resnet18_encoder(in_channels: int = 3, image_size: int = 128, weights: str = "") -> torch.nn.Module:
     """ResNet-18 up to global average pooling: image -> 512-d post-ReLU feature.
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from common.data.containers import DataError, LabelledImages
 from common.metrics import classification_metrics
-from common.models.resnet import build_resnet18_classifier
+from common.models.resnet import build_resnet18_classifier, build_small_cnn_classifier
 
 from .base import Task, images_to_tensor, index_batches, random_flips
 
@@ -28,7 +28,10 @@ class ClassificationTask(Task):
         return int(self.spec["num-classes"])
 
     def build_model(self) -> torch.nn.Module:
-        return build_resnet18_classifier(self.num_classes, int(self.spec.get("in-channels", 3)), self.cfg.image_size)
+        in_channels = int(self.spec.get("in-channels", 3))
+        if self.cfg.classifier == "small-cnn":
+            return build_small_cnn_classifier(self.num_classes, in_channels, self.cfg.image_size)
+        return build_resnet18_classifier(self.num_classes, in_channels, self.cfg.image_size)
 
     def check_data(self, data: LabelledImages, where: str) -> None:
         if len(data) and int(data.labels.max()) >= self.num_classes:
