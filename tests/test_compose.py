@@ -1,0 +1,69 @@
+"""docker-compose.yml: valid for docker-compose, TLS and authentication on, each hospital sees only its own data."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from .conftest import ROOT
+
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def hospitals() -> dict:
+    return {name: s for name, s in services().items() if "flower-supernode" in str(s.get("command", ""))}
+
+
+def mounts(service: dict) -> list[tuple[str, str, str]]:
+    """(source, target, mode) of every volume entry."""
+    out = []
+    for entry in service.get("volumes", []):
+        parts = entry.split(":")
+        out.append((parts[0], parts[1], parts[2] if len(parts) > 2 else "rw"))
+    return out
+
+
+def test_compose_file_is_valid_for_docker_compose():
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose); .ci/run installs it")
+    done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_three_hospitals_each_mount_only_their_own_data_state_and_key():
+    found = hospitals()
+    assert len(found) == 3
+    data_sources, state_sources = set(), set()
+    for name, service in found.items():
+        volume_list = mounts(service)
+        data = [m for m in volume_list if m[1] == "/data"]
+        assert len(data) == 1 and data[0][2] == "ro", f"{name}: one read-only data mount, got {data}"
+        state = [m for m in volume_list if m[1] == "/state"]
+        assert len(state) == 1 and state[0][0] == f"{name}-state", f"{name}: its own state volume"
+        keys = [m for m in volume_list if m[1].startswith("/keys/")]
+        assert keys == [(f"./deploy/keys/{name}", f"/keys/{name}", "ro")], f"{name}: only its own private key"
+        assert all(m[0] == "./deploy/certs/ca.crt" for m in volume_list if m[1].startswith("/certs")), name
+        assert {m[1] for m in volume_list} == {"/data", "/state", f"/keys/{name}", "/certs/ca.crt"}, name
+        data_sources.add(data[0][0])
+        state_sources.add(state[0][0])
+    assert len(data_sources) == 3 and len(state_sources) == 3  # nobody shares a folder
+    assert not any("test" in source or "results" in source for source in data_sources)
+
+
+def test_tls_and_hospital_authentication_are_on_everywhere():
+    all_services = services()
+    link = " ".join(all_services["superlink"]["command"].split())
+    assert "--ssl-certfile" in link and "--enable-supernode-auth" in link
+    assert "--disable-runtime-dependency-installation" in link
+    for name, service in hospitals().items():
+        command = " ".join(service["command"].split())
+        assert "--root-certificates /certs/ca.crt" in command and f"--auth-supernode-private-key /keys/{name}" in command
+        assert f"hospital='{name}'" in command
+    assert "--insecure" not in COMPOSE.read_text()
