@@ -44,6 +44,32 @@ class FedProxSection(Section):
     mu: float = Field(0.01, ge=0.0, description="Weight of the proximal term (mu/2)||w - w_global||^2.")
 
 
+class FedProInSection(Section):
+    """FedProIn (docs/fedproin.md). Ablations: fdl-weight=0 (no FDL), pcl-weight=0 (no PCL), aggregation='fedavg' (no NIA)."""
+
+    num_prototypes: int = Field(2, ge=1, le=4, description="M, learnable prototypes per class (paper: 2 on HAM10000).")
+    task_loss: Literal["mcel", "mcl"] = Field("mcel", description="Minimum classification error or margin loss.")
+    mcel_xi: float = Field(0.05, gt=0.0, description="xi in sigmoid(xi * (d_true - d_rival)), squared distances.")
+    mcl_margin: float = Field(0.5, ge=0.0, description="Margin of the MCL loss relu(d_true - d_rival + margin).")
+    fdl_weight: float = Field(1.0, ge=0.0, description="lambda_FDL: feature divergence loss (0: off).")
+    pcl_weight: float = Field(1.0, ge=0.0, description="lambda_PCL: prototype contrastive loss (0: off).")
+    pcl_margin: float = Field(0.5, ge=0.0, description="m in relu((d_glob - d_prev) / (d_glob + d_prev) + m).")
+    aggregation: Literal["nia", "fedavg"] = Field("nia", description="Prototypes by normalised influence or FedAvg.")
+    class_balanced: bool = Field(True, description="Draw training samples class-balanced, with replacement.")
+    class_augmentation: bool = Field(True, description="Augment class c with probability 1 - n_c / n_max.")
+    prototype_learning_rate: float = Field(0.0, ge=0.0, description="Adam step for prototypes; 0: learning-rate.")
+    encoder_weights: str = Field("", description="Server: a pretrained ResNet-18 state-dict file for the encoder.")
+
+
+class MoonSection(Section):
+    mu: float = Field(1.0, ge=0.0, description="Weight of MOON's model-contrastive term.")
+    temperature: float = Field(0.5, gt=0.0, description="Temperature of the cosine similarities.")
+
+
+class FedProtoSection(Section):
+    proto_weight: float = Field(1.0, ge=0.0, description="lambda: weight of MSE(feature, global prototype of its class).")
+
+
 class JobConfig(Section):
     """Every run-config key. Defaults here equal those in pyproject.toml (a test keeps them in step)."""
 
@@ -83,6 +109,9 @@ class JobConfig(Section):
     evaluate_every: int = Field(1, ge=1, description="Evaluate the global model on the test set every N rounds.")
 
     fedprox: FedProxSection = FedProxSection()
+    fedproin: FedProInSection = FedProInSection()
+    moon: MoonSection = MoonSection()
+    fedproto: FedProtoSection = FedProtoSection()
 
     @field_validator("strategy")
     @classmethod

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from common.arrays import model_arrays, weighted_average
 from common.tasks.base import ExtraLoss
 
@@ -29,10 +31,16 @@ class FedAvgHospital(HospitalMethod):
 
     def train(self, rnd: int, payload: Payload) -> Payload:
         model = self.task.model_from_payload(payload)
+        return self.train_model(rnd, model, self.extra_loss(payload.arrays["model"]))
+
+    def train_model(self, rnd: int, model: torch.nn.Module, extra_loss: ExtraLoss | None = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> Payload:
+        """Validate ``model`` as received, train it locally, reply with it (methods that start from
+        another model or add terms of their own call this from their ``train``)."""
         self.task.check_data(self.site.train, f"hospital {self.site.name}")
         received = self.task.evaluate(model, self.site.val, self.site.device)
         stats = self.task.fit(model, self.site.train, self.site.device, self.site.round_seed(rnd),
-                              extra_loss=self.extra_loss(payload.arrays["model"]))
+                              extra_loss=extra_loss, optimizer=optimizer)
         metrics = {"num-examples": len(self.site.train), **stats}
         metrics.update({f"val-{k}": v for k, v in received.items() if k != "num-examples"})
         return Payload(arrays={"model": model_arrays(model)}, metrics=metrics)

@@ -29,6 +29,14 @@ METHODS: dict[str, MethodSpec] = {
                    "strategies.fedavg:FedAvgStrategy", "Federated averaging weighted by sample counts"),
         MethodSpec("fedprox", TWO_D, "common.methods.fedavg:FedAvgServer", "common.methods.fedprox:FedProxHospital",
                    "strategies.fedprox:FedProxStrategy", "FedAvg with a proximal term on the hospital side"),
+        MethodSpec("fedproin", ("classification",), "common.methods.fedproin:FedProInServer",
+                   "common.methods.fedproin:FedProInHospital", "strategies.fedproin:FedProInStrategy",
+                   "Learnable multi-prototypes, FDL + PCL, normalised influence aggregation"),
+        MethodSpec("moon", ("classification",), "common.methods.fedavg:FedAvgServer", "common.methods.moon:MoonHospital",
+                   "strategies.moon:MoonStrategy", "FedAvg with a model-contrastive term on the representation"),
+        MethodSpec("fedproto", ("classification",), "common.methods.fedproto:FedProtoServer",
+                   "common.methods.fedproto:FedProtoHospital", "strategies.fedproto:FedProtoStrategy",
+                   "Personal models that share per-class mean features (prototypes)"),
     )
 }
 

@@ -17,14 +17,18 @@ IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 ExtraLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def normalisation(channels: int, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """(mean, std) that map [0, 1] images to network inputs: ImageNet statistics for RGB, 0.5/0.5 otherwise."""
+    if channels == 3:
+        return (torch.from_numpy(IMAGENET_MEAN).to(device).view(1, 3, 1, 1),
+                torch.from_numpy(IMAGENET_STD).to(device).view(1, 3, 1, 1))
+    return 0.5, 0.5
+
+
 def images_to_tensor(images: np.ndarray, device: torch.device) -> torch.Tensor:
-    """uint8 (N, H, W, C) -> normalised float (N, C, H, W): ImageNet statistics for RGB, 0.5/0.5 otherwise."""
+    """uint8 (N, H, W, C) -> normalised float (N, C, H, W) (see :func:`normalisation`)."""
     x = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float().div_(255.0)
-    if x.shape[1] == 3:
-        mean = torch.from_numpy(IMAGENET_MEAN).to(device).view(1, 3, 1, 1)
-        std = torch.from_numpy(IMAGENET_STD).to(device).view(1, 3, 1, 1)
-    else:
-        mean, std = 0.5, 0.5
+    mean, std = normalisation(x.shape[1], device)
     return (x - mean) / std
 
 

@@ -1,0 +1,193 @@
+"""FedProIn: learnable multi-prototype classification with influence-weighted prototype aggregation.
+
+Hospital: trains encoder + prototypes on its class-balanced, augmented data with the task loss
+(MCEL or MCL on prototype distances), plus the feature divergence loss (FDL: MSE to a frozen copy
+of the received encoder) and the prototype contrastive loss (PCL: closer to the received global
+prototypes than to its own prototypes of the last round it trained in, kept in its state store).
+It replies with the model and its influence matrix: how many of its class-c training samples have
+each class-c prototype as their nearest.
+
+Server: encoder (and BatchNorm buffers) by FedAvg over sample counts; prototypes by Normalised
+Influence Aggregation; a prototype nobody used keeps its previous global value.
+See docs/fedproin.md for every choice where paper and public code differ.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.arrays import model_arrays, weighted_average
+from common.config import FedProInSection, JobConfig
+from common.models.representations import FeatureTap, frozen_copy
+from common.models.resnet import load_pretrained
+from common.site import Site
+from common.tasks import Task, get_task
+from common.tasks.base import ExtraLoss
+from common.tasks.prototype_classification import PrototypeClassificationTask
+
+from .base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod
+from .fedavg import FedAvgHospital
+
+log = logging.getLogger("fedmed")
+
+INFLUENCE = "influence"  # reply array group holding the influence matrix under "counts"
+
+
+# --- the method's pieces, as plain functions -------------------------------------------------------
+def prototype_contrastive_loss(local: torch.Tensor, global_: torch.Tensor, previous: torch.Tensor,
+                               margin: float) -> torch.Tensor:
+    """PCL, per prototype: relu((d_glob - d_prev) / (d_glob + d_prev + 1e-8) + margin), averaged.
+
+    d_glob = ||P_global - P_local||, d_prev = ||P_previous - P_local||: zero once each local
+    prototype is nearer the global one than its own previous value, by a ratio set by the margin.
+    """
+    d_glob = torch.linalg.vector_norm(global_ - local, dim=-1)
+    d_prev = torch.linalg.vector_norm(previous - local, dim=-1)
+    return F.relu((d_glob - d_prev) / (d_glob + d_prev + 1e-8) + margin).mean()
+
+
+@torch.no_grad()
+def influence_counts(model: torch.nn.Module, task: Task, data, device: torch.device) -> np.ndarray:
+    """(C, M) int64: I[c, k] = number of class-c samples of ``data`` whose nearest class-c prototype is k.
+
+    Counted once per sample with the trained local model (eval mode, no augmentation), so each row
+    sums to the hospital's number of samples of that class.
+    """
+    classes, per_class = model.prototypes.shape[:2]
+    counts = np.zeros((classes, per_class), dtype=np.int64)
+    model.to(device).eval()
+    for x, y in task.batches(data, 256, device, None, train=False):
+        own_class = model.distances(x)[torch.arange(len(y), device=device), y]  # (B, M)
+        np.add.at(counts, (y.cpu().numpy(), own_class.argmin(dim=1).cpu().numpy()), 1)
+    return counts
+
+
+def normalised_influence_aggregation(prototypes: list[np.ndarray], influences: list[np.ndarray],
+                                     previous: np.ndarray) -> np.ndarray:
+    """NIA: P[c, k] = sum_i I_i[c, k] P_i[c, k] / sum_i I_i[c, k]; ``previous[c, k]`` where that sum is 0."""
+    weights = np.stack(influences).astype(np.float64)  # (H, C, M)
+    total = weights.sum(axis=0)
+    weighted = np.einsum("hcm,hcmd->cmd", weights, np.stack(prototypes).astype(np.float64))
+    result = previous.astype(np.float64)
+    used = total > 0
+    result[used] = weighted[used] / total[used][:, None]
+    return result.astype(previous.dtype)
+
+
+def fedproin_regulariser(model: torch.nn.Module, settings: FedProInSection, previous_prototypes: np.ndarray | None,
+                         device: torch.device) -> tuple[ExtraLoss | None, FeatureTap | None]:
+    """lambda_FDL * FDL + lambda_PCL * PCL for the model as received (PCL only with previous prototypes).
+
+    Returns the term and the feature tap it reads (remove it after training), or (None, None)."""
+    use_fdl = settings.fdl_weight > 0
+    use_pcl = settings.pcl_weight > 0 and previous_prototypes is not None
+    if not (use_fdl or use_pcl):
+        return None, None
+    reference = frozen_copy(model.encoder).to(device) if use_fdl else None  # before the tap: copies carry hooks
+    tap = FeatureTap(model.encoder) if use_fdl else None
+    global_prototypes = model.prototypes.detach().clone().to(device)
+    previous = torch.from_numpy(previous_prototypes).to(device) if use_pcl else None
+
+    def term(net: torch.nn.Module, x: torch.Tensor, _y: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        total = output.new_zeros(())
+        if use_fdl:
+            with torch.no_grad():
+                reference_features = reference(x)
+            total = total + settings.fdl_weight * F.mse_loss(tap.value, reference_features)
+        if use_pcl:
+            total = total + settings.pcl_weight * prototype_contrastive_loss(
+                net.prototypes, global_prototypes, previous, settings.pcl_margin)
+        return total
+
+    return term, tap
+
+
+# --- server and hospital ---------------------------------------------------------------------------
+class FedProInServer(ServerMethod):
+    name = "fedproin"
+
+    def __init__(self, cfg: JobConfig, task: Task | None = None):
+        spec = (task or get_task(cfg)).spec
+        super().__init__(cfg, PrototypeClassificationTask(cfg, spec))
+
+    def initialize(self) -> None:
+        """Encoder (optionally a user's pretrained weights) and N(0, 1) prototypes, seeded by the job."""
+        torch.manual_seed(self.cfg.seed)
+        model = self.task.build_model()
+        if self.cfg.fedproin.encoder_weights:
+            try:
+                load_pretrained(model.encoder, self.cfg.fedproin.encoder_weights)
+            except (OSError, ValueError, RuntimeError) as error:
+                raise ValueError(f"fedproin.encoder-weights: {error}") from None
+        self.global_arrays = model_arrays(model)
+
+    def check(self, update: HospitalUpdate) -> None:
+        super().check(update)
+        influence = update.payload.arrays.get(INFLUENCE, {}).get("counts")
+        if influence is None:
+            raise RejectedUpdate(f"reply carries no influence matrix (arrays['{INFLUENCE}']['counts'])")
+        expected = self.global_arrays["prototypes"].shape[:2]
+        if influence.shape != expected:
+            raise RejectedUpdate(f"influence matrix has shape {influence.shape}, expected {expected} "
+                                 "(classes, prototypes per class)")
+        if influence.dtype.kind not in "iuf":
+            raise RejectedUpdate(f"influence matrix has dtype {influence.dtype}, expected counts")
+        if not np.isfinite(influence).all():
+            raise RejectedUpdate("influence matrix holds NaN or Inf")
+        if (influence < 0).any():
+            raise RejectedUpdate(f"influence matrix holds negative counts (smallest {influence.min()})")
+        if influence.sum() > update.num_examples:
+            raise RejectedUpdate(f"influence matrix counts {influence.sum()} samples, more than the "
+                                 f"{update.num_examples} the hospital trained on")
+
+    def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
+        models = [u.payload.arrays["model"] for u in updates]
+        influences = [u.payload.arrays[INFLUENCE]["counts"] for u in updates]
+        arrays = weighted_average(models, [u.num_examples for u in updates])
+        if self.cfg.fedproin.aggregation == "nia":
+            arrays["prototypes"] = normalised_influence_aggregation(
+                [m["prototypes"] for m in models], influences, self.global_arrays["prototypes"])
+        self.global_arrays = arrays
+        usage = np.sum(influences, axis=0)
+        unused = self.prototype_names(usage == 0)
+        if unused:
+            log.info("round %d: prototypes no hospital used (kept or averaged as configured): %s", rnd, ", ".join(unused))
+        return {"influence": {u.hospital.name: i.tolist() for u, i in zip(updates, influences)},
+                "prototype-usage": usage.tolist(), "unused-prototypes": unused}
+
+    def prototype_names(self, mask: np.ndarray) -> list[str]:
+        """'<class>#<k>' for the prototypes where ``mask`` (C, M) is set."""
+        names = str(self.task.spec.get("class-names", "")).split(",")
+        if len(names) != mask.shape[0]:
+            names = [str(c) for c in range(mask.shape[0])]
+        return [f"{names[c]}#{k}" for c, k in zip(*np.nonzero(mask))]
+
+
+class FedProInHospital(FedAvgHospital):
+    def __init__(self, cfg: JobConfig, site: Site, task: Task | None = None):
+        super().__init__(cfg, site, PrototypeClassificationTask(cfg, task.spec if task else None))
+
+    def train(self, rnd: int, payload: Payload) -> Payload:
+        model = self.task.model_from_payload(payload)
+        term, tap = fedproin_regulariser(model, self.cfg.fedproin, self.previous_prototypes(rnd, model), self.site.device)
+        reply = self.train_model(rnd, model, term)
+        if tap is not None:
+            tap.remove()
+        reply.arrays[INFLUENCE] = {"counts": influence_counts(model, self.task, self.site.train, self.site.device)}
+        self.site.state.save(rnd, {"prototypes": reply.arrays["model"]["prototypes"]})
+        return reply
+
+    def previous_prototypes(self, rnd: int, model: torch.nn.Module) -> np.ndarray | None:
+        """This hospital's prototypes at the end of the last round it trained in (None the first time)."""
+        memory = self.site.state.load(before_round=rnd) or {}
+        previous = memory.get("prototypes")
+        if previous is not None and previous.shape != tuple(model.prototypes.shape):
+            log.warning("hospital %s: saved prototypes have shape %s, the model's %s; PCL starts afresh",
+                        self.site.name, previous.shape, tuple(model.prototypes.shape))
+            return None
+        return previous

@@ -1,0 +1,143 @@
+"""FedProto (Tan et al. 2022): hospitals keep their own models and share only class prototypes.
+
+Hospital: continues its own model (state store; the job-seeded initial model the first time),
+trains it with cross-entropy + lambda * MSE(feature, global prototype of the sample's class), and
+replies with its per-class mean features over the round's training draws. Server: each class's
+global prototype is the unweighted mean of the hospitals' prototypes of that class.
+
+There is no global model. As in the FedProIn paper, the server scores the hospitals' own models
+(prediction: nearest global prototype) on its test set and reports the mean over hospitals, so the
+reply also carries the local model, for that evaluation only (docs/fedproin.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.arrays import ArraysMismatch, check_like, load_model_arrays, model_arrays
+from common.federation import weighted_mean_metrics
+from common.models.prototype_net import squared_distances
+from common.models.representations import ClassifierFeatures, classifier_features, classifier_head, frozen_copy
+
+from .base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod
+from .fedavg import FedAvgHospital
+
+PROTOTYPES = "prototypes"  # array group: "mean" (C, d); downlink "present" (C,), reply "count" (C,)
+
+
+class NearestPrototypeClassifier(torch.nn.Module):
+    """A hospital's network scored by its features' distance to the global prototypes."""
+
+    def __init__(self, model: torch.nn.Module, prototypes: np.ndarray, present: np.ndarray):
+        super().__init__()
+        self.features = ClassifierFeatures(frozen_copy(model))
+        self.register_buffer("prototypes", torch.from_numpy(prototypes).float()[:, None, :])
+        self.register_buffer("absent", torch.from_numpy(~present.astype(bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = -squared_distances(self.features(x), self.prototypes).squeeze(2)
+        return scores.masked_fill(self.absent, float("-inf"))
+
+
+class FedProtoServer(ServerMethod):
+    name = "fedproto"
+
+    def initialize(self) -> None:
+        torch.manual_seed(self.cfg.seed)  # hospitals rebuild this initial model from the same seed
+        model = self.task.build_model()
+        self.global_arrays = model_arrays(model)
+        features = classifier_head(model)[1].in_features
+        self.prototypes = np.zeros((self.task.num_classes, features), dtype=np.float32)
+        self.present = np.zeros(self.task.num_classes, dtype=bool)
+        self.local_models: dict[str, dict[str, np.ndarray]] = {}
+
+    def downlink(self, rnd: int, hospital) -> Payload:
+        return Payload(arrays={PROTOTYPES: {"mean": self.prototypes, "present": self.present.astype(np.uint8)}},
+                       config=self.round_config(rnd))
+
+    def check(self, update: HospitalUpdate) -> None:
+        super().check(update)
+        group = update.payload.arrays.get(PROTOTYPES, {})
+        expected = {"mean": self.prototypes, "count": np.zeros(len(self.present), dtype=np.int64)}
+        try:
+            check_like(group, expected, "prototypes")
+        except ArraysMismatch as error:
+            raise RejectedUpdate(str(error)) from None
+        if (group["count"] < 0).any():
+            raise RejectedUpdate("prototype counts are negative")
+
+    def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
+        means = np.stack([u.payload.arrays[PROTOTYPES]["mean"] for u in updates]).astype(np.float64)
+        holders = np.stack([u.payload.arrays[PROTOTYPES]["count"] > 0 for u in updates])  # (H, C)
+        reported = holders.sum(axis=0)
+        seen = reported > 0
+        self.prototypes[seen] = (np.einsum("hc,hcd->cd", holders, means)[seen] / reported[seen, None]).astype(np.float32)
+        self.present |= seen
+        for update in updates:
+            self.local_models[update.hospital.name] = update.payload.arrays["model"]
+        return {"hospitals-per-class": reported.tolist()}
+
+    def evaluate(self, test_data) -> dict[str, float]:
+        """Mean over hospitals of their own model's test metrics (nearest global prototype)."""
+        results = []
+        for arrays in self.local_models.values():
+            model = self.task.build_model()
+            load_model_arrays(model, arrays)
+            results.append((1.0, self.task.evaluate(NearestPrototypeClassifier(model, self.prototypes, self.present),
+                                                    test_data)))
+        return weighted_mean_metrics(results)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = super().state_dict()
+        state["prototypes/mean"] = self.prototypes
+        state["prototypes/present"] = self.present
+        for hospital, arrays in self.local_models.items():
+            state.update({f"local/{hospital}/{name}": value for name, value in arrays.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        self.prototypes = state["prototypes/mean"].copy()
+        self.present = state["prototypes/present"].astype(bool)
+        self.local_models = {}
+        for key, value in state.items():
+            if key.startswith("local/"):
+                hospital, name = key.removeprefix("local/").split("/", 1)
+                self.local_models.setdefault(hospital, {})[name] = value
+
+
+class FedProtoHospital(FedAvgHospital):
+    def train(self, rnd: int, payload: Payload) -> Payload:
+        self.task.adopt_spec(payload.config)
+        torch.manual_seed(self.cfg.seed)  # the server's initial model, for a hospital's first round
+        model = self.task.build_model()
+        own = self.site.state.load(before_round=rnd)
+        if own is not None:
+            load_model_arrays(model, own)
+        group = payload.arrays[PROTOTYPES]
+        device = self.site.device
+        prototypes = torch.from_numpy(group["mean"]).to(device)
+        present = torch.from_numpy(group["present"].astype(bool)).to(device)
+        sums = torch.zeros_like(prototypes)
+        counts = torch.zeros(len(prototypes), dtype=torch.long, device=device)
+        tap = classifier_features(model)
+
+        def term(_net: torch.nn.Module, _x: torch.Tensor, y: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+            features = tap.value
+            sums.index_add_(0, y, features.detach())
+            counts.index_add_(0, y, torch.ones_like(y))
+            pulled = present[y]
+            if not pulled.any():
+                return output.new_zeros(())
+            return self.cfg.fedproto.proto_weight * F.mse_loss(features[pulled], prototypes[y[pulled]])
+
+        reply = self.train_model(rnd, model, term)
+        tap.remove()
+        means = sums / counts.clamp_min(1)[:, None]
+        reply.arrays[PROTOTYPES] = {"mean": means.cpu().numpy().astype(np.float32), "count": counts.cpu().numpy()}
+        self.site.state.save(rnd, reply.arrays["model"])
+        return reply

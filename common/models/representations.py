@@ -1,0 +1,68 @@
+"""Getting at the representation a regulariser compares (FedProIn's FDL, MOON, FedProto) cheaply.
+
+``FeatureTap`` keeps a layer's input or output from the model's own forward pass, so a loss on
+the features costs no second forward; ``frozen_copy`` is the fixed reference network (the received
+global model, a hospital's previous model) those losses compare against.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class FeatureTap:
+    """The latest input (``use_input``) or output of ``layer``, caught with a forward hook."""
+
+    def __init__(self, layer: torch.nn.Module, use_input: bool = False):
+        self.value: torch.Tensor | None = None
+        if use_input:
+            self._handle = layer.register_forward_pre_hook(lambda _module, inputs: self._keep(inputs[0]))
+        else:
+            self._handle = layer.register_forward_hook(lambda _module, _inputs, output: self._keep(output))
+
+    def _keep(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def classifier_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
+    """Name and module of a classifier's last linear layer (ResNet's ``fc``, the small CNN's ``final.1``)."""
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    if not linears:
+        raise ValueError(f"{type(model).__name__} has no linear classifier layer to take features from")
+    return linears[-1]
+
+
+def classifier_features(model: torch.nn.Module) -> FeatureTap:
+    """The feature a classifier feeds its last linear layer (MOON's and FedProto's representation z)."""
+    return FeatureTap(classifier_head(model)[1], use_input=True)
+
+
+class ClassifierFeatures(torch.nn.Module):
+    """A classifier that returns the feature its last linear layer reads, instead of class scores."""
+
+    def __init__(self, classifier: torch.nn.Module):
+        super().__init__()
+        self.classifier = classifier
+        self._tap = classifier_features(classifier)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier(x)
+        return self._tap.value
+
+
+def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy that takes no gradients, for reference features.
+
+    It stays in training mode: BatchNorm normalises with the batch's own statistics, exactly as the
+    network being trained does, so at the start of local training both give identical features and
+    the difference measures weight drift only (the copy's running statistics are never used).
+    Copy before tapping the original: a copy would carry the original's hooks.
+    """
+    reference = copy.deepcopy(module)
+    reference.requires_grad_(False)
+    return reference.train()

@@ -1,0 +1,7 @@
+"""FedProIn through Flower: the core is ``common.methods.fedproin``."""
+
+from .base import MethodStrategy
+
+
+class FedProInStrategy(MethodStrategy):
+    method_name = "fedproin"
