@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.config import ConfigError, JobConfig, Section, describe_validation_error
 
@@ -24,6 +24,13 @@ class NodeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     modalities: str = Field("", description="Brain task: the MRI modalities this hospital has, e.g. 'flair,t1ce'.")
     bit_width: int = Field(0, ge=0, le=32, description="QFedPolyp: this hospital's bit-width (0: from run config).")
+
+    @field_validator("bit_width")
+    @classmethod
+    def _valid_bit_width(cls, value: int) -> int:
+        from common.quantization.codec import check_bit_width
+
+        return value and check_bit_width(value, "bit-width")
 
     @model_validator(mode="after")
     def _has_data(self) -> "NodeConfig":

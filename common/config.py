@@ -70,6 +70,44 @@ class FedProtoSection(Section):
     proto_weight: float = Field(1.0, ge=0.0, description="lambda: weight of MSE(feature, global prototype of its class).")
 
 
+class QFedPolypSection(Section):
+    """QFedPolyp (docs/qfedpolyp.md): each hospital's uplink bit-width, the downlink's, and QAT on/off."""
+
+    bit_widths: str = Field("8", description="Uplink bit-width per hospital in name order, e.g. '8,8,8,16,16'; "
+                                             "one value: every hospital. Each 2..16, or 32 for plain floats. "
+                                             "A hospital's node config 'bit-width' wins over this list.")
+    downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals (32: plain floats).")
+    qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training.")
+
+    @field_validator("bit_widths", mode="before")
+    @classmethod
+    def _single_number(cls, value):
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # bit-widths=8
+
+    @field_validator("bit_widths")
+    @classmethod
+    def _bit_width_list(cls, value: str) -> str:
+        from common.quantization.codec import check_bit_width
+
+        items = [item.strip() for item in value.split(",")]
+        if not all(item.lstrip("-").isdigit() for item in items):
+            raise ValueError(f"{value!r} is not a comma-separated list of integers such as '8,8,8,16,16'")
+        for item in items:
+            check_bit_width(int(item), f"bit-width {item}")
+        return ",".join(items)
+
+    @field_validator("downlink_bit_width")
+    @classmethod
+    def _downlink(cls, value: int) -> int:
+        from common.quantization.codec import check_bit_width
+
+        return check_bit_width(value, "downlink bit-width")
+
+    @property
+    def bit_width_list(self) -> list[int]:
+        return [int(item) for item in self.bit_widths.split(",")]
+
+
 class JobConfig(Section):
     """Every run-config key. Defaults here equal those in pyproject.toml (a test keeps them in step)."""
 
@@ -112,6 +150,7 @@ class JobConfig(Section):
     fedproin: FedProInSection = FedProInSection()
     moon: MoonSection = MoonSection()
     fedproto: FedProtoSection = FedProtoSection()
+    qfedpolyp: QFedPolypSection = QFedPolypSection()
 
     @field_validator("strategy")
     @classmethod

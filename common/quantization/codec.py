@@ -1,0 +1,213 @@
+"""A model as b-bit integer codes really packed into bytes, with what the receiver needs to check and
+rebuild it: the payload QFedPolyp hospitals upload (and, optionally, the server sends down).
+
+Each float tensor is quantised on its own, asymmetric min-max (paper eq. 13-14):
+``step = (max - min) / (2^b - 1)``, ``code = round((w - min) / step)``, ``w~ = min + code * step``, so
+the rebuilt value is within half a step of the original and never outside [min, max]. Codes are
+packed at exactly b bits, little-endian bit order (at 4 bits two codes share a byte). ``b = 32``
+sends floats as they are. Integer tensors (BatchNorm's ``num_batches_tracked``) are counters, not
+weights: their bytes travel unchanged at every b.
+
+An encoded model is three named arrays, so it travels like any other array group:
+
+``header`` (uint8)   compact JSON: format, version, the bit-width tag, and every tensor's name, shape, dtype
+``ranges`` (float64) ``(k, 2)``: min and step of each quantised tensor, in header order
+``data``   (uint8)   every tensor's bytes (packed codes, or raw values) one after another, each tensor
+                     starting on a byte boundary
+
+Decoding recomputes every tensor's byte length from its shape and the tag, and refuses what does not
+add up (wrong or unexpected tag, truncated or padded data, names or shapes unlike the reference
+model, NaN or Inf) with a :class:`PayloadError` that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from common.arrays import ArraysMismatch, NamedArrays, check_like
+
+FORMAT = "fedmed-packed-model"
+VERSION = 1
+VALID_BIT_WIDTHS = (*range(2, 17), 32)
+#: dtypes a header may name (anything else is refused before NumPy is asked to interpret it)
+ALLOWED_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                  "uint8", "uint16", "uint32", "uint64", "bool")
+
+
+class PayloadError(ValueError):
+    """An encoded model that cannot be accepted; the message says what is wrong with it."""
+
+
+def check_bit_width(bits: Any, what: str = "bit-width") -> int:
+    """``bits`` as an int if it is 2..16 or 32, else a :class:`ValueError` naming ``what``."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in VALID_BIT_WIDTHS:
+        raise ValueError(f"{what}: {bits!r} is not a bit-width; use 2..16, or 32 for plain floats")
+    return int(bits)
+
+
+def is_quantised(dtype: np.dtype, bits: int) -> bool:
+    return bits < 32 and np.dtype(dtype).kind == "f"
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    """Bytes that ``count`` codes take at ``bits`` bits each."""
+    return (count * bits + 7) // 8
+
+
+# --- codes <-> bytes ------------------------------------------------------------------------------
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes below 2^bits as a uint8 bit stream, ``bits`` bits per code, little-endian."""
+    codes = np.asarray(codes).ravel()
+    planes = np.empty((codes.size, bits), dtype=np.uint8)
+    for bit in range(bits):
+        planes[:, bit] = (codes >> bit) & 1
+    return np.packbits(planes.ravel(), bitorder="little")
+
+
+def unpack_codes(packed: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`: the first ``count`` codes of the stream, as uint32."""
+    planes = np.unpackbits(np.asarray(packed, dtype=np.uint8), count=count * bits, bitorder="little")
+    planes = planes.reshape(count, bits)
+    codes = np.zeros(count, dtype=np.uint32)
+    for bit in range(bits):
+        codes |= planes[:, bit].astype(np.uint32) << bit
+    return codes
+
+
+# --- values <-> codes -----------------------------------------------------------------------------
+def quantise(values: np.ndarray, bits: int) -> tuple[np.ndarray, float, float]:
+    """(codes, min, step) of one tensor; a constant tensor gets step 0 and all-zero codes."""
+    values = np.asarray(values, dtype=np.float64).ravel()
+    if values.size == 0:
+        return np.zeros(0, np.uint32), 0.0, 0.0
+    low, high = float(values.min()), float(values.max())
+    step = (high - low) / (2 ** bits - 1)
+    if step == 0.0:
+        return np.zeros(values.size, np.uint32), low, 0.0
+    codes = np.clip(np.rint((values - low) / step), 0, 2 ** bits - 1).astype(np.uint32)
+    return codes, low, step
+
+
+def dequantise(codes: np.ndarray, low: float, step: float, dtype: np.dtype) -> np.ndarray:
+    return (low + codes.astype(np.float64) * step).astype(dtype)
+
+
+# --- whole models ---------------------------------------------------------------------------------
+def encode_model(arrays: Mapping[str, np.ndarray], bits: int) -> NamedArrays:
+    """Named arrays (a state dict) as ``{"header", "ranges", "data"}`` at ``bits`` bits per float value."""
+    bits = check_bit_width(bits)
+    tensors, ranges, chunks = [], [], []
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if value.dtype.name not in ALLOWED_DTYPES:
+            raise PayloadError(f"{name}: dtype {value.dtype} cannot be encoded")
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise PayloadError(f"{name}: holds NaN or Inf, cannot be encoded")
+        tensors.append([name, list(value.shape), value.dtype.name])
+        if is_quantised(value.dtype, bits):
+            codes, low, step = quantise(value, bits)
+            ranges.append((low, step))
+            chunks.append(pack_codes(codes, bits))
+        else:
+            chunks.append(np.frombuffer(np.ascontiguousarray(value).tobytes(), dtype=np.uint8))
+    header = {"format": FORMAT, "version": VERSION, "bits": bits, "tensors": tensors}
+    return {
+        "header": np.frombuffer(json.dumps(header, separators=(",", ":")).encode(), dtype=np.uint8).copy(),
+        "ranges": np.asarray(ranges, dtype=np.float64).reshape(-1, 2),
+        "data": np.concatenate(chunks) if chunks else np.zeros(0, np.uint8),
+    }
+
+
+def read_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The checked header of an encoded model (its ``bits`` is the bit-width tag)."""
+    missing = [key for key in ("header", "ranges", "data") if key not in encoded]
+    if missing:
+        raise PayloadError(f"encoded model lacks {missing}")
+    raw = encoded["header"]
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise PayloadError(f"header must be a 1-D uint8 array, got {raw.dtype} {raw.shape}")
+    try:
+        header = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PayloadError(f"header is not JSON ({error})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise PayloadError(f"header is not a {FORMAT} version {VERSION} header")
+    try:
+        check_bit_width(header.get("bits"), "bit-width tag")
+    except ValueError as error:
+        raise PayloadError(str(error)) from None
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list) or not all(_well_formed(entry) for entry in tensors):
+        raise PayloadError("header's tensor list is malformed (want [name, shape, dtype] entries)")
+    if len({entry[0] for entry in tensors}) != len(tensors):
+        raise PayloadError("header names a tensor twice")
+    return header
+
+
+def _well_formed(entry: Any) -> bool:
+    return (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+            and isinstance(entry[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1])
+            and entry[2] in ALLOWED_DTYPES)
+
+
+def decode_model(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None,
+                 expected_bits: int | None = None) -> NamedArrays:
+    """The named arrays an encoded model stands for.
+
+    ``expected_bits``: the tag the sender was told to use; ``reference``: arrays with the names,
+    shapes and dtypes the result must have (the receiver's model). Anything that does not match is
+    a :class:`PayloadError`.
+    """
+    header = read_header(encoded)
+    bits = header["bits"]
+    if expected_bits is not None and bits != expected_bits:
+        raise PayloadError(f"bit-width tag is {bits}, but {expected_bits} was assigned")
+    ranges, data = encoded["ranges"], encoded["data"]
+    quantised = [entry for entry in header["tensors"] if is_quantised(np.dtype(entry[2]), bits)]
+    if ranges.dtype != np.float64 or ranges.shape != (len(quantised), 2):
+        raise PayloadError(f"ranges are {ranges.dtype} {ranges.shape}, expected float64 {(len(quantised), 2)}")
+    if not np.isfinite(ranges).all() or (ranges[:, 1] < 0).any():
+        bad = quantised[int(np.flatnonzero(~np.isfinite(ranges).all(axis=1) | (ranges[:, 1] < 0))[0])][0]
+        raise PayloadError(f"{bad}: min/step are not finite and non-negative")
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise PayloadError(f"data must be a 1-D uint8 array, got {data.dtype} {data.shape}")
+    sizes = [_nbytes(entry, bits) for entry in header["tensors"]]
+    if data.size != sum(sizes):
+        raise PayloadError(f"data holds {data.size} bytes, but the header's {len(sizes)} tensors at "
+                           f"{bits} bits need {sum(sizes)} ({'truncated' if data.size < sum(sizes) else 'padded'})")
+    result: NamedArrays = {}
+    offset, next_range = 0, 0
+    for (name, shape, dtype), size in zip(header["tensors"], sizes):
+        chunk = data[offset:offset + size]
+        offset += size
+        count = math.prod(shape)
+        if is_quantised(np.dtype(dtype), bits):
+            low, step = ranges[next_range]
+            next_range += 1
+            value = dequantise(unpack_codes(chunk, count, bits), low, step, np.dtype(dtype))
+        else:
+            value = np.frombuffer(chunk.tobytes(), dtype=np.dtype(dtype)).copy()
+        result[name] = value.reshape(shape)
+    try:
+        check_like(result, reference if reference is not None else result, "encoded model")
+    except ArraysMismatch as error:
+        raise PayloadError(str(error)) from None
+    if reference is not None:
+        for name, value in result.items():
+            if value.dtype != reference[name].dtype:
+                raise PayloadError(f"{name} has dtype {value.dtype}, expected {reference[name].dtype}")
+    return result
+
+
+def _nbytes(entry: list, bits: int) -> int:
+    _, shape, dtype = entry
+    count = math.prod(shape)
+    return packed_nbytes(count, bits) if is_quantised(np.dtype(dtype), bits) else count * np.dtype(dtype).itemsize
+
+
+def encoded_nbytes(encoded: Mapping[str, np.ndarray]) -> int:
+    return int(sum(np.asarray(a).nbytes for a in encoded.values()))
