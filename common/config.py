@@ -131,7 +131,7 @@ class JobConfig(Section):
     image_size: int = Field(32, ge=8, le=1024)
     num_classes: int = Field(0, ge=0, description="0: take it from the data set.")
     classifier: Literal["resnet18", "small-cnn"] = Field(
-        "resnet18", description="Classification network: MONAI ResNet-18, or MONAI's small Classifier CNN (load tests).")
+        "resnet18", description="Classification network: MONAI ResNet-18, or a ~25k-parameter CNN (load tests).")
     partitioner: Literal["iid", "dirichlet", "by-source"] = "iid"
     dirichlet_alpha: float = Field(0.5, gt=0.0)
     min_partition_size: int = Field(10, ge=1)

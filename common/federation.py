@@ -30,7 +30,6 @@ class RoundReply:
     hospital: HospitalInfo
     payload: Payload | None
     error: str | None = None
-    bytes_down: int = 0
     bytes_up: int = 0
 
 
@@ -75,14 +74,18 @@ class Federation:
 
     # --- one round --------------------------------------------------------------------------------
     def select(self, rnd: int, hospitals: list[HospitalInfo]) -> list[HospitalInfo]:
+        self.method.hospitals_available(rnd, hospitals)
         return select_hospitals(hospitals, self.cfg.fraction_train, self.cfg.min_train_hospitals, self.cfg.seed, rnd)
 
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         return self.method.downlink(rnd, hospital)
 
-    def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply],
-                       started: float) -> dict[str, Any]:
-        """Check every reply, aggregate the accepted ones, let the server work, evaluate, record."""
+    def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply], started: float,
+                       bytes_down: dict[str, int] | None = None) -> dict[str, Any]:
+        """Check every reply, aggregate the accepted ones, let the server work, evaluate, record.
+
+        ``bytes_down`` is what was sent to each chosen hospital (measured by the transport).
+        """
         accepted: list[HospitalUpdate] = []
         refused: dict[str, str] = {}
         for reply in replies:
@@ -114,9 +117,10 @@ class Federation:
             record["skipped"] = (f"{len(accepted)} accepted update(s), fewer than min-train-hospitals="
                                  f"{self.cfg.min_train_hospitals}; the global model is unchanged")
             log.warning("round %d: %s", rnd, record["skipped"])
-        record["traffic"] = {r.hospital.name: {"down": r.bytes_down, "up": r.bytes_up} for r in replies}
-        for name in missing:
-            record["traffic"][name] = {"down": next((r.bytes_down for r in replies if r.hospital.name == name), 0), "up": 0}
+        bytes_down = bytes_down or {}
+        bytes_up = {r.hospital.name: r.bytes_up for r in replies}
+        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": int(bytes_up.get(h.name, 0))}
+                             for h in chosen}
         record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
         record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
         record["hospital_metrics"] = {u.hospital.name: dict(u.payload.metrics) for u in accepted}

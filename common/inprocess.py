@@ -46,17 +46,18 @@ def run_rounds(cfg: JobConfig, sites: list[Site], federation: Federation | None 
     for rnd in range(federation.next_round, (last_round or cfg.num_server_rounds) + 1):
         started = time.time()
         chosen = federation.select(rnd, infos)
-        replies = []
+        replies, bytes_down = [], {}
         for info in chosen:
             payload = federation.downlink(rnd, info)
+            bytes_down[info.name] = payload.nbytes()
             try:
                 reply = hospital_class(cfg.strategy)(cfg, by_name[info.name]).timed_train(rnd, payload)
             except Exception as error:  # a failing hospital is reported, the round goes on
                 log.exception("hospital %s failed in round %d", info.name, rnd)
-                replies.append(RoundReply(info, None, f"{type(error).__name__}: {error}", payload.nbytes(), 0))
+                replies.append(RoundReply(info, None, f"{type(error).__name__}: {error}"))
                 continue
-            replies.append(RoundReply(info, reply, None, payload.nbytes(), reply.nbytes()))
-        record = federation.complete_round(rnd, chosen, replies, started)
+            replies.append(RoundReply(info, reply, None, reply.nbytes()))
+        record = federation.complete_round(rnd, chosen, replies, started, bytes_down)
         if on_round_end is not None:
             on_round_end(federation, record)
     return federation

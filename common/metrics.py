@@ -14,12 +14,15 @@ import math
 
 import numpy as np
 import torch
-from monai.metrics import DiceMetric, HausdorffDistanceMetric, MeanIoU
-from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+# scikit-learn and MONAI are imported inside the functions that use them: a hospital's ClientApp
+# process starts afresh for every message, and importing both costs seconds of CPU each time.
 
 
 def classification_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float]:
     """Accuracy, weighted F1 and Matthews correlation (all classes, multi-class MCC)."""
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
     y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
     return {
         "accuracy": float(accuracy_score(y_true, y_pred)),
@@ -35,6 +38,8 @@ class SegmentationScores:
     """
 
     def __init__(self, region_names: tuple[str, ...] = ("",)):
+        from monai.metrics import DiceMetric, HausdorffDistanceMetric, MeanIoU
+
         self.region_names = region_names
         self._dice = DiceMetric(include_background=True, reduction="none", ignore_empty=False)
         self._iou = MeanIoU(include_background=True, reduction="none", ignore_empty=False)

@@ -80,10 +80,10 @@ class MethodStrategy(Strategy):
         deadline = time.time() + self.wait_for_hospitals
         while True:
             nodes = list(grid.get_node_ids())
-            if len(nodes) >= self.cfg.min_available_hospitals or time.time() > deadline:
-                break
+            if self.hospitals or len(nodes) >= self.cfg.min_available_hospitals or time.time() > deadline:
+                break  # the minimum gates the start of the run; later rounds go on with whoever is connected
             log.info("waiting for hospitals: %d connected, %d needed", len(nodes), self.cfg.min_available_hospitals)
-            time.sleep(1.0)
+            time.sleep(2.0)
         connected = set(nodes)
         for node in list(self.hospitals):
             if node not in connected:
@@ -132,16 +132,16 @@ class MethodStrategy(Strategy):
             if hospital is None:
                 log.warning("round %d: reply from unknown node %d ignored", server_round, message.metadata.src_node_id)
                 continue
-            down = self._bytes_down.get(hospital.name, 0)
             if message.has_error():
-                round_replies.append(RoundReply(hospital, None, message.error.reason, down, 0))
+                round_replies.append(RoundReply(hospital, None, message.error.reason, 0))
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content), None, down, up))
+                round_replies.append(RoundReply(hospital, from_recorddict(message.content), None, up))
             except MalformedPayload as error:
-                round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", down, up))
-        record = self.federation.complete_round(server_round, self._chosen, round_replies, self._round_started)
+                round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
+        record = self.federation.complete_round(server_round, self._chosen, round_replies, self._round_started,
+                                                self._bytes_down)
         if self.on_round_end is not None:
             self.on_round_end(self.federation, record)
         global_arrays = ArrayRecord({k: Array(v) for k, v in self.federation.method.global_arrays.items()})

@@ -84,6 +84,9 @@ class ServerMethod(ABC):
 
         self.global_arrays = model_arrays(self.task.build_model())
 
+    def hospitals_available(self, rnd: int, hospitals: list[HospitalInfo]) -> None:
+        """Told, before round ``rnd``'s hospitals are chosen, which hospitals are connected (default: ignored)."""
+
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         """What ``hospital`` receives to train in round ``rnd``: by default the global model."""
         return Payload(arrays={"model": self.global_arrays}, config=self.round_config(rnd))

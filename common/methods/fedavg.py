@@ -38,7 +38,7 @@ class FedAvgHospital(HospitalMethod):
         """Validate ``model`` as received, train it locally, reply with it (methods that start from
         another model or add terms of their own call this from their ``train``)."""
         self.task.check_data(self.site.train, f"hospital {self.site.name}")
-        received = self.task.evaluate(model, self.site.val, self.site.device)
+        received = self.task.validate(model, self.site.val, self.site.device)
         stats = self.task.fit(model, self.site.train, self.site.device, self.site.round_seed(rnd),
                               extra_loss=extra_loss, optimizer=optimizer)
         metrics = {"num-examples": len(self.site.train), **stats}

@@ -1,11 +1,14 @@
-"""MONAI's 2D ResNet-18, as a classifier and as the feature encoder of the prototype methods."""
+"""MONAI's 2D ResNet-18, as a classifier and as the feature encoder of the prototype methods.
+
+MONAI is imported inside the builders: importing it costs seconds of CPU, which every fresh
+ClientApp process would pay even for models that do not use it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from monai.networks.nets import resnet18
 
 FEATURE_DIM = 512
 
@@ -19,16 +22,9 @@ def _stem(image_size: int) -> dict:
 
 
 def build_resnet18_classifier(num_classes: int, in_channels: int = 3, image_size: int = 128) -> torch.nn.Module:
+    from monai.networks.nets import resnet18
+
     return resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes, **_stem(image_size))
-
-
-def build_small_cnn_classifier(num_classes: int, in_channels: int, image_size: int) -> torch.nn.Module:
-    """MONAI's small residual Classifier CNN (8-16-32 channels, ~25k parameters): for load tests and demos
-    where the model should cost next to nothing."""
-    from monai.networks.nets import Classifier
-
-    return Classifier(in_shape=(in_channels, image_size, image_size), classes=num_classes, channels=(8, 16, 32),
-                      strides=(2, 2, 2))
 
 
 def build_resnet18_encoder(in_channels: int = 3, image_size: int = 128, weights: str = "") -> torch.nn.Module:
@@ -36,6 +32,8 @@ def build_resnet18_encoder(in_channels: int = 3, image_size: int = 128, weights:
 
     ``weights`` optionally names a user's pretrained state-dict file (a ``fc.*`` head in it is ignored).
     """
+    from monai.networks.nets import resnet18
+
     encoder = resnet18(spatial_dims=2, n_input_channels=in_channels, feed_forward=False, **_stem(image_size))
     if weights:
         load_pretrained(encoder, weights)

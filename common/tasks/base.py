@@ -146,6 +146,10 @@ class Task(ABC):
     def evaluate(self, model: torch.nn.Module, data, device: torch.device = torch.device("cpu")) -> dict[str, float]:
         ...
 
+    def validate(self, model: torch.nn.Module, data, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+        """What a hospital reports about a model it received, on its validation data (default: evaluate)."""
+        return self.evaluate(model, data, device)
+
     @property
     def headline_metric(self) -> str:
         """The metric a summary leads with."""

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from common.data.containers import DataError, LabelledImages
 from common.metrics import classification_metrics
-from common.models.resnet import build_resnet18_classifier, build_small_cnn_classifier
+from common.models.resnet import build_resnet18_classifier
+from common.models.small_cnn import build_small_cnn
 
 from .base import Task, images_to_tensor, index_batches, random_flips
 
@@ -30,7 +31,7 @@ class ClassificationTask(Task):
     def build_model(self) -> torch.nn.Module:
         in_channels = int(self.spec.get("in-channels", 3))
         if self.cfg.classifier == "small-cnn":
-            return build_small_cnn_classifier(self.num_classes, in_channels, self.cfg.image_size)
+            return build_small_cnn(self.num_classes, in_channels)
         return build_resnet18_classifier(self.num_classes, in_channels, self.cfg.image_size)
 
     def check_data(self, data: LabelledImages, where: str) -> None:
@@ -56,6 +57,20 @@ class ClassificationTask(Task):
         predictions = [model(x).argmax(dim=1).cpu().numpy()
                        for x, _ in self.batches(data, 256, device, None, train=False)]
         return np.concatenate(predictions) if predictions else np.zeros(0, dtype=np.int64)
+
+    def validate(self, model: torch.nn.Module, data: LabelledImages, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+        """A hospital's check of a received model: accuracy and loss, in torch alone (no scikit-learn
+        import in every ClientApp process); the server's test evaluation gives F1 and MCC."""
+        if len(data) == 0:
+            return {}
+        model.to(device).eval()
+        correct, loss = 0, 0.0
+        with torch.no_grad():
+            for x, y in self.batches(data, 256, device, None, train=False):
+                output = model(x)
+                correct += int((output.argmax(dim=1) == y).sum())
+                loss += float(F.cross_entropy(output, y, reduction="sum"))
+        return {"accuracy": correct / len(data), "loss": loss / len(data)}
 
     def evaluate(self, model: torch.nn.Module, data: LabelledImages, device: torch.device = torch.device("cpu")) -> dict[str, float]:
         if len(data) == 0:
