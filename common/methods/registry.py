@@ -37,6 +37,9 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("fedproto", ("classification",), "common.methods.fedproto:FedProtoServer",
                    "common.methods.fedproto:FedProtoHospital", "strategies.fedproto:FedProtoStrategy",
                    "Personal models that share per-class mean features (prototypes)"),
+        MethodSpec("qfedpolyp", ("polyp-segmentation",), "common.methods.qfedpolyp:QFedPolypServer",
+                   "common.methods.qfedpolyp:QFedPolypHospital", "strategies.qfedpolyp:QFedPolypStrategy",
+                   "Quantisation-aware training, per-hospital b-bit packed uploads, FedAvg"),
     )
 }
 
