@@ -28,6 +28,7 @@ class HospitalStateStore:
         self.folder = Path(folder) if folder else None
         self.keep = keep
         self._memory: dict[int, dict[str, np.ndarray]] = {}
+        self.loaded_round: int | None = None  # the round of the state last loaded, reported to the server
 
     def rounds(self) -> list[int]:
         if self.folder is None:
@@ -40,6 +41,7 @@ class HospitalStateStore:
         earlier = [r for r in self.rounds() if r < before_round]
         if not earlier:
             return None
+        self.loaded_round = earlier[-1]
         if self.folder is None:
             return dict(self._memory[earlier[-1]])
         with np.load(self.folder / f"state-r{earlier[-1]:05d}.npz", allow_pickle=False) as archive:
@@ -94,8 +96,8 @@ def build_site(cfg, name: str, *, partition_id: int | None = None, num_partition
     from common.tasks import task_class
 
     seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}|{name}|split".encode()).digest()[:4], "little")
+    properties = task_class(cfg.task).hospital_properties(cfg, partition_id, dict(properties or {}))
     train, val = task_class(cfg.task).load_hospital_data(
         cfg, partition_id=partition_id, num_partitions=num_partitions, data_dir=data_dir,
-        properties=properties or {}, seed=seed)
-    return Site(name, train, val, resolve_device(device), dict(properties or {}),
-                HospitalStateStore(state_dir), seed=cfg.seed)
+        properties=properties, seed=seed)
+    return Site(name, train, val, resolve_device(device), properties, HospitalStateStore(state_dir), seed=cfg.seed)

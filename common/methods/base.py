@@ -150,11 +150,15 @@ class HospitalMethod(ABC):
         """Train on the received payload and return the reply (``metrics['num-examples']`` set)."""
 
     def timed_train(self, rnd: int, payload: Payload) -> Payload:
-        """``train``, with the hospital's own compute time in ``metrics['hospital-seconds']``
-        (what the overhead benchmark subtracts from a round's wall time)."""
+        """``train``, with the hospital's own compute time in ``metrics['hospital-seconds']`` (what the
+        overhead benchmark subtracts from a round's wall time) and, when it used its saved memory, the
+        round that memory was saved in (``state-from-round``)."""
         started = time.perf_counter()
+        self.site.state.loaded_round = None
         reply = self.train(rnd, payload)
         reply.metrics["hospital-seconds"] = time.perf_counter() - started
+        if self.site.state.loaded_round is not None:
+            reply.metrics["state-from-round"] = self.site.state.loaded_round
         return reply
 
     def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
