@@ -93,6 +93,12 @@ class Task(ABC):
         return server_test_set(cfg)
 
     @classmethod
+    def hospital_properties(cls, cfg: JobConfig, partition_id: int | None, properties: dict[str, Any]) -> dict[str, Any]:
+        """What a hospital tells the server about itself, from its node config (a simulated hospital's
+        may come from the run config, e.g. its MRI modalities); checked before its data is loaded."""
+        return properties
+
+    @classmethod
     def load_hospital_data(cls, cfg: JobConfig, *, partition_id: int | None = None, num_partitions: int | None = None,
                            data_dir: str | None = None, properties: dict[str, Any] | None = None,
                            seed: int = 0) -> tuple[Any, Any]:
