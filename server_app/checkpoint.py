@@ -29,8 +29,12 @@ def save_checkpoint(run_dir: Path, rnd: int, state: dict[str, np.ndarray], keep:
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"round-{rnd:05d}.npz"
     partial = folder / f".round-{rnd:05d}.{os.getpid()}.tmp.npz"
-    np.savez(partial, **state)
-    os.replace(partial, target)
+    try:
+        np.savez(partial, **state)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # the previous checkpoints stay as they were
+        raise
     for old in list_checkpoints(run_dir)[:-(keep + 1)]:
         old.unlink(missing_ok=True)
     return target

@@ -62,6 +62,7 @@ class MethodStrategy(Strategy):
     """Runs a federated method through Flower. Subclasses only name the method (see ``strategies/``)."""
 
     method_name: str = ""
+    RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
 
     def __init__(self, federation: Federation, on_round_end: RoundCallback | None = None,
                  wait_for_hospitals: float = 600.0):
@@ -70,6 +71,7 @@ class MethodStrategy(Strategy):
         self.on_round_end = on_round_end
         self.wait_for_hospitals = wait_for_hospitals
         self.hospitals: dict[int, HospitalInfo] = {}  # node id -> identity
+        self.unusable: dict[int, float] = {}  # node id -> when its identity query failed (retried after a while)
         self._bytes_down: dict[str, int] = {}
         self._chosen: list[HospitalInfo] = []
         self._round_started = 0.0
@@ -88,7 +90,8 @@ class MethodStrategy(Strategy):
         for node in list(self.hospitals):
             if node not in connected:
                 log.info("hospital %s (node %d) disconnected", self.hospitals.pop(node).name, node)
-        new = [node for node in nodes if node not in self.hospitals]
+        retry_after = time.time() - self.RETRY_FAILED_NODES_AFTER
+        new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
         if not new:
             return
         queries = [Message(RecordDict({"config": ConfigRecord({"query": "hospital-info"})}),
@@ -97,6 +100,7 @@ class MethodStrategy(Strategy):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
+                self.unusable[node] = time.time()
                 continue
             info = reply.content.config_records["hospital"]
             properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}

@@ -1,0 +1,115 @@
+"""A consortium across separate network hosts (network namespaces), with TLS and hospital authentication,
+surviving a hospital killed mid-round, its restart, and a cut link; strangers are refused."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from common.cli import main as fedmed
+from common.launch import FlowerHome, TLSFiles, run_log, run_status, start_superlink, start_supernode, submit_run, wait_for_port
+from server_app.results import read_history
+
+from .flower_processes import stopped_at_exit
+from .netns import VirtualNetwork, require_netns
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSPITALS = ["hospital-00", "hospital-01", "hospital-02"]
+PORT = 9200
+ROUNDS = 7
+
+
+def deploy_script(name: str, *args: str, env: dict | None = None) -> str:
+    done = subprocess.run(["bash", str(ROOT / "deploy" / name), *map(str, args)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_tls_consortium_across_hosts_survives_faults(tmp_path):
+    require_netns()
+    sites = tmp_path / "sites"
+    assert fedmed(["partition", "--hospitals", "3", "--out", str(sites),
+                   "--run-config", "synthetic-samples=240 image-size=16 min-partition-size=5"]) == 0
+
+    with VirtualNetwork(["superlink", *HOSPITALS, "intruder", "plain"]) as net:
+        link_address = net.addresses["superlink"]
+        deploy_script("make_certificates.sh", tmp_path / "certs", "superlink", link_address)
+        deploy_script("make_hospital_keys.sh", tmp_path / "keys", *HOSPITALS, "intruder")
+        tls = TLSFiles(tmp_path / "certs" / "ca.crt", tmp_path / "certs" / "server.pem", tmp_path / "certs" / "server.key")
+        home = FlowerHome(tmp_path / "flwr-home")
+        superlink = start_superlink(home, PORT, host=link_address, simulation=False, tls=tls, supernode_auth=True,
+                                    netns=net.netns("superlink"), connection="consortium")
+        processes = [superlink]
+        with stopped_at_exit(superlink) as started:
+            wait_for_port(link_address, PORT, 60, superlink.process)
+            deploy_script("register_hospitals.sh", "consortium", *[tmp_path / "keys" / f"{h}.pub" for h in HOSPITALS],
+                          env=home.env)
+
+            def hospital(name: str, key: str | None, tls_on: bool = True):
+                node = start_supernode(
+                    home, f"{link_address}:{PORT}", 9094,
+                    {"hospital": name, "data-dir": str(sites / name if name in HOSPITALS else sites / "hospital-00"),
+                     "state-dir": str(tmp_path / "state" / name), "device": "cpu"},
+                    root_certificates=tls.ca_cert if tls_on else None,
+                    auth_key=tmp_path / "keys" / key if key else None, netns=net.netns(name), name=name)
+                started.append(node)
+                return node
+
+            nodes = {h: hospital(h, h) for h in HOSPITALS}
+            intruder = hospital("intruder", "intruder")
+            plain = hospital("plain", None, tls_on=False)
+
+            run_dir = tmp_path / "results" / "consortium"
+            run_id = submit_run(home, "consortium", {
+                "strategy": "fedproin", "dataset": "npz", "test-dir": str(sites / "test"), "image-size": 16,
+                "batch-size": 16, "num-server-rounds": ROUNDS, "min-available-hospitals": 3, "min-train-hospitals": 2,
+                "round-timeout": 60.0, "run-name": "consortium", "results-dir": str(tmp_path / "results")})
+            # after round 1: kill hospital-02 as round 2 starts; after 2: restart it (same key and state
+            # folder); after 3: cut hospital-01's cable; after 4: restore it
+            schedule = {1: "kill", 2: "restart", 3: "cut", 4: "restore"}
+            events: dict[str, int] = {}
+            deadline = time.time() + 1200
+            while time.time() < deadline:
+                status = run_status(home, "consortium", run_id)
+                if status.startswith("finished"):
+                    break
+                done = len(read_history(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+                for after, event in schedule.items():
+                    if done >= after and event not in events:
+                        events[event] = done + 1  # the round it hits
+                        if event == "kill":
+                            nodes["hospital-02"].stop()
+                        elif event == "restart":
+                            nodes["hospital-02"] = hospital("hospital-02", "hospital-02")
+                        elif event == "cut":
+                            net.cut("hospital-01")
+                        else:
+                            net.restore("hospital-01")
+                time.sleep(1)
+            assert status == "finished:completed", run_log(home, "consortium", run_id)[-4000:]
+            intruder_exit = intruder.process.wait(timeout=60)
+            plain_log = plain.log_tail(200)
+
+    history = read_history(run_dir)
+    assert [r["round"] for r in history] == list(range(1, ROUNDS + 1))
+    by_round = {r["round"]: r for r in history}
+    assert "hospital-02" in by_round[events["kill"]]["missing"]
+    rejoined = [r for r in range(events["restart"], ROUNDS + 1) if "hospital-02" in by_round[r]["aggregated"]]
+    assert rejoined, "the restarted hospital never trained again"
+    # it continued from the prototypes it saved in round 1, read back from its own state folder
+    assert by_round[rejoined[0]]["hospital_metrics"]["hospital-02"]["state-from-round"] == 1
+    assert "hospital-01" in by_round[events["cut"]]["missing"]
+    assert any("hospital-01" in by_round[r]["aggregated"] for r in range(events["restore"] + 1, ROUNDS + 1))
+    for record in history:  # every round either aggregated enough hospitals or said why not
+        assert len(record["aggregated"]) >= 2 or "min-train-hospitals" in record.get("skipped", "")
+    everyone = {name for r in history for name in r["chosen"]}
+    assert everyone == set(HOSPITALS)  # the unregistered key and the plain-text node never joined
+    assert intruder_exit != 0 and "Failed to activate SuperNode" in intruder.log_tail(200)
+    assert "Connection attempt failed" in plain_log and "SuperNode ID" not in plain_log
+    summary = (run_dir / "summary.md").read_text()
+    assert "Hospitals missing or refused" in summary and "hospital-02" in summary
