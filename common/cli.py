@@ -3,6 +3,8 @@
     fedmed demo                               # the main job on generated data, printed as a table
     fedmed simulate --hospitals 5 --run-config "task='polyp-segmentation' num-server-rounds=10"
     fedmed partition --run-config "dataset='ham10000' data-dir='../shared/data/ham10000'" --hospitals 5 --out sites
+    fedmed export-int8 --run results/<run-name> --out polyp-int8.pt    # QFedPolyp's INT8 deployment model
+    fedmed segment --model polyp-int8.pt --images new-frames/ --out masks/
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def simulate(hospitals: int, overrides: dict[str, Any], federation: dict[str, An
         superlink.stop()
 
 
+def int8_command(args: argparse.Namespace) -> int:
+    """``export-int8`` and ``segment``: a bad run folder, model file or image folder is one line on stderr."""
+    from common.quantization.int8 import export_int8, segment_folder
+    from server_app.checkpoint import find_checkpoint, load_checkpoint
+
+    try:
+        if args.command == "export-int8":
+            checkpoint = find_checkpoint(args.run)
+            path, metadata = export_int8(load_checkpoint(checkpoint), args.out, args.calibration_dir,
+                                         args.calibration_images, source=str(checkpoint))
+            print(f"INT8 model of {checkpoint} written to {path}\n{json.dumps(metadata, indent=2)}")
+        else:
+            written = segment_folder(args.model, args.images, args.out)
+            print(f"{len(written)} masks written to {args.out}")
+    except (ValueError, OSError) as error:
+        print(f"fedmed {args.command}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--run-config", default="", help="the job's data keys: dataset, data-dir, partitioner, ...")
     part.add_argument("--hospitals", type=int, required=True)
     part.add_argument("--out", type=Path, required=True)
+
+    export = sub.add_parser("export-int8", help="a run's final global polyp U-Net as an INT8 TorchScript model")
+    export.add_argument("--run", type=Path, required=True, help="run folder (its latest checkpoint) or checkpoint file")
+    export.add_argument("--out", type=Path, required=True, help="model file to write, e.g. polyp-int8.pt")
+    export.add_argument("--calibration-dir", type=Path, default=None,
+                        help="images to calibrate activation ranges on (default: the run's training data)")
+    export.add_argument("--calibration-images", type=int, default=64)
+
+    segment = sub.add_parser("segment", help="masks for a folder of images with an exported model")
+    segment.add_argument("--model", type=Path, required=True, help="file written by `fedmed export-int8`")
+    segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
+    segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
 
     for p in (demo, sim):
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
@@ -122,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             manifest = export_partitions(cfg, args.hospitals, args.out)
             print(json.dumps(manifest, indent=2))
             return 0
+        if args.command in ("export-int8", "segment"):
+            return int8_command(args)
     except ConfigError as error:
         print(f"fedmed: {error}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@ rebuild it: the payload QFedPolyp hospitals upload (and, optionally, the server 
 
 Each float tensor is quantised on its own, asymmetric min-max (paper eq. 13-14):
 ``step = (max - min) / (2^b - 1)``, ``code = round((w - min) / step)``, ``w~ = min + code * step``, so
-the rebuilt value is within half a step of the original and never outside [min, max]. Codes are
+the rebuilt value is within half a step of the original and never below the minimum (which is
+rebuilt exactly, so BatchNorm variances stay positive). Codes are
 packed at exactly b bits, little-endian bit order (at 4 bits two codes share a byte). ``b = 32``
 sends floats as they are. Integer tensors (BatchNorm's ``num_batches_tracked``) are counters, not
 weights: their bytes travel unchanged at every b.

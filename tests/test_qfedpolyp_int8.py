@@ -1,0 +1,97 @@
+"""QFedPolyp's INT8 deployment: the exact rewrite of the transposed convolutions, a quantised U-Net whose
+output stays close to the float one, and the `fedmed export-int8` / `fedmed segment` commands."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+from torch.ao.nn import intrinsic, quantized
+
+from common.cli import main as fedmed
+from common.config import JobConfig
+from common.data.synthetic import make_polyps
+from common.federation import Federation
+from common.models.unet2d import PolypUNet
+from common.quantization.int8 import ShuffleUpsample, int8_model, load_deployment, save_deployment
+from common.tasks.base import images_to_tensor
+from server_app.checkpoint import save_checkpoint
+
+
+def test_pixel_shuffle_rewrite_equals_the_transposed_convolution():
+    torch.manual_seed(0)
+    transposed = nn.ConvTranspose2d(12, 5, 2, stride=2)
+    x = torch.randn(3, 12, 7, 9)
+    torch.testing.assert_close(ShuffleUpsample(transposed)(x), transposed(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="non-overlapping"):
+        ShuffleUpsample(nn.ConvTranspose2d(4, 4, 3, stride=2))
+
+
+def settled_unet(images: torch.Tensor) -> PolypUNet:
+    """An untrained U-Net whose BatchNorm statistics match ``images``, so its logits carry signal."""
+    torch.manual_seed(0)
+    model = PolypUNet()
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None  # a plain average over the batches seen
+            module.reset_running_stats()
+    with torch.no_grad():
+        model.train()(images)
+    return model.eval()
+
+
+def test_int8_model_runs_quantised_kernels_and_stays_close_to_fp32(tmp_path):
+    images = images_to_tensor(make_polyps(48, 32, seed=0).images, torch.device("cpu"))
+    model = settled_unet(images[:32])
+    quantised = int8_model(model, [images[:32]])
+    network = quantised.network
+    assert isinstance(network.enc1.conv1, intrinsic.quantized.ConvReLU2d)  # conv + BN + ReLU fused, int8
+    assert isinstance(network.up1.conv, quantized.Conv2d) and isinstance(network.cat1.op, quantized.QFunctional)
+    with torch.no_grad():
+        reference, output = model(images[32:]), quantised(images[32:])
+    error = (output - reference).abs()
+    assert error.mean() < 0.15 * reference.std()
+    assert ((output > 0) == (reference > 0)).float().mean() > 0.9
+
+    path = save_deployment(quantised, tmp_path / "m.pt", {"image-size": 32})
+    loaded, metadata = load_deployment(path)
+    assert metadata == {"engine": "x86", "image-size": 32}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images[32:]), output)
+
+
+def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
+    cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
+                    image_size=32, min_partition_size=5)
+    federation = Federation(cfg)
+    federation.history = [{"round": 1}]
+    save_checkpoint(tmp_path / "run", 1, federation.state_dict())
+
+    model_file = tmp_path / "polyp-int8.pt"
+    assert fedmed(["export-int8", "--run", str(tmp_path / "run"), "--out", str(model_file),
+                   "--calibration-images", "16"]) == 0
+    loaded, metadata = load_deployment(model_file)
+    assert metadata["image-size"] == 32 and metadata["rounds"] == 1 and metadata["calibration-images"] == 16
+    assert "round-00001.npz" in metadata["checkpoint"]
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    sizes = {"a": (40, 30), "b": (32, 32), "c": (17, 50)}
+    rng = np.random.default_rng(0)
+    for name, (width, height) in sizes.items():
+        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(frames / f"{name}.png")
+    assert fedmed(["segment", "--model", str(model_file), "--images", str(frames), "--out", str(tmp_path / "masks")]) == 0
+    assert "3 masks written" in capsys.readouterr().out
+    for name, size in sizes.items():
+        with Image.open(tmp_path / "masks" / f"{name}.png") as mask:
+            assert mask.size == size and set(np.unique(np.asarray(mask))) <= {0, 255}
+
+    assert fedmed(["segment", "--model", str(tmp_path / "missing.pt"), "--images", str(frames), "--out",
+                   str(tmp_path / "x")]) == 2
+    assert "missing.pt: no such model file" in capsys.readouterr().err
+    assert fedmed(["export-int8", "--run", str(tmp_path / "frames"), "--out", str(model_file)]) == 2
+    assert "no checkpoints" in capsys.readouterr().err
