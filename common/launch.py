@@ -241,9 +241,12 @@ def run_status(home: FlowerHome, connection: str, run_id: int) -> str:
         return "unknown"
 
 
-def wait_for_run(home: FlowerHome, connection: str, run_id: int, timeout: float, poll: float = 2.0,
+def wait_for_run(home: FlowerHome, connection: str, run_id: int, timeout: float, poll: float = 4.0,
                  on_poll=None) -> str:
-    """Poll until the run is finished; return its final status (e.g. ``finished:completed``)."""
+    """Poll until the run is finished; return its final status (e.g. ``finished:completed``).
+
+    Each poll is a ``flwr ls`` process (about a second of CPU), so polls are a few seconds apart.
+    """
     deadline = time.time() + timeout
     status = "unknown"
     while time.time() < deadline:

@@ -46,11 +46,11 @@ def test_serverapp_stopped_mid_run_resumes_to_the_same_model_and_corrupt_hospita
         stopped_dir = tmp_path / "results" / "stopped"
         deadline = time.time() + 900
         while not any(p.name == "round-00002.npz" for p in list_checkpoints(stopped_dir)):
-            assert time.time() < deadline and run_status(home, "site", stopped_id) == "running"
+            assert time.time() < deadline
             time.sleep(0.5)
         assert flwr(home, "stop", str(stopped_id), "site").returncode == 0  # the ServerApp is stopped mid-run
         while not run_status(home, "site", stopped_id).startswith("finished"):
-            time.sleep(1)
+            time.sleep(3)
         assert run_status(home, "site", stopped_id) == "finished:stopped"
         assert len(read_history(stopped_dir)) < ROUNDS
 
