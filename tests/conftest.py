@@ -4,6 +4,7 @@ and a private decoded-image cache so tests never touch the user's."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,12 @@ def small_classification():
 
     return JobConfig(run_name="test", num_server_rounds=2, synthetic_samples=120, image_size=16, batch_size=16,
                      min_partition_size=5)
+
+
+def _stop_on_sigterm(signum, frame):
+    # A terminated test run still unwinds: `finally` blocks stop the Flower processes and remove the
+    # network namespaces that integration tests started.
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _stop_on_sigterm)
