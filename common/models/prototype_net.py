@@ -42,13 +42,11 @@ def build_prototype_net(num_classes: int, prototypes_per_class: int, in_channels
                         classifier: str = "resnet18") -> PrototypeNet:
     """MONAI's ResNet-18 encoder (512-d, post-ReLU, not normalised) with (C, M, 512) prototypes.
 
-    ``classifier='small-cnn'`` takes MONAI's small CNN without its last layer instead (tests, demos).
+    ``classifier='small-cnn'`` takes the small CNN without its last layer instead (tests, demos).
     """
     if classifier == "small-cnn":
-        from .representations import classifier_head
-        from .resnet import build_small_cnn_classifier
+        from .small_cnn import build_small_cnn
 
-        network = build_small_cnn_classifier(1, in_channels, image_size)
-        encoder = torch.nn.Sequential(network.net, torch.nn.Flatten())
-        return PrototypeNet(encoder, num_classes, prototypes_per_class, classifier_head(network)[1].in_features)
+        network = build_small_cnn(1, in_channels)
+        return PrototypeNet(network[:-1], num_classes, prototypes_per_class, network[-1].in_features)
     return PrototypeNet(build_resnet18_encoder(in_channels, image_size), num_classes, prototypes_per_class)

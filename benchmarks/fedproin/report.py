@@ -1,0 +1,106 @@
+"""The benchmark's outputs, rebuilt from the per-run files: a markdown table in the layout of the
+FedProIn paper's Table 1 (methods x {IID, Dir(0.5)} x {Acc, W-F1, MCC}, mean +- std over seeds) and
+a plot of test accuracy over rounds per method (mean over seeds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PARTITION_TITLES = {"iid": "IID", "dirichlet": "Dirichlet (alpha = 0.5)"}
+REFERENCES = ("SOLO", "Centralised")  # trained round(rounds * fraction) rounds: round r is worth r / fraction
+
+
+def load_runs(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+
+
+def final_test(run: dict[str, Any]) -> dict[str, float]:
+    return next(r["test"] for r in reversed(run["history"]) if r.get("test"))
+
+
+def mean_std(values: list[float], scale: float, digits: int) -> str:
+    if not values:
+        return "-"
+    array = np.asarray(values) * scale
+    text = f"{array.mean():.{digits}f}"
+    return f"{text} ± {array.std():.{digits}f}" if len(array) > 1 else text
+
+
+def table(runs: list[dict[str, Any]], methods: list[str], partitions: list[str]) -> str:
+    """Final-round accuracy (%), weighted F1 (%) and MCC, mean ± std (population) over the seeds run."""
+    header = ["method"]
+    for partition in partitions:
+        title = PARTITION_TITLES.get(partition, partition)
+        header += [f"{title} Acc (%)", f"{title} W-F1 (%)", f"{title} MCC"]
+    header += ["seeds", "minutes / run"]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for method in methods:
+        row = [method]
+        seeds: set[int] = set()
+        minutes = []
+        for partition in partitions:
+            chosen = [r for r in runs if r["method"] == method and r["partition"] == partition]
+            seeds |= {r["seed"] for r in chosen}
+            minutes += [r["seconds"] / 60 for r in chosen]
+            finals = [final_test(r) for r in chosen]
+            row += [mean_std([f["accuracy"] for f in finals], 100, 1), mean_std([f["f1_weighted"] for f in finals], 100, 1),
+                    mean_std([f["mcc"] for f in finals], 1, 3)]
+        row += [",".join(str(s) for s in sorted(seeds)) or "-", f"{np.mean(minutes):.1f}" if minutes else "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def accuracy_curves(runs: list[dict[str, Any]], method: str, partition: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, mean accuracy over seeds) on the federated round scale."""
+    chosen = [r for r in runs if r["method"] == method and r["partition"] == partition]
+    if not chosen:
+        return np.zeros(0), np.zeros(0)
+    fraction = float(chosen[0]["config"].get("fraction-train", 1.0))
+    per_round: dict[float, list[float]] = {}
+    for run in chosen:
+        for record in run["history"]:
+            if record.get("test"):
+                x = record["round"] / fraction if method in REFERENCES else record["round"]
+                per_round.setdefault(x, []).append(record["test"]["accuracy"])
+    rounds = np.array(sorted(per_round))
+    return rounds, np.array([np.mean(per_round[x]) for x in rounds])
+
+
+def plot(runs: list[dict[str, Any]], methods: list[str], partitions: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(partitions), figsize=(6 * len(partitions), 4.2), squeeze=False)
+    for ax, partition in zip(axes[0], partitions):
+        for method in methods:
+            rounds, accuracy = accuracy_curves(runs, method, partition)
+            if len(rounds):
+                style = "--" if method in REFERENCES else "-"
+                ax.plot(rounds, 100 * accuracy, style, marker="o", markersize=3, label=method,
+                        linewidth=2.5 if method == "FedProIn" else 1.3)
+        ax.set_title(f"{title}: {PARTITION_TITLES.get(partition, partition)}")
+        ax.set_xlabel("round (references: equal compute)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, methods: list[str], partitions: list[str], seeds: list[int], title: str,
+                 command: str) -> str:
+    runs = [r for r in load_runs(out) if r["seed"] in seeds]
+    text = "\n".join([f"# FedProIn benchmark: {title}", "", f"`{command}`", "",
+                      "Final-round test metrics of the global model (SOLO and FedProto: mean over the hospitals' own "
+                      "models), mean ± std over seeds.", "", table(runs, methods, partitions), "",
+                      "![accuracy over rounds](accuracy.png)", ""])
+    (out / "table.md").write_text(text)
+    plot(runs, methods, partitions, out / "accuracy.png", title)
+    return text

@@ -1,0 +1,165 @@
+"""FedProIn against its baselines in the layout of the paper's Table 1, on real data, in one process.
+
+    python -m benchmarks.fedproin.run --preset cpu --dataset ham10000
+    python -m benchmarks.fedproin.run --preset paper --dataset blood --seeds 0 1 2     # for a GPU
+
+Every method runs on the same hospitals (K = 10 partitions of the same pool, IID and Dirichlet
+alpha = 0.5), the same server test set, rounds, local epochs, batch size and learning rate; SOLO and
+centralised training are references with the same budget (common.references). Each finished run
+is written to ``<out>/runs/<method>-<partition>-seed<s>.json`` and skipped when the script is
+started again, so an interrupted benchmark resumes. The table (mean +- std over seeds of the final
+round's accuracy, weighted F1 and MCC) and a plot of accuracy over rounds are rebuilt at the end.
+Long runs belong under the shared CPU lock: ``flock /tmp/fedmed-cpu.lock python -m ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common.config import JobConfig
+from common.data.sources import server_test_set
+from common.inprocess import run_rounds, simulated_sites
+from common.references import run_centralised, run_solo
+from common.site import HospitalStateStore
+
+from .report import write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data"
+log = logging.getLogger("fedmed")
+
+DATASETS: dict[str, dict[str, Any]] = {
+    "ham10000": {"dataset": "ham10000", "data_dir": str(DATA / "ham10000")},
+    "blood": {"dataset": "npz", "data_dir": str(DATA / "blood" / "pbc_blood_28.npz")},
+}
+
+#: The paper's protocol (K = 10, 50 % per round, Adam, 128x128, E = 5, 50 rounds, batch 128, lr 1e-4, 3 seeds),
+#: and a CPU preset that keeps the protocol but shrinks images, rounds and epochs to fit two cores.
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"job": {"image_size": 128, "num_server_rounds": 50, "local_epochs": 5, "batch_size": 128,
+                      "learning_rate": 1e-4}, "seeds": [0, 1, 2]},
+    "cpu": {"job": {"image_size": 32, "num_server_rounds": 10, "local_epochs": 1, "batch_size": 32,
+                    "learning_rate": 1e-3, "evaluate_every": 2}, "seeds": [0, 1]},
+}
+PROTOCOL = {"fraction_train": 0.5, "min_train_hospitals": 2, "min_available_hospitals": 2, "min_partition_size": 10,
+            "val_fraction": 0.125, "test_fraction": 0.2, "device": "auto"}  # 70 / 10 / 20 as in the paper
+NUM_HOSPITALS = 10
+PARTITIONS: dict[str, dict[str, Any]] = {"iid": {"partitioner": "iid"},
+                                         "dirichlet": {"partitioner": "dirichlet", "dirichlet_alpha": 0.5}}
+
+#: Table rows in the paper's order: name -> (strategy, overrides of the job).
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "SOLO": ("solo", {}),
+    "FedAvg": ("fedavg", {}),
+    "FedProx": ("fedprox", {}),
+    "MOON": ("moon", {}),
+    "FedProto": ("fedproto", {}),
+    "FedProIn": ("fedproin", {}),
+    "Centralised": ("centralised", {}),
+}
+ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "FedProIn no FDL": ("fedproin", {"fedproin": {"fdl_weight": 0.0}}),
+    "FedProIn no PCL": ("fedproin", {"fedproin": {"pcl_weight": 0.0}}),
+    "FedProIn no NIA": ("fedproin", {"fedproin": {"aggregation": "fedavg"}}),
+    "FedProIn no FDL, PCL, NIA": ("fedproin", {"fedproin": {"fdl_weight": 0.0, "pcl_weight": 0.0,
+                                                            "aggregation": "fedavg"}}),
+}
+REFERENCES = {"solo": run_solo, "centralised": run_centralised}
+
+
+def job_config(base: dict[str, Any], strategy: str, overrides: dict[str, Any]) -> JobConfig:
+    fields = {**base, **{k: v for k, v in overrides.items() if k != "fedproin"}}
+    fields["strategy"] = strategy if strategy not in REFERENCES else "fedavg"
+    cfg = JobConfig(**fields)
+    if "fedproin" in overrides:
+        cfg = cfg.model_copy(update={"fedproin": cfg.fedproin.model_copy(update=overrides["fedproin"])})
+    return cfg
+
+
+def run_one(cfg: JobConfig, strategy: str) -> list[dict[str, Any]]:
+    """One method on the job's K hospitals: its round history (``test`` where evaluated)."""
+    sites = simulated_sites(cfg, NUM_HOSPITALS, device=cfg.device)
+    for site in sites:
+        site.state = HospitalStateStore(None, keep=1)  # in memory; only the last round is ever read back
+    if strategy in REFERENCES:
+        return REFERENCES[strategy](cfg, sites, server_test_set(cfg))
+    return run_rounds(cfg, sites).history
+
+
+def compact(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the report needs from each round, plus FedProIn's prototype usage."""
+    keep = ("round", "test", "train", "seconds", "refused", "method")
+    return [{k: r[k] for k in keep if k in r and (k != "method" or "prototype-usage" in r[k])} for r in history]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="ham10000")
+    parser.add_argument("--seeds", type=int, nargs="+", help="default: the preset's")
+    parser.add_argument("--partitions", nargs="+", choices=sorted(PARTITIONS), default=["iid", "dirichlet"])
+    parser.add_argument("--methods", nargs="+", help="table rows to run (default: all, plus --ablations)")
+    parser.add_argument("--ablations", action="store_true", help="also run FedProIn without FDL / PCL / NIA")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a job field, e.g. --set num_server_rounds=1 --set fedproin.mcel_xi=0.1")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/fedproin/<dataset>-<preset>")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    preset = PRESETS[args.preset]
+    base = {**PROTOCOL, **preset["job"], **DATASETS[args.dataset]}
+    fedproin_overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, _, text = item.partition("=")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if key.startswith("fedproin."):
+            fedproin_overrides[key.removeprefix("fedproin.")] = value
+        else:
+            base[key] = value
+    catalogue = {**METHODS, **ABLATIONS}
+    names = args.methods or [*METHODS, *(ABLATIONS if args.ablations else {})]
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {list(catalogue)}")
+    out = args.out or ROOT / "benchmarks" / "results" / "fedproin" / f"{args.dataset}-{args.preset}"
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    seeds = args.seeds or preset["seeds"]
+
+    for partition in args.partitions:
+        for seed in seeds:
+            for name in names:
+                strategy, overrides = catalogue[name]
+                target = out / "runs" / f"{slug(name)}-{partition}-seed{seed}.json"
+                if target.exists():
+                    continue
+                merged = {**overrides, "fedproin": {**overrides.get("fedproin", {}), **fedproin_overrides}}
+                cfg = job_config({**base, **PARTITIONS[partition], "seed": seed,
+                                  "run_name": f"{slug(name)}-{partition}-seed{seed}"}, strategy, merged)
+                log.info("=== %s, %s, seed %d", name, partition, seed)
+                started = time.time()
+                history = run_one(cfg, strategy)
+                record = {"method": name, "partition": partition, "seed": seed, "seconds": time.time() - started,
+                          "config": cfg.to_flat(), "history": compact(history)}
+                target.write_text(json.dumps(record, indent=1) + "\n")
+                log.info("=== %s, %s, seed %d: %s in %.0fs", name, partition, seed,
+                         history[-1].get("test"), record["seconds"])
+    write_report(out, names, args.partitions, seeds, f"{args.dataset}, preset {args.preset}",
+                 " ".join(["python -m benchmarks.fedproin.run", *(argv if argv is not None else sys.argv[1:])]))
+    return 0
+
+
+def slug(name: str) -> str:
+    return name.lower().replace(",", "").replace(" ", "-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
