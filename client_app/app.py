@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from common.config import JobConfig, load_job_config
+from common.methods.base import HospitalMethod, Payload
 from common.methods.registry import hospital_class
 from common.site import HospitalStateStore, Site, build_site
 from common.wire import from_recorddict, to_recorddict
@@ -58,13 +59,18 @@ def _guarded(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
     return run
 
 
+def hospital_method(context: Context, payload: Payload | None = None) -> HospitalMethod:
+    """The job's hospital half, on this node's site (its state folder is the run's, named in the payload)."""
+    cfg = load_job_config(context.run_config)
+    node = load_node_config(context.node_config)
+    run_name = str(payload.config.get("run-name", "")) if payload is not None else ""
+    return hospital_class(cfg.strategy)(cfg, hospital_site(cfg, node, run_name))
+
+
 @app.query()
 @_guarded
 def query(message: Message, context: Context) -> Message:
-    cfg = load_job_config(context.run_config)
-    node = load_node_config(context.node_config)
-    site = hospital_site(cfg, node)
-    info = hospital_class(cfg.strategy)(cfg, site).info()
+    info = hospital_method(context).info()
     record = {"name": info.name, "num-examples": info.num_examples,
               **{f"property.{k}": v for k, v in info.properties.items()}}
     return Message(RecordDict({"hospital": ConfigRecord(record)}), reply_to=message)
@@ -73,11 +79,8 @@ def query(message: Message, context: Context) -> Message:
 @app.train()
 @_guarded
 def train(message: Message, context: Context) -> Message:
-    cfg = load_job_config(context.run_config)
-    node = load_node_config(context.node_config)
     payload = from_recorddict(message.content)
-    site = hospital_site(cfg, node, run_name=str(payload.config.get("run-name", "")))
-    reply = hospital_class(cfg.strategy)(cfg, site).timed_train(int(payload.config["server-round"]), payload)
+    reply = hospital_method(context, payload).timed_train(int(payload.config["server-round"]), payload)
     return Message(to_recorddict(reply), reply_to=message)
 
 
@@ -85,9 +88,6 @@ def train(message: Message, context: Context) -> Message:
 @_guarded
 def evaluate(message: Message, context: Context) -> Message:
     """Flower's evaluate phase, for strategies that use one: metrics of the received model on local validation data."""
-    cfg = load_job_config(context.run_config)
-    node = load_node_config(context.node_config)
     payload = from_recorddict(message.content)
-    site = hospital_site(cfg, node, run_name=str(payload.config.get("run-name", "")))
-    metrics = hospital_class(cfg.strategy)(cfg, site).evaluate(int(payload.config.get("server-round", 0)), payload)
+    metrics = hospital_method(context, payload).evaluate(int(payload.config.get("server-round", 0)), payload)
     return Message(RecordDict({"metrics": MetricRecord({k: float(v) for k, v in metrics.items()})}), reply_to=message)
