@@ -21,20 +21,30 @@ def _stem(image_size: int) -> dict:
     return {"conv1_t_size": 3, "conv1_t_stride": 1}
 
 
-def build_resnet18_classifier(num_classes: int, in_channels: int = 3, image_size: int = 128) -> torch.nn.Module:
+def build_resnet18_classifier(num_classes: int, in_channels: int = 3, image_size: int = 128,
+                              width: float = 1.0) -> torch.nn.Module:
+    """``width`` multiplies the channels (MONAI's widen_factor); 1.0 is the standard ResNet-18."""
     from monai.networks.nets import resnet18
 
-    return resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes, **_stem(image_size))
+    return resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes, widen_factor=width,
+                    **_stem(image_size))
 
 
-def build_resnet18_encoder(in_channels: int = 3, image_size: int = 128, weights: str = "") -> torch.nn.Module:
-    """ResNet-18 up to global average pooling: image -> 512-d post-ReLU feature.
+def encoder_feature_dim(width: float = 1.0) -> int:
+    """Length of the encoder's pooled feature: 512 channels times the width."""
+    return int(FEATURE_DIM * width)
+
+
+def build_resnet18_encoder(in_channels: int = 3, image_size: int = 128, weights: str = "",
+                           width: float = 1.0) -> torch.nn.Module:
+    """ResNet-18 up to global average pooling: image -> 512-d (times ``width``) post-ReLU feature.
 
     ``weights`` optionally names a user's pretrained state-dict file (a ``fc.*`` head in it is ignored).
     """
     from monai.networks.nets import resnet18
 
-    encoder = resnet18(spatial_dims=2, n_input_channels=in_channels, feed_forward=False, **_stem(image_size))
+    encoder = resnet18(spatial_dims=2, n_input_channels=in_channels, feed_forward=False, widen_factor=width,
+                       **_stem(image_size))
     if weights:
         load_pretrained(encoder, weights)
     return encoder

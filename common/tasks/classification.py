@@ -32,7 +32,7 @@ class ClassificationTask(Task):
         in_channels = int(self.spec.get("in-channels", 3))
         if self.cfg.classifier == "small-cnn":
             return build_small_cnn(self.num_classes, in_channels)
-        return build_resnet18_classifier(self.num_classes, in_channels, self.cfg.image_size)
+        return build_resnet18_classifier(self.num_classes, in_channels, self.cfg.image_size, self.cfg.resnet_width)
 
     def check_data(self, data: LabelledImages, where: str) -> None:
         if len(data) and int(data.labels.max()) >= self.num_classes:

@@ -49,7 +49,8 @@ class PrototypeClassificationTask(ClassificationTask):
 
     def build_model(self) -> torch.nn.Module:
         return build_prototype_net(self.num_classes, self.cfg.fedproin.num_prototypes,
-                                   int(self.spec.get("in-channels", 3)), self.cfg.image_size, self.cfg.classifier)
+                                   int(self.spec.get("in-channels", 3)), self.cfg.image_size, self.cfg.classifier,
+                                   self.cfg.resnet_width)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         settings = self.cfg.fedproin
