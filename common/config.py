@@ -108,6 +108,71 @@ class QFedPolypSection(Section):
         return [int(item) for item in self.bit_widths.split(",")]
 
 
+#: The paper's 8 hospitals (BraTS 2018 table): T1c; T2; FLAIR+T1c; T1+T2; FLAIR+T1c+T1; FLAIR+T1+T2; full; full.
+PAPER_HOSPITAL_MODALITIES = "t1ce;t2;flair,t1ce;t1,t2;flair,t1ce,t1;flair,t1,t2;flair,t1ce,t1,t2;flair,t1ce,t1,t2"
+
+
+class BrainSection(Section):
+    """Brain tumour task (docs/fedmepd.md): network size, crops, which cases and modalities each party holds.
+    Defaults are the paper's (16-32-64-128 channels, 80^3 crops at full resolution)."""
+
+    widths: str = Field("16,32,64,128", description="Channels of the 4 encoder/decoder scales, finest first.")
+    crop_size: int = Field(80, ge=8, description="Edge of training crops and sliding windows, a multiple of 8.")
+    downsample: int = Field(1, ge=1, le=4, description="Volumes are shrunk by this factor after cropping to the brain.")
+    crops_per_case: int = Field(1, ge=1, description="Random crops drawn from each case per epoch (paper: 1).")
+    window_overlap: float = Field(0.5, ge=0.0, lt=1.0, description="Sliding-window overlap at evaluation (0.5: stride 40 of 80).")
+    server_data_dir: str = Field("", description="The server's own full-modality training cases; "
+                                                 "empty: simulation takes server-fraction of data-dir.")
+    server_fraction: float = Field(0.2, gt=0.0, lt=0.9, description="Simulation: share of the cases the server trains on.")
+    hospital_modalities: str = Field(PAPER_HOSPITAL_MODALITIES, description=(
+        "Simulation: modalities of hospital 0, 1, ... separated by ';' (a node config 'modalities' wins)."))
+    synthetic_cases: int = Field(24, ge=4, description="Generated data: volumes in all (server, hospitals, test).")
+    synthetic_size: int = Field(32, ge=16, le=256, description="Generated data: edge of each volume in voxels.")
+
+    @field_validator("widths")
+    @classmethod
+    def _four_widths(cls, value: str) -> str:
+        items = [item.strip() for item in value.split(",")]
+        if len(items) != 4 or not all(item.isdigit() and int(item) >= 2 for item in items):
+            raise ValueError(f"{value!r} must be 4 comma-separated channel counts of at least 2, e.g. '16,32,64,128'")
+        return ",".join(items)
+
+    @field_validator("crop_size")
+    @classmethod
+    def _multiple_of_eight(cls, value: int) -> int:
+        if value % 8:
+            raise ValueError(f"{value} is not a multiple of 8 (the network halves a crop three times)")
+        return value
+
+    @field_validator("hospital_modalities")
+    @classmethod
+    def _modality_subsets(cls, value: str) -> str:
+        from common.data.brats import parse_modalities
+
+        for item in value.split(";"):
+            try:
+                parse_modalities(item)
+            except ValueError as error:
+                raise ValueError(f"{item!r}: {error}") from None
+        return value
+
+    @property
+    def width_tuple(self) -> tuple[int, ...]:
+        return tuple(int(item) for item in self.widths.split(","))
+
+
+class FedMEPDSection(Section):
+    """FedMEPD (docs/fedmepd.md): partial personalisation of the fusion decoder and multi-anchor LACCA."""
+
+    patience: int = Field(10, ge=0, description="P: rounds of negative cosine in a row before a filter turns personal.")
+    warmup_rounds: int = Field(30, ge=0, description="Rounds before patience counters and weights start to move.")
+    server_momentum: float = Field(0.3, ge=0.0, le=1.0, description="lambda: server decoder = lambda*server + (1-lambda)*hospitals.")
+    weight_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="EMA of the per-filter hospital weights.")
+    num_anchors: int = Field(4, ge=1, description="N_k: anchors per class and scale (K-means clusters).")
+    anchor_momentum: float = Field(0.999, ge=0.0, le=1.0, description="EMA of the anchors after their K-means start.")
+    lacca: bool = Field(True, description="Hospitals calibrate decoder features with the anchors (false: ablation).")
+
+
 class JobConfig(Section):
     """Every run-config key. Defaults here equal those in pyproject.toml (a test keeps them in step)."""
 
@@ -154,6 +219,8 @@ class JobConfig(Section):
     moon: MoonSection = MoonSection()
     fedproto: FedProtoSection = FedProtoSection()
     qfedpolyp: QFedPolypSection = QFedPolypSection()
+    brain: BrainSection = BrainSection()
+    fedmepd: FedMEPDSection = FedMEPDSection()
 
     @field_validator("strategy")
     @classmethod
@@ -196,6 +263,8 @@ class JobConfig(Section):
             value = getattr(self, key)
             if value and not Path(value).exists():
                 raise ConfigError(f"{_hyphen(key)}: {value!r} does not exist")
+        if self.brain.server_data_dir and not Path(self.brain.server_data_dir).exists():
+            raise ConfigError(f"brain.server-data-dir: {self.brain.server_data_dir!r} does not exist")
         if self.resume_from and not Path(self.resume_from).exists():
             raise ConfigError(f"resume-from: {self.resume_from!r} does not exist")
 

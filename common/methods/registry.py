@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from importlib import import_module
 
 TWO_D = ("classification", "polyp-segmentation")
+BRAIN = ("brain-tumour-segmentation",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,19 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("qfedpolyp", ("polyp-segmentation",), "common.methods.qfedpolyp:QFedPolypServer",
                    "common.methods.qfedpolyp:QFedPolypHospital", "strategies.qfedpolyp:QFedPolypStrategy",
                    "Quantisation-aware training, per-hospital b-bit packed uploads, FedAvg"),
+        MethodSpec("fedmepd", BRAIN, "common.methods.fedmepd:FedMEPDServer", "common.methods.fedmepd:FedMEPDHospital",
+                   "strategies.fedmepd:FedMEPDStrategy",
+                   "Modality-specific encoders, per-filter personalised fusion decoder, multi-anchor LACCA"),
+        MethodSpec("fedmepd-fedavg", BRAIN, "common.methods.fedmepd_baselines:SharedEncoderFedAvgServer",
+                   "common.methods.fedavg:FedAvgHospital", "strategies.fedmepd:SharedEncoderFedAvgStrategy",
+                   "Baseline: FedAvg of the whole model with one encoder shared by all modalities"),
+        MethodSpec("fedmepd-federated-decoder", BRAIN, "common.methods.fedmepd_baselines:FederatedDecoderServer",
+                   "common.methods.fedmepd_baselines:FederatedDecoderHospital",
+                   "strategies.fedmepd:FederatedDecoderStrategy",
+                   "Baseline: modality-specific encoders with a fully federated fusion decoder"),
+        MethodSpec("fedmepd-local", BRAIN, "common.methods.fedmepd_baselines:LocalServer",
+                   "common.methods.fedmepd_baselines:LocalHospital", "strategies.fedmepd:LocalOnlyStrategy",
+                   "Baseline: every hospital (and the server) trains alone"),
     )
 }
 

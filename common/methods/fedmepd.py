@@ -1,0 +1,199 @@
+"""FedMEPD (CVPR 2026): federated modality-specific encoders, a partially personalised fusion decoder
+and multi-anchor cross-attention (see docs/fedmepd.md and ALGORITHMS.md section 2).
+
+Round r:
+1. A hospital builds its model from the server's encoders (its modalities only) and fusion decoder,
+   keeping its personal decoder filters, its LACCA layers and its auxiliary decoder from its last
+   round (state folder); it scores that model (``val-*``), trains it with LACCA on the server's
+   anchors, and uploads its encoders and decoder (personal filters replaced by the values it got).
+2. The server averages each modality's encoder over the hospitals that have it (none: keeps its own).
+3. It aggregates the decoder per filter with the hospitals' weights and its EMA step.
+4. It trains an epoch on its own full-modality cases.
+5. After the warm-up it compares, per hospital and filter, the hospital's decoder change with its
+   own (cosine): patience counters, irreversible personal masks and weights move.
+6. It recomputes the anchors from its cases (K-means once, EMA after).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays, weighted_average
+from common.data.brats import MODALITIES
+
+from .anchors import MultiAnchors, collect_class_vectors
+from .base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate
+from .brain_harness import BrainHospital, ServerTraining, encoder_prefixes, hospital_average, hospital_modalities
+from .filter_personalisation import (FilterPersonalisation, aggregate_filters, filter_cosines, filter_layers,
+                                     filter_norms, layer_sizes, pack_mask, subtract, unpack_mask)
+
+DECODER = "decoder."
+MASK_KEY = "personal-mask"
+STATE_PREFIX = "fedmepd/"
+
+
+def decoder_part(arrays: NamedArrays) -> NamedArrays:
+    return {k: v for k, v in arrays.items() if k.startswith(DECODER)}
+
+
+class FedMEPDServer(ServerTraining):
+    name = "fedmepd"
+    personalise = True   # per-filter personalisation of the decoder
+    share_anchors = True  # multi-anchor representations for the hospitals' LACCA
+
+    def __init__(self, cfg, task=None):
+        super().__init__(cfg, task)
+        self.personalisation: FilterPersonalisation | None = None
+        self.anchors = MultiAnchors(cfg.brain.width_tuple, int(self.task.spec.get("num-classes", 4)),
+                                    cfg.fedmepd.num_anchors, cfg.fedmepd.anchor_momentum, cfg.seed)
+        self._round: dict[str, Any] = {}  # what aggregate leaves for this round's server step
+
+    def initialize(self) -> None:
+        super().initialize()
+        self.personalisation = FilterPersonalisation(layer_sizes(decoder_part(self.global_arrays)),
+                                                     self.cfg.fedmepd.patience, self.cfg.fedmepd.weight_momentum)
+
+    # --- downlink and checks ----------------------------------------------------------------------
+    def hospital_arrays(self, modalities: tuple[str, ...]) -> NamedArrays:
+        """The global arrays a hospital with ``modalities`` exchanges: its encoders and the decoder."""
+        keep = encoder_prefixes(modalities) + (DECODER,)
+        return {k: v for k, v in self.global_arrays.items() if k.startswith(keep)}
+
+    def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
+        arrays = {"model": self.hospital_arrays(hospital_modalities(hospital))}
+        if self.share_anchors and self.cfg.fedmepd.lacca and self.anchors.for_hospitals():
+            arrays["anchors"] = self.anchors.for_hospitals()
+        mask = pack_mask(self.personalisation.mask(hospital.name), self.personalisation.sizes)
+        return Payload(arrays=arrays, config={**self.round_config(rnd), MASK_KEY: mask})
+
+    def check(self, update: HospitalUpdate) -> None:
+        if update.num_examples <= 0:
+            raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
+        if "model" not in update.payload.arrays:
+            raise RejectedUpdate("reply carries no 'model' arrays")
+        try:
+            expected = self.hospital_arrays(hospital_modalities(update.hospital))
+            check_like(update.payload.arrays["model"], expected, f"update of {update.hospital.name}")
+        except (ArraysMismatch, ValueError) as error:
+            raise RejectedUpdate(str(error)) from None
+
+    # --- aggregation ------------------------------------------------------------------------------
+    def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
+        sent = decoder_part(self.global_arrays)
+        total = sum(u.num_examples for u in updates)
+        shares = {u.hospital.name: u.num_examples / total for u in updates}
+        contributors = {}
+        for modality in MODALITIES:
+            having = [u.payload.arrays["model"] for u in updates if modality in hospital_modalities(u.hospital)]
+            contributors[modality] = len(having)
+            if having:
+                prefix = f"encoders.{modality}."
+                encoder = [{k: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in having]
+                self.global_arrays.update(weighted_average(encoder, [1.0] * len(encoder)))
+        for name, share in shares.items():
+            self.personalisation.ensure(name, share)
+        uploads = [decoder_part(u.payload.arrays["model"]) for u in updates]
+        weights = [self.personalisation.weights[u.hospital.name] for u in updates]  # 0 where personal
+        decoder, contributed = aggregate_filters(sent, uploads, weights, filter_layers(sent),
+                                                 self.cfg.fedmepd.server_momentum)
+        self.global_arrays.update(decoder)
+        self._round = {"sent": sent, "uploads": dict(zip(shares, uploads)), "shares": shares}
+        filters = sum(c.size for c in contributed.values())
+        return {"hospital-average": hospital_average(updates), "encoder-contributors": contributors,
+                "decoder-filters-aggregated": float(sum(c.sum() for c in contributed.values()) / filters)}
+
+    # --- the server's own step --------------------------------------------------------------------
+    def server_step(self, rnd: int) -> dict[str, Any]:
+        aggregated = decoder_part(self.global_arrays)
+        model, stats = self.train_on_server(rnd)
+        self.global_arrays = model_arrays(model)
+        metrics: dict[str, Any] = {"server-train-loss": stats["train-loss"]}
+        if self.personalise and rnd > self.cfg.fedmepd.warmup_rounds and self._round:
+            self.update_personalisation(subtract(decoder_part(self.global_arrays), aggregated))
+        metrics["personalised"] = {h: self.personalisation.fraction_personal(h) for h in self.personalisation.hospitals}
+        if self.share_anchors and self.cfg.fedmepd.lacca:
+            batches = self.task.batches(self.server_cases(), max(2, self.cfg.batch_size), self.device,
+                                        np.random.default_rng(self.round_seed(rnd)), train=True)
+            metrics.update(self.anchors.update(collect_class_vectors(model, batches, len(self.anchors.ready))))
+        self._round = {}
+        return metrics
+
+    def update_personalisation(self, server_change: NamedArrays) -> None:
+        """Step 5: cosine of each hospital's decoder change with the server's, per filter."""
+        layers = filter_layers(server_change)
+        server_norms = filter_norms(server_change, layers)
+        for hospital, upload in self._round["uploads"].items():
+            change = subtract(upload, self._round["sent"])
+            norms = filter_norms(change, layers)
+            ratios = {layer: server_norms[layer] / (norms[layer] + 1e-12) for layer in layers}
+            self.personalisation.observe(hospital, filter_cosines(server_change, change, layers), ratios,
+                                         self._round["shares"][hospital])
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> NamedArrays:
+        state = super().state_dict()
+        state.update(self.personalisation.state_dict(f"{STATE_PREFIX}personalisation/"))
+        state.update(self.anchors.state_dict(f"{STATE_PREFIX}anchors/"))
+        return state
+
+    def load_state_dict(self, state: NamedArrays) -> None:
+        super().load_state_dict(state)
+        self.personalisation.load_state_dict(state, f"{STATE_PREFIX}personalisation/")
+        self.anchors.load_state_dict(state, f"{STATE_PREFIX}anchors/")
+
+
+class FedMEPDHospital(BrainHospital):
+    """A hospital's step: compose its model, score it, train it, keep its local parts, upload the shared ones."""
+
+    lacca = True
+
+    @property
+    def uses_lacca(self) -> bool:
+        return self.lacca and self.cfg.fedmepd.lacca
+
+    def compose(self, rnd: int, payload: Payload) -> tuple[torch.nn.Module, dict[str, np.ndarray]]:
+        """Received encoders and shared decoder filters, with the personal filters, LACCA and auxiliary
+        decoder this hospital kept; LACCA gets the received anchors. Returns the model and the mask."""
+        self.task.adopt_spec(payload.config)
+        model, kept = self.own_model(rnd, lacca=self.uses_lacca)
+        arrays = model_arrays(model)
+        received = payload.arrays["model"]
+        check_like(received, {k: v for k, v in arrays.items() if k.startswith(encoder_prefixes(self.modalities) + (DECODER,))},
+                   f"model received by {self.site.name}")
+        if MASK_KEY not in payload.config:
+            raise ValueError(f"round config for {self.site.name} carries no {MASK_KEY!r}")
+        layers = filter_layers(decoder_part(arrays))
+        personal = unpack_mask(bytes(payload.config[MASK_KEY]), layer_sizes(decoder_part(arrays)))
+        arrays.update(received)
+        if kept is not None:  # personal filters keep this hospital's own values
+            for layer, names in layers.items():
+                for name in names:
+                    shape = (-1,) + (1,) * (arrays[name].ndim - 1)
+                    arrays[name] = np.where(personal[layer].reshape(shape), kept[name], received[name])
+        load_model_arrays(model, arrays)
+        anchors = payload.arrays.get("anchors")
+        if anchors:
+            model.set_anchors([torch.from_numpy(anchors[f"scale{s}"]) for s in range(len(model.widths))])
+        return model, personal
+
+    def train(self, rnd: int, payload: Payload) -> Payload:
+        model, personal = self.compose(rnd, payload)
+        metrics: dict[str, float] = {"num-examples": float(len(self.site.train)), **self.validation(model)}
+        metrics.update(self.local_training(rnd, model))
+        trained = model_arrays(model)
+        self.site.state.save(rnd, trained)
+        received = payload.arrays["model"]
+        upload = {k: trained[k] for k in received}
+        for layer, names in filter_layers(decoder_part(upload)).items():  # personal filters never leave the hospital
+            for name in names:
+                shape = (-1,) + (1,) * (upload[name].ndim - 1)
+                upload[name] = np.where(personal[layer].reshape(shape), received[name], upload[name])
+        metrics["personal-filters"] = float(sum(m.sum() for m in personal.values()))
+        return Payload(arrays={"model": upload}, metrics=metrics)
+
+    def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
+        model, _ = self.compose(rnd, payload)
+        return self.task.evaluate(model, self.site.val, self.site.device)
