@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-PARTITION_TITLES = {"iid": "IID", "dirichlet": "Dirichlet (alpha = 0.5)"}
+PARTITION_TITLES = {"iid": "IID", "dirichlet": "Dir(0.5)"}
 REFERENCES = ("SOLO", "Centralised")  # trained round(rounds * fraction) rounds: round r is worth r / fraction
 
 
