@@ -61,3 +61,14 @@ def run_rounds(cfg: JobConfig, sites: list[Site], federation: Federation | None 
         if on_round_end is not None:
             on_round_end(federation, record)
     return federation
+
+
+def evaluate_hospitals(cfg: JobConfig, federation: Federation, sites: list[Site]) -> dict[str, dict[str, float]]:
+    """Each hospital's metrics for the model it holds after the last round (what it would receive
+    next, combined with what it keeps), on its validation data: the final scores of personalised methods."""
+    rnd = federation.next_round
+    scores = {}
+    for site in sites:
+        method = hospital_class(cfg.strategy)(cfg, site)
+        scores[site.name] = method.evaluate(rnd, federation.downlink(rnd, method.info()))
+    return scores
