@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -38,11 +39,27 @@ def open_federation(cfg: JobConfig, checkpoint) -> Federation:
     return federation
 
 
-def save_round(federation: Federation, record: dict) -> None:
-    """After every round: checkpoint first, then the result files (rebuilt from the history)."""
-    cfg = federation.cfg
-    save_checkpoint(cfg.run_dir, record["round"], federation.state_dict(), keep=cfg.keep_checkpoints)
-    write_results(cfg.run_dir, cfg.to_flat(), federation.history)
+class RoundSaver:
+    """After every round: a checkpoint first, then the result files rebuilt from the history.
+
+    Plots take about a second to draw, so they are redrawn at most every ``plot_interval`` seconds
+    (and after the last round), which keeps them off the critical path of short rounds.
+    """
+
+    def __init__(self, plot_interval: float = 30.0):
+        self.plot_interval = plot_interval
+        self.last_plot = 0.0
+
+    def __call__(self, federation: Federation, record: dict) -> None:
+        cfg = federation.cfg
+        save_checkpoint(cfg.run_dir, record["round"], federation.state_dict(), keep=cfg.keep_checkpoints)
+        plots = record["round"] == cfg.num_server_rounds or time.time() - self.last_plot > self.plot_interval
+        write_results(cfg.run_dir, cfg.to_flat(), federation.history, plots=plots)
+        if plots:
+            self.last_plot = time.time()
+
+
+save_round = RoundSaver(plot_interval=0.0)  # for in-process runs that want every round drawn
 
 
 @app.main()
@@ -51,7 +68,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg, checkpoint = load_run_config(context.run_config)  # a bad config stops here, before round 1
     log.info("run %s: results in %s", cfg.run_name, cfg.run_dir)
     federation = open_federation(cfg, checkpoint)
-    strategy = strategy_class(cfg.strategy)(federation, on_round_end=save_round)
+    strategy = strategy_class(cfg.strategy)(federation, on_round_end=RoundSaver())
     strategy.start(grid)
     write_results(cfg.run_dir, cfg.to_flat(), federation.history)
     log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), federation.history))
