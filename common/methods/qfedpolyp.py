@@ -9,7 +9,6 @@ round config. The global model goes down as plain floats, or quantised at ``qfed
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -20,8 +19,6 @@ from common.quantization.codec import PayloadError, check_bit_width, decode_mode
 from common.quantization.fake_quant import quantization_aware
 
 from .base import HospitalInfo, HospitalMethod, HospitalUpdate, Payload, RejectedUpdate, ServerMethod
-
-log = logging.getLogger("fedmed")
 
 PACKED = "packed-model"  #: the array group holding an encoded model, both ways
 BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital

@@ -1,0 +1,166 @@
+"""INT8 against FP32 for QFedPolyp's global model: CPU latency at batch 1 and 8, and Dice on the same
+held-out test images.
+
+    flock /tmp/fedmed-cpu.lock python -m benchmarks.qfedpolyp.int8_speed --run results/qfedpolyp-cpu/runs/8-8-8-8-8
+
+The model is a run's final global model (its latest checkpoint); the INT8 model is built exactly as
+``fedmed export-int8`` builds it (calibrated on 64 of the run's training images). Latency is measured
+in one process on 3x<size>x<size> inputs (default 128, the paper's), for every path: FP32 eager,
+FP32 frozen TorchScript, FP32 torch.compile, INT8 eager and INT8 frozen TorchScript. After a warm-up,
+the paths take turns in a shuffled order every repetition, so that a busy machine slows them alike;
+the table gives medians. Dice of FP32 and INT8 are on the run's test images at its training size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from common.data.sources import server_test_set
+from common.quantization.int8 import calibration_images, frozen_script, image_batches, int8_model, model_from_checkpoint
+from common.tasks import get_task
+
+ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger("fedmed")
+
+
+def compiled(model: torch.nn.Module) -> Callable:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+    return torch.compile(model)
+
+
+def latencies(paths: dict[str, Callable], x: torch.Tensor, warmup: int, repeats: int, seed: int = 0) -> dict[str, float]:
+    """Median seconds per call of each path, the paths interleaved in a shuffled order every repetition."""
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for name, run in paths.items():
+            for _ in range(warmup):
+                run(x)
+        for _ in range(repeats):
+            order = list(paths)
+            rng.shuffle(order)
+            for name in order:
+                started = time.perf_counter()
+                paths[name](x)
+                times[name].append(time.perf_counter() - started)
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return ""
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, required=True, help="run folder (latest checkpoint) or checkpoint file")
+    parser.add_argument("--size", type=int, default=128, help="input edge for the latency runs (paper: 128)")
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qfedpolyp_int8.md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from server_app.checkpoint import find_checkpoint, load_checkpoint
+
+    checkpoint = find_checkpoint(args.run)
+    cfg, model, rounds = model_from_checkpoint(load_checkpoint(checkpoint))
+    quantised = int8_model(model, image_batches(calibration_images(cfg, None, 64, cfg.seed)))
+
+    task = get_task(cfg, {"in-channels": 3})
+    test = server_test_set(cfg)
+    fp32_scores, int8_scores = task.evaluate(model, test), task.evaluate(quantised, test)
+    fp32_masks, int8_masks = task.predict_masks(model, test, torch.device("cpu")), task.predict_masks(quantised, test, torch.device("cpu"))
+    agreement = float((fp32_masks == int8_masks).mean())
+    log.info("Dice FP32 %.4f, INT8 %.4f", fp32_scores["dice"], int8_scores["dice"])
+
+    paths: dict[str, Callable] = {"FP32 eager": model, "FP32 TorchScript (frozen)": frozen_script(model)}
+    notes = []
+    if not args.no_compile:
+        try:
+            candidate = compiled(model)
+            with torch.inference_mode():
+                candidate(torch.randn(1, 3, args.size, args.size))
+            paths["FP32 torch.compile"] = candidate
+        except Exception as error:  # a missing compiler is a result worth reporting, not a crash
+            notes.append(f"torch.compile failed here: {type(error).__name__}: {str(error).splitlines()[0]}")
+            log.warning("%s\n%s", notes[-1], traceback.format_exc())
+    paths["INT8 eager"] = quantised
+    paths["INT8 TorchScript (frozen)"] = frozen_script(quantised)
+
+    results = {}
+    for batch in (1, 8):
+        x = torch.randn(batch, 3, args.size, args.size)
+        repeats = args.repeats if batch == 1 else max(10, args.repeats // 4)
+        log.info("batch %d: %d repetitions of %d paths", batch, repeats, len(paths))
+        results[batch] = latencies(paths, x, args.warmup, repeats)
+
+    fastest = {b: min((v, k) for k, v in r.items() if k.startswith("FP32")) for b, r in results.items()}
+    best_int8 = {b: min((v, k) for k, v in r.items() if k.startswith("INT8")) for b, r in results.items()}
+    lines = ["# QFedPolyp: INT8 against FP32 on this CPU", "",
+             f"Model: final global model of `{checkpoint}` (round {rounds}, trained at {cfg.image_size}x{cfg.image_size}, "
+             f"bit-widths {cfg.qfedpolyp.bit_widths}). CPU: {cpu_name()} ({os.cpu_count()} logical cores, "
+             f"{torch.get_num_threads()} torch threads; {cpu_flags() or 'no AVX flags read'}), torch {torch.__version__}, "
+             f"quantised engine `{torch.backends.quantized.engine}`.", "",
+             f"Command: `{' '.join(['python -m benchmarks.qfedpolyp.int8_speed', *(argv if argv is not None else sys.argv[1:])])}`",
+             "", f"## Latency, 3x{args.size}x{args.size} input (median ms per call; batch 8: per call of 8 images)", "",
+             "| path | batch 1 ms | speed-up vs fastest FP32 | batch 8 ms | speed-up vs fastest FP32 |", "|---|---|---|---|---|"]
+    for name in paths:
+        cells = [name]
+        for batch in (1, 8):
+            value = results[batch][name]
+            cells += [f"{value * 1e3:.2f}", f"{fastest[batch][0] / value:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Repetitions: {args.repeats} at batch 1, {max(10, args.repeats // 4)} at batch 8, after {args.warmup} "
+              "warm-up calls per path; paths interleaved in a shuffled order.", *notes, "",
+              f"## Dice on the same {len(test)} test images ({cfg.image_size}x{cfg.image_size})", "",
+              "| model | Dice | IoU | " + " | ".join(f"Dice {s}" for s in test.source_names()) + " |",
+              "|---|---|---|" + "---|" * len(test.source_names())]
+    for name, scores in (("FP32", fp32_scores), ("INT8", int8_scores)):
+        lines.append(f"| {name} | {scores['dice']:.4f} | {scores['iou']:.4f} | "
+                     + " | ".join(f"{scores[f'dice/{s}']:.4f}" for s in test.source_names()) + " |")
+    speedup = fastest[1][0] / best_int8[1][0]
+    gap = abs(fp32_scores["dice"] - int8_scores["dice"])
+    lines += ["", f"Pixels where the INT8 and FP32 masks agree: {agreement * 100:.2f} %.", "", "## Goals", "",
+              "| goal | measured | met |", "|---|---|---|",
+              f"| INT8 >= 4x faster than the fastest FP32 path at batch 1 | {best_int8[1][1]} {best_int8[1][0] * 1e3:.2f} ms "
+              f"vs {fastest[1][1]} {fastest[1][0] * 1e3:.2f} ms: {speedup:.2f}x | {'yes' if speedup >= 4 else 'no'} |",
+              f"| INT8 Dice within 0.005 of FP32 | {int8_scores['dice']:.4f} vs {fp32_scores['dice']:.4f} "
+              f"(difference {gap:.4f}) | {'yes' if gap <= 0.005 else 'no'} |", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

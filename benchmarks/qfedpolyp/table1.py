@@ -1,0 +1,249 @@
+"""QFedPolyp's Table 1 on Kvasir-SEG and CVC-ClinicDB: per-hospital bit-width configurations against
+Dice/IoU per data set, the round of convergence, and uplink bytes per round.
+
+    flock /tmp/fedmed-cpu.lock python -m benchmarks.qfedpolyp.table1 --preset cpu
+    python -m benchmarks.qfedpolyp.table1 --preset paper                 # 150 rounds, E = 5: for a GPU
+    python -m benchmarks.qfedpolyp.table1 --preset paper --set num_server_rounds=1 --set image_size=32 \
+        --configs 8,8,8,16,16 --out /tmp/q                               # does the paper preset start?
+
+Five hospitals, 'by-source' split of ../shared/data/polyp (Kvasir-SEG on four hospitals, CVC-ClinicDB
+on one), a held-out test set stratified by data set, every hospital in every round, seed 42, Adam
+lr 1e-3, all configurations on the same data, rounds and seed. Each configuration is a normal run
+folder under ``<out>/runs/<config>`` (checkpoints, metrics.jsonl, summary.md, plots); a finished one
+is skipped and an interrupted one resumes from its checkpoint when the script is started again.
+
+Definitions: Dice/IoU are the final global model's on each data set's test images. The round of
+convergence is the first round whose test Dice on that data set is within 0.01 of the best it
+reached. Uplink bytes per round: the serialised Flower messages (``common.wire.message_nbytes``)
+of the five hospitals' replies, rebuilt from the codec output at each hospital's bit-width with the
+metrics it sent; they are checked against the in-process byte counts of the run itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config import JobConfig
+from common.federation import Federation
+from common.inprocess import run_rounds, simulated_sites
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data" / "polyp"
+RESULTS = ROOT / "benchmarks" / "results"
+log = logging.getLogger("fedmed")
+
+PROTOCOL = {"task": "polyp-segmentation", "strategy": "qfedpolyp", "dataset": "image-mask", "data_dir": str(DATA),
+            "partitioner": "by-source", "fraction_train": 1.0, "min_train_hospitals": 5, "min_available_hospitals": 5,
+            "seed": 42, "learning_rate": 1e-3, "test_fraction": 0.2, "val_fraction": 0.1, "keep_checkpoints": 1}
+NUM_HOSPITALS = 5
+#: The paper's setting (128x128, E = 5, 150 rounds), and a CPU preset that keeps everything else but
+#: shrinks images, epochs and rounds to fit two cores (about an hour for the six configurations).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"image_size": 128, "local_epochs": 5, "num_server_rounds": 150, "batch_size": 16, "device": "auto"},
+    "cpu": {"image_size": 64, "local_epochs": 1, "num_server_rounds": 30, "batch_size": 16, "device": "cpu"},
+}
+#: Table rows: the paper's configurations and two below 4 bits (the CPU preset leaves out 2 bits for time).
+CONFIGS = {"paper": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3",
+                     "2,2,2,2,2"],
+           "cpu": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3"]}
+SOURCES = {"kvasir_seg_256": "Kvasir-SEG", "cvc_clinicdb_256": "CVC-ClinicDB"}
+CONVERGENCE_TOLERANCE = 0.01
+
+
+def job_config(base: dict[str, Any], config: str, out: Path) -> JobConfig:
+    cfg = JobConfig(**{**base, "run_name": config.replace(",", "-"), "results_dir": str(out / "runs")})
+    return cfg.model_copy(update={"qfedpolyp": cfg.qfedpolyp.model_copy(update={"bit_widths": config})})
+
+
+def run_config(cfg: JobConfig) -> list[dict[str, Any]]:
+    """One configuration, resumed from its checkpoint if an earlier start was interrupted."""
+    from server_app.app import save_round
+    from server_app.checkpoint import list_checkpoints, load_checkpoint
+    from server_app.results import read_history
+
+    saved = cfg.run_dir / "config.json"
+    if saved.exists() and json.loads(saved.read_text()) != json.loads(json.dumps(cfg.to_flat())):
+        raise SystemExit(f"{cfg.run_dir} holds a run with other settings; pass a fresh --out")
+    if (cfg.run_dir / "metrics.jsonl").exists() and len(read_history(cfg.run_dir)) >= cfg.num_server_rounds:
+        return read_history(cfg.run_dir)
+    federation = Federation(cfg)
+    if list_checkpoints(cfg.run_dir):
+        federation.load_state_dict(load_checkpoint(cfg.run_dir))
+        log.info("%s: resuming after round %d", cfg.run_name, len(federation.history))
+    run_rounds(cfg, simulated_sites(cfg, NUM_HOSPITALS, device=cfg.device), federation, on_round_end=save_round)
+    return federation.history
+
+
+def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[str, int]:
+    """Bytes of each hospital's serialised reply message, rebuilt from the codec at its bit-width."""
+    from flwr.app import Message, MessageType
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from common.methods.base import Payload
+    from common.methods.qfedpolyp import PACKED
+    from common.quantization.codec import encode_model
+    from common.wire import message_nbytes, to_recorddict
+    from server_app.checkpoint import load_checkpoint
+
+    for attribute in ("run_id", "task_id", "node_id"):  # set by Flower inside its processes; not here
+        if getattr(TaskIdentity, f"_{attribute}") is None:
+            setattr(TaskIdentity, attribute, 1)
+    state = load_checkpoint(cfg.run_dir)
+    model = {k.removeprefix("method/global/"): v for k, v in state.items() if k.startswith("method/global/")}
+    last = history[-1]
+    sizes = {}
+    for hospital, bits in last["method"]["bit-widths"].items():
+        payload = Payload(arrays={PACKED: encode_model(model, bits)}, metrics=last["hospital_metrics"][hospital])
+        sizes[hospital] = message_nbytes(Message(to_recorddict(payload), dst_node_id=1, message_type=MessageType.TRAIN))
+    return sizes
+
+
+def convergence_round(history: list[dict[str, Any]], key: str) -> int:
+    points = [(r["round"], r["test"][key]) for r in history if key in r.get("test", {})]
+    best = max(value for _, value in points)
+    return next(rnd for rnd, value in points if value >= best - CONVERGENCE_TOLERANCE)
+
+
+def summarise(config: str, cfg: JobConfig, history: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    final = next(r["test"] for r in reversed(history) if "test" in r)
+    up = uplink_message_bytes(cfg, history)
+    counted = history[-1]["bytes_up"]  # Payload.nbytes() of the real replies, summed
+    if abs(sum(up.values()) - counted) > 0.01 * counted:
+        raise RuntimeError(f"{config}: message bytes {sum(up.values())} differ from the run's count {counted}")
+    last_dice = [r["test"]["dice"] for r in history if "test" in r][-5:]
+    row: dict[str, Any] = {"config": config, "bits": [int(b) for b in config.split(",")], "rounds": len(history),
+                           "uplink_bytes": int(sum(up.values())), "uplink_bytes_per_hospital": up,
+                           "dice": final["dice"], "iou": final["iou"], "dice_last5": float(np.mean(last_dice)),
+                           "minutes": seconds / 60}
+    for source in SOURCES:
+        row[source] = {"dice": final[f"dice/{source}"], "iou": final[f"iou/{source}"],
+                       "converged": convergence_round(history, f"dice/{source}")}
+    row["converged"] = convergence_round(history, "dice")
+    return row
+
+
+def render(rows: list[dict[str, Any]], title: str, command: str, setting: str) -> str:
+    baseline = next((r for r in rows if set(r["bits"]) == {32}), None)
+    head = ["Bit-widths (5 hospitals)"]
+    for name in SOURCES.values():
+        head += [f"{name} DSC", f"{name} IoU", f"{name} conv. round"]
+    head += ["All DSC", "Uplink MB/round", "vs 32-bit"]
+    lines = [f"# {title}", "", setting, "", f"Command: `{command}`", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [f"({row['config']})"]
+        for source in SOURCES:
+            cells += [f"{row[source]['dice']:.3f}", f"{row[source]['iou']:.3f}", str(row[source]["converged"])]
+        ratio = baseline["uplink_bytes"] / row["uplink_bytes"] if baseline else float("nan")
+        cells += [f"{row['dice']:.3f}", f"{row['uplink_bytes'] / 1e6:.2f}", f"{ratio:.2f}x smaller"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Round of convergence: first round whose test Dice on that data set is within "
+              f"{CONVERGENCE_TOLERANCE} of the best it reached. Uplink: serialised reply messages of all five "
+              "hospitals in one round.", ""]
+    if baseline:
+        lines += goals(rows, baseline)
+    lines += ["## Run details", "", "| configuration | rounds | mean test Dice, last 5 rounds | minutes |",
+              "|---|---|---|---|"]
+    lines += [f"| ({r['config']}) | {r['rounds']} | {r['dice_last5']:.3f} | {r['minutes']:.1f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def goals(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> list[str]:
+    """The issue's measured goals, each with the numbers behind it."""
+    by_config = {r["config"]: r for r in rows}
+    lines = ["## Goals", "", "| goal | measured | met |", "|---|---|---|"]
+    for config, target in (("8,8,8,8,8", 3.9), ("4,4,4,4,4", 7.7)):
+        if config in by_config:
+            ratio = baseline["uplink_bytes"] / by_config[config]["uplink_bytes"]
+            lines.append(f"| uplink at {config.split(',')[0]} bits >= {target}x smaller than 32 bits | {ratio:.2f}x | "
+                         f"{'yes' if ratio >= target else 'no'} |")
+    if "8,8,8,8,8" in by_config:
+        eight = by_config["8,8,8,8,8"]
+        gap = baseline["dice"] - eight["dice"]
+        gap5 = baseline["dice_last5"] - eight["dice_last5"]
+        lines.append(f"| 8-bit Dice within 0.015 of 32-bit (final round) | {eight['dice']:.3f} vs {baseline['dice']:.3f}"
+                     f" (32-bit minus 8-bit: {gap:+.3f}; mean of last 5 rounds: {gap5:+.3f}) | "
+                     f"{'yes' if gap <= 0.015 else 'no'} |")
+    return lines + [""]
+
+
+def plot(rows: list[dict[str, Any]], histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SOURCES), figsize=(5.5 * len(SOURCES), 3.6), squeeze=False)
+    for ax, (source, name) in zip(axes[0], SOURCES.items()):
+        for row in rows:
+            points = [(r["round"], r["test"][f"dice/{source}"]) for r in histories[row["config"]] if "test" in r]
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=f"({row['config']})")
+        ax.set_title(f"{name}: test Dice of the global model")
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--configs", nargs="+", help="bit-width lists, e.g. 8,8,8,16,16 (default: the preset's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a job field, e.g. --set num_server_rounds=1")
+    parser.add_argument("--out", type=Path, help="default: results/qfedpolyp-<preset> (run folders)")
+    parser.add_argument("--table", type=Path, help="default: benchmarks/results/qfedpolyp_table1_<preset>.md")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    base = {**PROTOCOL, **PRESETS[args.preset]}
+    for item in args.set:
+        key, _, text = item.partition("=")
+        try:
+            base[key] = json.loads(text)
+        except ValueError:
+            base[key] = text
+    out = args.out or ROOT / "results" / f"qfedpolyp-{args.preset}"
+    rows, histories = [], {}
+    for config in args.configs or CONFIGS[args.preset]:
+        cfg = job_config(base, config, out)
+        log.info("=== (%s): %d rounds, E=%d, %dx%d", config, cfg.num_server_rounds, cfg.local_epochs,
+                 cfg.image_size, cfg.image_size)
+        started = time.time()
+        histories[config] = run_config(cfg)
+        seconds = sum(r["seconds"] for r in histories[config]) or time.time() - started
+        rows.append(summarise(config, cfg, histories[config], seconds))
+        log.info("=== (%s): dice %.4f, uplink %.2f MB/round", config, rows[-1]["dice"], rows[-1]["uplink_bytes"] / 1e6)
+
+    command = " ".join(["python -m benchmarks.qfedpolyp.table1", *(argv if argv is not None else sys.argv[1:])])
+    setting = (f"Preset `{args.preset}`: {base['image_size']}x{base['image_size']} images, {NUM_HOSPITALS} hospitals "
+               f"(by source: Kvasir-SEG on 4, CVC-ClinicDB on 1), E = {base['local_epochs']}, "
+               f"{base['num_server_rounds']} rounds, batch {base['batch_size']}, Adam lr {base['learning_rate']}, "
+               f"seed {base['seed']}; test set: {int(base['test_fraction'] * 100)} % of each data set held out.")
+    table = args.table or RESULTS / f"qfedpolyp_table1_{args.preset}.md"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(render(rows, f"QFedPolyp Table 1 (preset {args.preset})", command, setting))
+    plot(rows, histories, table.with_suffix(".png"))
+    (out / "table1.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(table.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
