@@ -3,7 +3,6 @@ output stays close to the float one, and the `fedmed export-int8` / `fedmed segm
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
