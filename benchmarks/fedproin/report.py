@@ -1,6 +1,6 @@
 """The benchmark's outputs, rebuilt from the per-run files: a markdown table in the layout of the
 FedProIn paper's Table 1 (methods x {IID, Dir(0.5)} x {Acc, W-F1, MCC}, mean +- std over seeds) and
-a plot of test accuracy over rounds per method (mean over seeds)."""
+a plot of test accuracy (and MCC) over rounds per method (mean over seeds)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def table(runs: list[dict[str, Any]], methods: list[str], partitions: list[str])
     return "\n".join(lines)
 
 
-def accuracy_curves(runs: list[dict[str, Any]], method: str, partition: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rounds, mean accuracy over seeds) on the federated round scale."""
+def curves(runs: list[dict[str, Any]], method: str, partition: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, mean of ``metric`` over seeds) on the federated round scale."""
     chosen = [r for r in runs if r["method"] == method and r["partition"] == partition]
     if not chosen:
         return np.zeros(0), np.zeros(0)
@@ -65,32 +65,35 @@ def accuracy_curves(runs: list[dict[str, Any]], method: str, partition: str) -> 
         for record in run["history"]:
             if record.get("test"):
                 x = record["round"] / fraction if method in REFERENCES else record["round"]
-                per_round.setdefault(x, []).append(record["test"]["accuracy"])
+                per_round.setdefault(x, []).append(record["test"][metric])
     rounds = np.array(sorted(per_round))
     return rounds, np.array([np.mean(per_round[x]) for x in rounds])
 
 
 def plot(runs: list[dict[str, Any]], methods: list[str], partitions: list[str], path: Path, title: str) -> None:
+    """Test accuracy (top) and MCC (bottom) over rounds, one column per partition."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(partitions), figsize=(6 * len(partitions), 4.2), squeeze=False)
-    for ax, partition in zip(axes[0], partitions):
-        for method in methods:
-            rounds, accuracy = accuracy_curves(runs, method, partition)
-            if len(rounds):
-                style = "--" if method in REFERENCES else "-"
-                ax.plot(rounds, 100 * accuracy, style, marker="o", markersize=3, label=method,
-                        linewidth=2.5 if method == "FedProIn" else 1.3)
-        ax.set_title(f"{title}: {PARTITION_TITLES.get(partition, partition)}")
-        ax.set_xlabel("round (references: equal compute)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    metrics = (("accuracy", "test accuracy (%)", 100), ("mcc", "test MCC", 1))
+    fig, axes = plt.subplots(len(metrics), len(partitions), figsize=(6 * len(partitions), 8), squeeze=False)
+    for column, partition in enumerate(partitions):
+        for row, (metric, label, scale) in enumerate(metrics):
+            ax = axes[row][column]
+            for method in methods:
+                rounds, values = curves(runs, method, partition, metric)
+                if len(rounds):
+                    ax.plot(rounds, scale * values, "--" if method in REFERENCES else "-", marker="o", markersize=3,
+                            label=method, linewidth=2.5 if method == "FedProIn" else 1.3)
+            ax.set_title(f"{title}: {PARTITION_TITLES.get(partition, partition)}")
+            ax.set_xlabel("round (references: equal compute)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -100,7 +103,7 @@ def write_report(out: Path, methods: list[str], partitions: list[str], seeds: li
     text = "\n".join([f"# FedProIn benchmark: {title}", "", f"`{command}`", "",
                       "Final-round test metrics of the global model (SOLO and FedProto: mean over the hospitals' own "
                       "models), mean ± std over seeds.", "", table(runs, methods, partitions), "",
-                      "![accuracy over rounds](accuracy.png)", ""])
+                      "![accuracy and MCC over rounds](accuracy.png)", ""])
     (out / "table.md").write_text(text)
     plot(runs, methods, partitions, out / "accuracy.png", title)
     return text

@@ -1,0 +1,41 @@
+"""The FedProIn benchmark's bookkeeping: job configs per method, the Table-1 summary and the round scale."""
+
+from __future__ import annotations
+
+from benchmarks.fedproin.report import curves, table
+from benchmarks.fedproin.run import ABLATIONS, PRESETS, PROTOCOL, job_config
+
+
+def run_record(method, partition, seed, accuracy, f1, mcc, rounds=(2, 4)):
+    history = [{"round": r, "test": {"accuracy": accuracy * r / rounds[-1], "f1_weighted": f1, "mcc": mcc}}
+               for r in rounds]
+    return {"method": method, "partition": partition, "seed": seed, "seconds": 120.0,
+            "config": {"fraction-train": 0.5}, "history": history}
+
+
+def test_table_reports_mean_and_std_of_the_final_round_over_seeds():
+    runs = [run_record("FedProIn", "dirichlet", 0, 0.6, 0.5, 0.30), run_record("FedProIn", "dirichlet", 1, 0.8, 0.7, 0.40),
+            run_record("FedAvg", "dirichlet", 0, 0.7, 0.6, 0.25)]
+    text = table(runs, ["FedAvg", "FedProIn", "MOON"], ["dirichlet"])
+    lines = text.splitlines()
+    assert lines[0] == "| method | Dir(0.5) Acc (%) | Dir(0.5) W-F1 (%) | Dir(0.5) MCC | seeds | minutes / run |"
+    assert lines[2] == "| FedAvg | 70.0 | 60.0 | 0.250 | 0 | 2.0 |"
+    assert lines[3] == "| FedProIn | 70.0 ± 10.0 | 60.0 ± 10.0 | 0.350 ± 0.050 | 0,1 | 2.0 |"
+    assert lines[4] == "| MOON | - | - | - | - | - |"
+
+
+def test_references_are_plotted_on_the_federated_round_scale():
+    runs = [run_record("SOLO", "iid", 0, 0.5, 0.4, 0.2, rounds=(5,)), run_record("FedAvg", "iid", 0, 0.6, 0.5, 0.3)]
+    rounds, accuracy = curves(runs, "SOLO", "iid", "accuracy")
+    assert rounds.tolist() == [10.0] and accuracy.tolist() == [0.5]  # 5 rounds with all data = 10 at 50 %
+    assert curves(runs, "FedAvg", "iid", "accuracy")[0].tolist() == [2, 4]
+
+
+def test_job_configs_share_the_protocol_and_apply_each_methods_overrides():
+    base = {**PROTOCOL, **PRESETS["cpu"]["job"], "partitioner": "dirichlet", "seed": 1}
+    no_nia = job_config(base, *ABLATIONS["FedProIn no NIA"])
+    assert no_nia.strategy == "fedproin" and no_nia.fedproin.aggregation == "fedavg" and no_nia.fedproin.fdl_weight == 1.0
+    solo = job_config(base, "solo", {})
+    assert solo.strategy == "fedavg" and solo.evaluate_every == base["num_server_rounds"] // 2
+    for cfg in (no_nia, solo):
+        assert (cfg.fraction_train, cfg.image_size, cfg.resnet_width, cfg.seed) == (0.5, 28, 0.25, 1)
