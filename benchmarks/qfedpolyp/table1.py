@@ -142,8 +142,8 @@ def render(rows: list[dict[str, Any]], title: str, command: str, setting: str) -
         cells = [f"({row['config']})"]
         for source in SOURCES:
             cells += [f"{row[source]['dice']:.3f}", f"{row[source]['iou']:.3f}", str(row[source]["converged"])]
-        ratio = baseline["uplink_bytes"] / row["uplink_bytes"] if baseline else float("nan")
-        cells += [f"{row['dice']:.3f}", f"{row['uplink_bytes'] / 1e6:.2f}", f"{ratio:.2f}x smaller"]
+        ratio = f"{baseline['uplink_bytes'] / row['uplink_bytes']:.2f}x smaller" if baseline else "no 32-bit row"
+        cells += [f"{row['dice']:.3f}", f"{row['uplink_bytes'] / 1e6:.2f}", ratio]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Round of convergence: first round whose test Dice on that data set is within "
               f"{CONVERGENCE_TOLERANCE} of the best it reached. Uplink: serialised reply messages of all five "
