@@ -8,10 +8,9 @@ concatenations (``FloatFunctional``), so the whole network runs in int8 between 
 dequantise.
 
 The 2x2 stride-2 transposed convolutions are rewritten, exactly, as a 1x1 convolution to 4x the
-channels followed by a pixel shuffle: torch 2.13's quantised ``ConvTranspose2d`` gives wrong results
-for stride 2 with the x86/fbgemm and onednn engines (errors larger than the outputs themselves,
-tests/test_qfedpolyp_int8.py shows it), while quantised 1x1 convolutions are exact to int8 precision
-and take per-channel weights.
+channels and a pixel shuffle (``ShuffleUpsample``): torch 2.13's quantised ``ConvTranspose2d`` with
+stride 2 gives errors larger than its outputs with the x86/fbgemm and onednn engines (numbers in
+docs/qfedpolyp.md), while quantised 1x1 convolutions are right and take per-channel weights.
 """
 
 from __future__ import annotations
@@ -64,10 +63,12 @@ class QuantisedConcat(nn.Module):
 
 
 class ShuffleUpsample(nn.Module):
-    """``ConvTranspose2d(kernel_size=k, stride=k)`` as ``PixelShuffle(k)(Conv2d 1x1 to C_out*k*k)``.
+    """``ConvTranspose2d(kernel_size=k, stride=k)`` as a 1x1 conv to ``k*k*C_out`` channels and a pixel shuffle.
 
-    Output pixel (k*i + a, k*j + b) of channel o is ``sum_c x[c, i, j] * W[c, o, a, b] + bias[o]`` in
-    both; the 1x1 conv's output channel ``o*k*k + a*k + b`` is what the pixel shuffle puts there.
+    Output pixel (k*i + a, k*j + b) of channel o is ``sum_c x[c, i, j] * W[c, o, a, b] + bias[o]`` in both:
+    the 1x1 conv computes it as its channel ``(a*k + b)*C_out + o``, and the shuffle moves it into place.
+    The shuffle is written for channels-last memory, the layout of quantised convolutions: one copy, and
+    a channels-last result, which the quantised concatenation that follows needs for its fast path.
     """
 
     def __init__(self, transposed: nn.ConvTranspose2d):
@@ -77,15 +78,20 @@ class ShuffleUpsample(nn.Module):
                 or transposed.output_padding != (0, 0) or transposed.dilation != (1, 1) or transposed.groups != 1):
             raise ValueError(f"only non-overlapping transposed convolutions can be rewritten, not {transposed}")
         c_in, c_out = transposed.in_channels, transposed.out_channels
+        self.factor, self.out_channels = k, c_out
         self.conv = nn.Conv2d(c_in, c_out * k * k, 1, bias=transposed.bias is not None)
         with torch.no_grad():
-            self.conv.weight.copy_(transposed.weight.permute(1, 2, 3, 0).reshape(c_out * k * k, c_in, 1, 1))
+            self.conv.weight.copy_(transposed.weight.permute(2, 3, 1, 0).reshape(k * k * c_out, c_in, 1, 1))
             if transposed.bias is not None:
-                self.conv.bias.copy_(transposed.bias.repeat_interleave(k * k))
-        self.shuffle = nn.PixelShuffle(k)
+                self.conv.bias.copy_(transposed.bias.repeat(k * k))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shuffle(self.conv(x))
+        y = self.conv(x)
+        n, _, h, w = y.shape
+        k, c = self.factor, self.out_channels
+        y = y.permute(0, 2, 3, 1).reshape(n, h, w, k, k, c)  # (n, i, j, a, b, o)
+        y = y.permute(0, 1, 3, 2, 4, 5).reshape(n, h * k, w * k, c)  # (n, k*i + a, k*j + b, o)
+        return y.permute(0, 3, 1, 2)  # NCHW shape, channels-last memory
 
 
 class QuantisedModel(nn.Module):
