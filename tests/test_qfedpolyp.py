@@ -242,6 +242,18 @@ def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_coun
     assert server.global_arrays["enc1.bn1.num_batches_tracked"] == models[2]["enc1.bn1.num_batches_tracked"]
 
 
+def test_a_hospital_that_drops_out_does_not_shift_the_others_bit_widths_even_after_a_resume(polyp_job):
+    server = Federation(polyp_job).method
+    everyone = [HospitalInfo(f"hospital-0{i}", 10) for i in range(3)]
+    server.hospitals_available(1, everyone)
+    server.hospitals_available(2, [everyone[0], everyone[2]])  # hospital-01 is gone
+    assert server.downlink(2, everyone[2]).config[BIT_WIDTH_KEY] == 32
+    restarted = Federation(polyp_job).method
+    restarted.load_state_dict(server.state_dict())
+    restarted.hospitals_available(3, [everyone[2]])
+    assert restarted.downlink(3, everyone[2]).config[BIT_WIDTH_KEY] == 32
+
+
 def test_two_in_process_rounds_with_mixed_bit_widths_and_a_quantised_downlink(polyp_job):
     from common.inprocess import run_rounds, simulated_sites
 

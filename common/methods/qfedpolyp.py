@@ -18,7 +18,8 @@ from common.config import ConfigError
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 from common.quantization.fake_quant import quantization_aware
 
-from .base import HospitalInfo, HospitalMethod, HospitalUpdate, Payload, RejectedUpdate, ServerMethod
+from .base import (HospitalInfo, HospitalMethod, HospitalUpdate, Payload, RejectedUpdate, ServerMethod, pack_json,
+                   unpack_json)
 
 PACKED = "packed-model"  #: the array group holding an encoded model, both ways
 BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital
@@ -52,7 +53,8 @@ class QFedPolypServer(ServerMethod):
         self._downlink_cache: tuple[int, NamedArrays] | None = None
 
     def hospitals_available(self, rnd: int, hospitals: list[HospitalInfo]) -> None:
-        self.roster = sorted(h.name for h in hospitals)
+        """Every hospital ever seen keeps its rank, so one that drops out does not shift the others' bit-widths."""
+        self.roster = sorted(set(self.roster) | {h.name for h in hospitals})
 
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         bits = assign_bit_width(hospital, self.roster, self.cfg.qfedpolyp.bit_width_list)
@@ -80,6 +82,14 @@ class QFedPolypServer(ServerMethod):
         self._decoded.clear()
         self.global_arrays = weighted_average(models, [u.num_examples for u in updates])
         return {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
+
+
+    def state_dict(self) -> NamedArrays:
+        return {**super().state_dict(), "roster": pack_json(self.roster)}
+
+    def load_state_dict(self, state: NamedArrays) -> None:
+        super().load_state_dict(state)
+        self.roster = unpack_json(state["roster"]) if "roster" in state else []
 
 
 class QFedPolypHospital(HospitalMethod):
