@@ -36,8 +36,8 @@ def test_serverapp_stopped_mid_run_resumes_to_the_same_model_and_corrupt_hospita
                               "device": "cpu"})
              for name, folder in (("hospital-00", sites / "hospital-00"), ("hospital-01", sites / "hospital-01"),
                                   ("hospital-broken", broken))]
-    job = {"strategy": "fedproin", "dataset": "npz", "test-dir": str(sites / "test"), "image-size": 16,
-           "batch-size": 16, "num-server-rounds": ROUNDS, "round-timeout": 300.0,
+    job = {"strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
+           "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "round-timeout": 300.0,
            "results-dir": str(tmp_path / "results")}
     with stopped_at_exit(superlink, *nodes):
         straight_id = run_to_completion(home, {**job, "run-name": "straight"}, connection="site", timeout=900)

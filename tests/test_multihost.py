@@ -66,8 +66,8 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
 
             run_dir = tmp_path / "results" / "consortium"
             run_id = submit_run(home, "consortium", {
-                "strategy": "fedproin", "dataset": "npz", "test-dir": str(sites / "test"), "image-size": 16,
-                "batch-size": 16, "num-server-rounds": ROUNDS, "min-available-hospitals": 3, "min-train-hospitals": 2,
+                "strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
+                "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "min-available-hospitals": 3, "min-train-hospitals": 2,
                 "round-timeout": 60.0, "run-name": "consortium", "results-dir": str(tmp_path / "results")})
             # after round 1: kill hospital-02 as round 2 starts; after 2: restart it (same key and state
             # folder); after 3: cut hospital-01's cable; after 4: restore it
