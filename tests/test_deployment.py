@@ -1,45 +1,85 @@
-"""A real deployment on loopback: one SuperLink, two hospital SuperNodes, each with its own data folder
-written by ``fedmed partition``."""
+"""Faults in a loopback deployment: the ServerApp stopped mid-run and resumed from its checkpoint ends with the
+same model as an uninterrupted run; a hospital whose data file is corrupt is reported by name while the others
+train; checkpoints already written stay readable when a save is interrupted."""
 
 from __future__ import annotations
 
-import json
+import time
 
+import numpy as np
 import pytest
 
 from common.cli import main as fedmed
-from common.launch import FlowerHome, free_port, start_superlink, start_supernode
+from common.launch import FlowerHome, flwr, free_port, run_log, run_status, start_superlink, start_supernode, submit_run
+from server_app.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from server_app.results import read_history
 
-from .flower_processes import TINY_JOB, run_to_completion, stopped_at_exit
+from .flower_processes import run_to_completion, stopped_at_exit
 
-pytestmark = pytest.mark.integration
+ROUNDS = 4
 
 
-def test_superlink_and_two_supernodes_with_their_own_data(tmp_path):
+@pytest.mark.integration
+def test_serverapp_stopped_mid_run_resumes_to_the_same_model_and_corrupt_hospital_is_named(tmp_path):
     sites = tmp_path / "sites"
     assert fedmed(["partition", "--hospitals", "2", "--out", str(sites),
-                   "--run-config", "synthetic-samples=120 image-size=16 partitioner='dirichlet' min-partition-size=5"]) == 0
-    manifest = json.loads((sites / "manifest.json").read_text())
-    assert set(manifest["sites"]) == {"test", "hospital-00", "hospital-01"}
-    assert (sites / "hospital-00" / "data.npz").is_file()
+                   "--run-config", "synthetic-samples=160 image-size=16 min-partition-size=5"]) == 0
+    broken = tmp_path / "broken-site"
+    broken.mkdir()
+    (broken / "data.npz").write_bytes(b"PK\x03\x04 this is not a whole npz file")
 
     home = FlowerHome(tmp_path / "flwr-home")
     port = free_port()
-    superlink = start_superlink(home, port, simulation=False, connection="deployment")
+    superlink = start_superlink(home, port, simulation=False, connection="site")
     nodes = [start_supernode(home, f"127.0.0.1:{port}", free_port(),
-                             {"hospital": name, "data-dir": str(sites / name), "state-dir": str(tmp_path / "state" / name),
+                             {"hospital": name, "data-dir": str(folder), "state-dir": str(tmp_path / "state" / name),
                               "device": "cpu"})
-             for name in ("hospital-00", "hospital-01")]
+             for name, folder in (("hospital-00", sites / "hospital-00"), ("hospital-01", sites / "hospital-01"),
+                                  ("hospital-broken", broken))]
+    job = {"strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
+           "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "round-timeout": 300.0,
+           "results-dir": str(tmp_path / "results")}
     with stopped_at_exit(superlink, *nodes):
-        run_to_completion(home, {**TINY_JOB, "dataset": "npz", "test-dir": str(sites / "test"), "num-server-rounds": 2,
-                                 "run-name": "deployed", "results-dir": str(tmp_path / "results")},
-                          connection="deployment", timeout=300)
+        straight_id = run_to_completion(home, {**job, "run-name": "straight"}, connection="site", timeout=900)
 
-    history = read_history(tmp_path / "results" / "deployed")
-    assert [r["round"] for r in history] == [1, 2]
-    assert all(sorted(r["aggregated"]) == ["hospital-00", "hospital-01"] for r in history)
-    trained = {name: history[-1]["hospital_metrics"][name]["num-examples"] for name in ("hospital-00", "hospital-01")}
-    expected = {name: manifest["sites"][name]["samples"] for name in trained}
-    assert all(0.8 * expected[n] <= trained[n] < expected[n] for n in trained)  # its own folder, minus validation
-    assert history[-1]["test"]["num-examples"] == manifest["sites"]["test"]["samples"]
+        stopped_id = submit_run(home, "site", {**job, "run-name": "stopped"})
+        stopped_dir = tmp_path / "results" / "stopped"
+        deadline = time.time() + 900
+        while not any(p.name == "round-00002.npz" for p in list_checkpoints(stopped_dir)):
+            assert time.time() < deadline
+            time.sleep(0.5)
+        assert flwr(home, "stop", str(stopped_id), "site").returncode == 0  # the ServerApp is stopped mid-run
+        while not run_status(home, "site", stopped_id).startswith("finished"):
+            time.sleep(3)
+        assert run_status(home, "site", stopped_id) == "finished:stopped"
+        assert len(read_history(stopped_dir)) < ROUNDS
+
+        run_to_completion(home, {**job, "run-name": "stopped", "resume-from": str(stopped_dir)}, connection="site",
+                          timeout=900)
+        server_log = run_log(home, "site", straight_id)
+
+    straight, resumed = load_checkpoint(tmp_path / "results" / "straight"), load_checkpoint(stopped_dir)
+    model_keys = [k for k in straight if k.startswith("method/global/")]
+    assert model_keys
+    for key in model_keys:
+        np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+    assert [r["round"] for r in read_history(stopped_dir)] == list(range(1, ROUNDS + 1))
+    # the broken hospital never joined; the server's log names its file
+    assert all(set(r["chosen"]) == {"hospital-00", "hospital-01"} for r in read_history(stopped_dir))
+    assert "hospital-broken" in server_log and "data.npz: cannot read npz" in server_log
+
+
+def test_interrupted_checkpoint_write_leaves_the_last_checkpoint_readable(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 1, {"method/global/w": np.arange(3.0)})
+
+    def crash(path, **arrays):
+        with open(path, "wb") as handle:
+            handle.write(b"PK\x03\x04 half written")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, {"method/global/w": np.arange(3.0) * 2})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00001.npz"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["round-00001.npz"]  # no debris
+    np.testing.assert_array_equal(load_checkpoint(tmp_path)["method/global/w"], np.arange(3.0))
