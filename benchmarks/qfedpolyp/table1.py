@@ -24,10 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# Threads that sleep instead of spinning at OpenMP barriers (set before torch is first imported): on two
+# cores shared with other jobs, spinning made the same U-Net training step 10x slower (5.2 s against 0.33 s).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 
