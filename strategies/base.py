@@ -63,6 +63,7 @@ class MethodStrategy(Strategy):
 
     method_name: str = ""
     RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
+    QUERY_PATIENCE = 45.0  # seconds before an identity query without reply is sent again
 
     def __init__(self, federation: Federation, on_round_end: RoundCallback | None = None,
                  wait_for_hospitals: float = 600.0):
@@ -92,26 +93,36 @@ class MethodStrategy(Strategy):
                 log.info("hospital %s (node %d) disconnected", self.hospitals.pop(node).name, node)
         retry_after = time.time() - self.RETRY_FAILED_NODES_AFTER
         new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
-        if not new:
+        give_up = time.time() + self.cfg.round_timeout
+        while new and time.time() < give_up:
+            for reply in send_and_receive(grid, self.identity_queries(new), min(self.QUERY_PATIENCE, give_up - time.time())):
+                node = reply.metadata.src_node_id
+                if node in new:
+                    new.remove(node)
+                    self.learn_identity(node, reply)
+            if new:  # a reply lost on the way (e.g. to a run stopped meanwhile) is not waited for forever
+                log.info("asking node(s) %s again which hospital they are", ", ".join(map(str, new)))
+
+    @staticmethod
+    def identity_queries(nodes: list[int]) -> list[Message]:
+        return [Message(RecordDict({"config": ConfigRecord({"query": "hospital-info"})}),
+                        message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+
+    def learn_identity(self, node: int, reply: Message) -> None:
+        if reply.has_error():
+            log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
+            self.unusable[node] = time.time()
             return
-        queries = [Message(RecordDict({"config": ConfigRecord({"query": "hospital-info"})}),
-                           message_type=MessageType.QUERY, dst_node_id=node) for node in new]
-        for reply in send_and_receive(grid, queries, self.cfg.round_timeout):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
-                self.unusable[node] = time.time()
-                continue
-            info = reply.content.config_records["hospital"]
-            properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}
-            hospital = HospitalInfo(str(info["name"]), int(info["num-examples"]), properties)
-            for old_node, old in list(self.hospitals.items()):
-                if old.name == hospital.name:  # a restarted SuperNode comes back under a new node id
-                    log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)
-                    del self.hospitals[old_node]
-            self.hospitals[node] = hospital
-            log.info("hospital %s on node %d: %d training samples %s", hospital.name, node,
-                     hospital.num_examples, properties or "")
+        info = reply.content.config_records["hospital"]
+        properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}
+        hospital = HospitalInfo(str(info["name"]), int(info["num-examples"]), properties)
+        for old_node, old in list(self.hospitals.items()):
+            if old.name == hospital.name:  # a restarted SuperNode comes back under a new node id
+                log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)
+                del self.hospitals[old_node]
+        self.hospitals[node] = hospital
+        log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
+                 properties or "")
 
     # --- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:

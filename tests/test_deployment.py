@@ -1,9 +1,11 @@
-"""Faults in a loopback deployment: the ServerApp stopped mid-run and resumed from its checkpoint ends with the
-same model as an uninterrupted run; a hospital whose data file is corrupt is reported by name while the others
-train; checkpoints already written stay readable when a save is interrupted."""
+"""A real deployment on loopback: one SuperLink and hospital SuperNodes, each with its own data folder written
+by ``fedmed partition``. A run completes on the hospitals' own data; the ServerApp stopped mid-run and resumed
+from its checkpoint ends with the same model as an uninterrupted run; a hospital whose data file is corrupt is
+reported by name while the others train; checkpoints already written stay readable when a save is interrupted."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -20,10 +22,12 @@ ROUNDS = 4
 
 
 @pytest.mark.integration
-def test_serverapp_stopped_mid_run_resumes_to_the_same_model_and_corrupt_hospital_is_named(tmp_path):
+def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_path):
     sites = tmp_path / "sites"
     assert fedmed(["partition", "--hospitals", "2", "--out", str(sites),
-                   "--run-config", "synthetic-samples=160 image-size=16 min-partition-size=5"]) == 0
+                   "--run-config", "synthetic-samples=160 image-size=16 min-partition-size=5 partitioner='dirichlet'"]) == 0
+    manifest = json.loads((sites / "manifest.json").read_text())
+    assert set(manifest["sites"]) == {"test", "hospital-00", "hospital-01"}
     broken = tmp_path / "broken-site"
     broken.mkdir()
     (broken / "data.npz").write_bytes(b"PK\x03\x04 this is not a whole npz file")
@@ -57,6 +61,14 @@ def test_serverapp_stopped_mid_run_resumes_to_the_same_model_and_corrupt_hospita
         run_to_completion(home, {**job, "run-name": "stopped", "resume-from": str(stopped_dir)}, connection="site",
                           timeout=900)
         server_log = run_log(home, "site", straight_id)
+
+    history = read_history(tmp_path / "results" / "straight")
+    assert [r["round"] for r in history] == list(range(1, ROUNDS + 1))
+    assert all(sorted(r["aggregated"]) == ["hospital-00", "hospital-01"] for r in history)
+    for name in ("hospital-00", "hospital-01"):  # each trained on its own folder, minus its validation share
+        assert 0.8 * manifest["sites"][name]["samples"] <= history[-1]["hospital_metrics"][name]["num-examples"] \
+            < manifest["sites"][name]["samples"]
+    assert history[-1]["test"]["num-examples"] == manifest["sites"]["test"]["samples"]
 
     straight, resumed = load_checkpoint(tmp_path / "results" / "straight"), load_checkpoint(stopped_dir)
     model_keys = [k for k in straight if k.startswith("method/global/")]
