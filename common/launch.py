@@ -25,8 +25,13 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def flower_env(home: Path) -> dict[str, str]:
-    """Environment for every Flower process: private FLWR_HOME, no telemetry, no dependency installs."""
+    """Environment for every Flower process: private FLWR_HOME, no telemetry, no dependency installs.
+
+    The SuperLink and SuperNode start ``flower-superexec`` and ``flwr-clientapp`` by name, so this
+    environment's ``bin`` leads PATH even when the venv is not activated (as in CI).
+    """
     env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env.update({
         "FLWR_HOME": str(home),
         "FLWR_TELEMETRY_ENABLED": "0",
@@ -48,13 +53,26 @@ def wait_for_port(host: str, port: int, timeout: float, process: subprocess.Pope
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"process {process.pid} exited with {process.returncode} before {host}:{port} opened")
+            raise RuntimeError(f"process {process.pid} exited with {process.returncode} before {host}:{port} opened"
+                               f"{_log_tail_of(process)}")
         try:
             with socket.create_connection((host, port), timeout=1):
                 return
         except OSError:
             time.sleep(0.3)
     raise TimeoutError(f"{host}:{port} did not open within {timeout:.0f}s")
+
+
+def _log_tail_of(process: subprocess.Popen, lines: int = 30) -> str:
+    """The last lines a process started by :func:`start_process` logged, for error messages."""
+    log_path = getattr(process, "log_path", None)
+    if log_path is None:
+        return ""
+    try:
+        tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"; the end of its log {log_path}:\n" + "\n".join(tail)
 
 
 @dataclass
@@ -104,6 +122,7 @@ def start_process(name: str, args: list[str], home: Path, log_dir: Path, env: Ma
     process = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=dict(env or flower_env(home)),
                                cwd=cwd, start_new_session=True)
     handle.close()
+    process.log_path = log_path  # read back by wait_for_port's error message
     return ManagedProcess(name, process, log_path)
 
 
