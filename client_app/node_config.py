@@ -24,6 +24,8 @@ class NodeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     modalities: str = Field("", description="Brain task: the MRI modalities this hospital has, e.g. 'flair,t1ce'.")
     bit_width: int = Field(0, ge=0, le=32, description="QFedPolyp: this hospital's bit-width (0: from run config).")
+    warm_worker: bool = Field(False, description="Deployment: keep torch and the data loaded in a worker process "
+                                                 "between messages (client_app/worker.py).")
 
     @field_validator("bit_width")
     @classmethod

@@ -11,7 +11,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-NamedArrays = dict[str, np.ndarray]
+from common.payload import NamedArrays
 
 
 class ArraysMismatch(ValueError):

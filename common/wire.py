@@ -1,60 +1,45 @@
 """Payloads on Flower's wire: Payload <-> RecordDict, and the measured size of a serialised message.
 
-The only module of ``common`` that imports Flower; the methods never see Flower types.
+A payload travels as one byte array (``common.payload.payload_to_bytes``: an ``.npz`` archive, no
+pickle) in one ArrayRecord. Flower moves every array of a message as separate objects, each a
+request to the SuperLink; a model with dozens of tensors as dozens of arrays cost seconds per
+round in pushes and pulls on a busy machine, one blob costs a handful of requests (large blobs
+still travel in Flower's chunks). The only module of ``common`` that imports Flower; the methods
+never see Flower types.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from common.methods.base import Payload
+from common.payload import Payload, payload_from_bytes, payload_to_bytes
 
-ARRAYS_PREFIX = "arrays."
-CONFIG_KEY = "config"
-METRICS_KEY = "metrics"
+PAYLOAD_RECORD = "fedmed.payload"
+PAYLOAD_ARRAY = "npz"
 
 
 class MalformedPayload(ValueError):
-    """A RecordDict that is not one of ours (unexpected records or undecodable arrays)."""
+    """A RecordDict that is not one of ours (unexpected records or undecodable content)."""
 
 
 def to_recorddict(payload: Payload) -> RecordDict:
-    records: dict[str, Any] = {
-        f"{ARRAYS_PREFIX}{group}": ArrayRecord({name: Array(np.require(value, requirements="C")) for name, value in arrays.items()})
-        for group, arrays in payload.arrays.items()
-    }
-    records[CONFIG_KEY] = ConfigRecord(dict(payload.config))
-    records[METRICS_KEY] = MetricRecord({k: _metric(v) for k, v in payload.metrics.items()})
-    return RecordDict(records)
-
-
-def _metric(value: Any) -> float | int | list:
-    if isinstance(value, (bool, np.bool_)):
-        return int(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [float(v) for v in np.asarray(value, dtype=np.float64).ravel()]
-    return float(value)
+    blob = np.frombuffer(payload_to_bytes(payload), dtype=np.uint8)
+    return RecordDict({PAYLOAD_RECORD: ArrayRecord({PAYLOAD_ARRAY: Array(blob)})})
 
 
 def from_recorddict(content: RecordDict) -> Payload:
-    payload = Payload()
-    for key, record in content.array_records.items():
-        if not key.startswith(ARRAYS_PREFIX):
-            raise MalformedPayload(f"unexpected array record {key!r}")
-        try:
-            payload.arrays[key.removeprefix(ARRAYS_PREFIX)] = {name: array.numpy() for name, array in record.items()}
-        except Exception as error:  # np.load of a corrupted array
-            raise MalformedPayload(f"array record {key!r} cannot be decoded: {error}") from None
-    config = content.config_records.get(CONFIG_KEY)
-    payload.config = dict(config) if config is not None else {}
-    metrics = content.metric_records.get(METRICS_KEY)
-    payload.metrics = dict(metrics) if metrics is not None else {}
+    unexpected = sorted(set(content) - {PAYLOAD_RECORD})
+    if unexpected:
+        raise MalformedPayload(f"unexpected record {unexpected[0]!r}")
+    record = content.array_records.get(PAYLOAD_RECORD)
+    if record is None or set(record) != {PAYLOAD_ARRAY}:
+        raise MalformedPayload(f"no {PAYLOAD_RECORD!r} record holding one {PAYLOAD_ARRAY!r} array")
+    try:
+        payload, _ = payload_from_bytes(record[PAYLOAD_ARRAY].numpy().tobytes())
+    except Exception as error:  # a truncated or corrupted archive
+        raise MalformedPayload(f"payload cannot be decoded: {type(error).__name__}: {error}") from None
     return payload
 
 

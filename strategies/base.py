@@ -41,16 +41,21 @@ def numeric_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float
 
 
 def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-    """Push messages and collect replies until all are in or ``timeout`` passes.
+    """Push messages and collect replies until all are in or ``timeout`` passes."""
+    return collect_replies(grid, {mid for mid in grid.push_messages(messages) if mid}, timeout)
+
+
+def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None) -> list[Message]:
+    """Replies to the ``pending`` message ids until all (or ``enough``) are in or ``timeout`` passes.
 
     Flower's ``Grid.send_and_receive`` sleeps 3 s between polls, which adds 1.5 s on average to
     every round trip; here the first polls come every 0.25 s, slowing to 2 s for long trainings.
+    ``pending`` loses the ids that were answered.
     """
-    pending = {mid for mid in grid.push_messages(messages) if mid}
     replies: list[Message] = []
     started = time.time()
-    while pending and time.time() - started < timeout:
-        arrived = list(grid.pull_messages(pending))
+    while pending and time.time() - started < timeout and (enough is None or len(replies) < enough):
+        arrived = list(grid.pull_messages(set(pending)))
         replies.extend(arrived)
         pending -= {m.metadata.reply_to_message_id for m in arrived}
         if pending:
@@ -94,8 +99,10 @@ class MethodStrategy(Strategy):
         retry_after = time.time() - self.RETRY_FAILED_NODES_AFTER
         new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
         give_up = time.time() + self.cfg.round_timeout
+        asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
         while new and time.time() < give_up:
-            for reply in send_and_receive(grid, self.identity_queries(new), min(self.QUERY_PATIENCE, give_up - time.time())):
+            asked |= {mid for mid in grid.push_messages(self.identity_queries(new)) if mid}
+            for reply in collect_replies(grid, asked, min(self.QUERY_PATIENCE, give_up - time.time()), len(new)):
                 node = reply.metadata.src_node_id
                 if node in new:
                     new.remove(node)

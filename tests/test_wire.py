@@ -45,5 +45,10 @@ def test_recorddict_from_elsewhere_is_refused():
     from common.wire import MalformedPayload
 
     foreign = RecordDict({"weights": ArrayRecord({"w": Array(np.zeros(2, np.float32))})})
-    with pytest.raises(MalformedPayload, match="unexpected array record 'weights'"):
+    with pytest.raises(MalformedPayload, match="unexpected record 'weights'"):
         from_recorddict(foreign)
+    truncated = to_recorddict(payload_of(100))
+    blob = truncated["fedmed.payload"]["npz"].numpy()
+    truncated["fedmed.payload"]["npz"] = Array(blob[: len(blob) // 2].copy())
+    with pytest.raises(MalformedPayload, match="cannot be decoded"):
+        from_recorddict(truncated)

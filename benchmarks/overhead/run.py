@@ -5,7 +5,9 @@ deployment, where hospitals work in parallel; the sum in a simulation on this ma
 runs one virtual hospital at a time). Both apps train the same ~25k-parameter CNN on the same
 generated data, so the difference is orchestration: fedmed sends one message per hospital per
 round (the hospital evaluates the received model inside its training reply), polls for replies
-every 0.25 s instead of every 3 s, and keeps the ClientApp's imports to torch and Flower.
+every 0.25 s at first instead of every 3 s, and sends each payload as one byte array instead of one
+Flower object per tensor. ``fedmed-worker`` also keeps torch and the data loaded in each
+hospital's warm worker (node config ``warm-worker=true``).
 
     python -m benchmarks.overhead.run                       # loopback deployment + simulation
     python -m benchmarks.overhead.run --deployment 2 4 --simulation 2 10 50 100 --rounds 6
@@ -28,6 +30,8 @@ from server_app.results import read_history
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 SAMPLES_PER_HOSPITAL = 80
+#: stock Flower FedAvg; fedmed as shipped; fedmed with each SuperNode's ``warm-worker=true``
+APPS = ("stock", "fedmed", "fedmed-worker")
 IMAGE_SIZE = 16
 
 
@@ -53,13 +57,14 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
     link = start_superlink(home, port, simulation=False, connection="bench")
     nodes = []
     try:
-        if app == "fedmed":
+        if app.startswith("fedmed"):
             sites = work / "sites"
             cfg = JobConfig(synthetic_samples=SAMPLES_PER_HOSPITAL * hospitals, image_size=IMAGE_SIZE, min_partition_size=5,
                             test_fraction=0.1)
             export_partitions(cfg, hospitals, sites)
             configs = [{"hospital": f"hospital-{i:02d}", "data-dir": str(sites / f"hospital-{i:02d}"),
-                        "state-dir": str(work / "state" / f"h{i}"), "device": "cpu"} for i in range(hospitals)]
+                        "state-dir": str(work / "state" / f"h{i}"), "device": "cpu",
+                        "warm-worker": app == "fedmed-worker"} for i in range(hospitals)]
             run_config = fedmed_job(hospitals, rounds, work / "results", dataset="npz", **{"test-dir": str(sites / "test")})
             app_dir = HERE.parent.parent
         else:
@@ -77,7 +82,7 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
     finally:
         for process in [*nodes, link]:
             process.stop()
-    if app == "fedmed":
+    if app.startswith("fedmed"):
         return fedmed_rounds(work / "results" / "overhead", parallel=True)
     return json.loads(timings.read_text())
 
@@ -117,7 +122,7 @@ def main() -> None:
     measured: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fedmed-overhead-") as tmp:
         for hospitals in args.deployment:
-            for app in ("stock", "fedmed"):
+            for app in APPS:
                 started = time.time()
                 rows = run_deployment(app, hospitals, args.rounds, Path(tmp) / f"deploy-{app}-{hospitals}")
                 measured[f"deployment/{app}/{hospitals}"] = {**summarise(rows), "per_round": rows}
@@ -135,12 +140,14 @@ def main() -> None:
              "rounds 2.. (round 1 includes start-up). Same ~25k-parameter CNN and generated data "
              f"({SAMPLES_PER_HOSPITAL} samples per hospital, {IMAGE_SIZE}x{IMAGE_SIZE}) in both apps.", "",
              "## Loopback deployment (one SuperLink, one SuperNode per hospital)", "",
-             "| hospitals | stock FedAvg round s | stock overhead s | fedmed round s | fedmed overhead s | fedmed / stock overhead |",
+             "| hospitals | app | round s | hospitals' compute s | overhead s | overhead / stock overhead |",
              "|---|---|---|---|---|---|"]
     for hospitals in args.deployment:
-        stock, ours = measured[f"deployment/stock/{hospitals}"], measured[f"deployment/fedmed/{hospitals}"]
-        lines.append(f"| {hospitals} | {stock['round_s']:.1f} | {stock['overhead_s']:.1f} | {ours['round_s']:.1f} | "
-                     f"{ours['overhead_s']:.1f} | {ours['overhead_s'] / stock['overhead_s']:.2f} |")
+        stock = measured[f"deployment/stock/{hospitals}"]
+        for app in APPS:
+            row = measured[f"deployment/{app}/{hospitals}"]
+            lines.append(f"| {hospitals} | {app} | {row['round_s']:.1f} | {row['compute_s']:.1f} | {row['overhead_s']:.1f} | "
+                         f"{row['overhead_s'] / stock['overhead_s']:.2f} |")
     lines += ["", "## Flower simulation engine (virtual hospitals, one at a time on this machine)", "",
               "| hospitals | round s | hospitals' compute s | overhead s | overhead per hospital s |", "|---|---|---|---|---|"]
     for hospitals in args.simulation:

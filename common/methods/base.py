@@ -13,33 +13,16 @@ import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from common.arrays import ArraysMismatch, NamedArrays, check_like
 from common.config import JobConfig
+from common.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the methods' message type)
 from common.site import Site
 from common.tasks import Task, get_task
-
-ConfigValue = Union[bool, int, float, str, bytes, list]
-
-
-@dataclass
-class Payload:
-    """One message's content: named array groups, scalar/bytes config and numeric metrics."""
-
-    arrays: dict[str, NamedArrays] = field(default_factory=dict)
-    config: dict[str, ConfigValue] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        """Raw content size (array bytes + config bytes), the in-process stand-in for measured traffic."""
-        array_bytes = sum(a.nbytes for group in self.arrays.values() for a in group.values())
-        config_bytes = sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in self.config.values())
-        return int(array_bytes + config_bytes + 8 * len(self.metrics))
-
 
 @dataclass(frozen=True)
 class HospitalInfo:

@@ -1,0 +1,58 @@
+"""A hospital's answers to the server's messages (identity, training, evaluation) on its own data.
+
+Runs wherever the hospital's work happens: in the ClientApp process itself (simulation, where
+Flower keeps that process alive between messages) or in the hospital's warm worker (deployment,
+``client_app/worker.py``). Loaded data sets are kept while the process lives.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping
+
+from common.config import JobConfig, load_job_config
+from common.methods.base import HospitalMethod, Payload
+from common.methods.registry import hospital_class
+from common.site import HospitalStateStore, Site, build_site
+
+from .node_config import NodeConfig, load_node_config
+
+_SITES: "OrderedDict[tuple, Site]" = OrderedDict()  # loaded data, reused while this process lives
+_MAX_SITES = 32
+
+
+def hospital_site(cfg: JobConfig, node: NodeConfig, run_name: str = "") -> Site:
+    """This hospital's site; its data is loaded once per process, its state folder is the run's."""
+    key = (cfg.model_dump_json(exclude={"run_name", "resume_from", "num_server_rounds"}), node.model_dump_json())
+    if key not in _SITES:
+        _SITES[key] = build_site(cfg, node.name, partition_id=node.partition_id, num_partitions=node.num_partitions,
+                                 data_dir=node.data_dir or None, device=node.device, properties=node.properties())
+        while len(_SITES) > _MAX_SITES:
+            _SITES.popitem(last=False)
+    _SITES.move_to_end(key)
+    site = _SITES[key]
+    site.state = HospitalStateStore(node.state_folder(cfg, run_name) if run_name else None)
+    return site
+
+
+def hospital_method(run_config: Mapping[str, Any], node_config: Mapping[str, Any],
+                    payload: Payload | None = None) -> HospitalMethod:
+    """The job's hospital half, on this node's site (its state folder is the run's, named in the payload)."""
+    cfg = load_job_config(run_config)
+    node = load_node_config(node_config)
+    run_name = str(payload.config.get("run-name", "")) if payload is not None else ""
+    return hospital_class(cfg.strategy)(cfg, hospital_site(cfg, node, run_name))
+
+
+def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:
+    """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics)."""
+    if kind == "query":
+        info = hospital_method(run_config, node_config).info()
+        return Payload(config={"name": info.name, "num-examples": info.num_examples,
+                               **{f"property.{k}": v for k, v in info.properties.items()}})
+    method = hospital_method(run_config, node_config, payload)
+    if kind == "train":
+        return method.timed_train(int(payload.config["server-round"]), payload)
+    if kind == "evaluate":
+        return Payload(metrics=method.evaluate(int(payload.config.get("server-round", 0)), payload))
+    raise ValueError(f"unknown message kind {kind!r}")
