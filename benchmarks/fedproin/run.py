@@ -46,8 +46,8 @@ DATASETS: dict[str, dict[str, Any]] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"job": {"image_size": 128, "num_server_rounds": 50, "local_epochs": 5, "batch_size": 128,
                       "learning_rate": 1e-4}, "seeds": [0, 1, 2]},
-    "cpu": {"job": {"image_size": 28, "resnet_width": 0.25, "num_server_rounds": 10, "local_epochs": 1,
-                    "batch_size": 32, "learning_rate": 1e-3, "evaluate_every": 2}, "seeds": [0, 1]},
+    "cpu": {"job": {"image_size": 28, "resnet_width": 0.25, "num_server_rounds": 10, "local_epochs": 2,
+                    "batch_size": 32, "learning_rate": 1e-3, "evaluate_every": 2}, "seeds": [0, 1, 2]},
 }
 PROTOCOL = {"fraction_train": 0.5, "min_train_hospitals": 2, "min_available_hospitals": 2, "min_partition_size": 10,
             "val_fraction": 0.125, "test_fraction": 0.2, "device": "auto"}  # 70 / 10 / 20 as in the paper
