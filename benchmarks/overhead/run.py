@@ -127,11 +127,16 @@ def main() -> None:
                 rows = run_deployment(app, hospitals, args.rounds, Path(tmp) / f"deploy-{app}-{hospitals}")
                 measured[f"deployment/{app}/{hospitals}"] = {**summarise(rows), "per_round": rows}
                 print(f"deployment {app} {hospitals} hospitals: {summarise(rows)} ({time.time() - started:.0f}s)", flush=True)
+                write_report(args, measured)  # after every measurement: an interrupted run keeps what it measured
         for hospitals in args.simulation:
             rows = run_simulation(hospitals, args.rounds, Path(tmp) / f"sim-{hospitals}")
             measured[f"simulation/fedmed/{hospitals}"] = {**summarise(rows), "per_round": rows}
             print(f"simulation {hospitals} hospitals: {summarise(rows)}", flush=True)
+            write_report(args, measured)
+    print(args.out.read_text())
 
+
+def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(measured, indent=2))
     lines = ["# Orchestration overhead per round", "",
@@ -143,19 +148,22 @@ def main() -> None:
              "| hospitals | app | round s | hospitals' compute s | overhead s | overhead / stock overhead |",
              "|---|---|---|---|---|---|"]
     for hospitals in args.deployment:
-        stock = measured[f"deployment/stock/{hospitals}"]
+        stock = measured.get(f"deployment/stock/{hospitals}")
         for app in APPS:
-            row = measured[f"deployment/{app}/{hospitals}"]
+            row = measured.get(f"deployment/{app}/{hospitals}")
+            if row is None:
+                continue
+            ratio = f"{row['overhead_s'] / stock['overhead_s']:.2f}" if stock else "-"
             lines.append(f"| {hospitals} | {app} | {row['round_s']:.1f} | {row['compute_s']:.1f} | {row['overhead_s']:.1f} | "
-                         f"{row['overhead_s'] / stock['overhead_s']:.2f} |")
+                         f"{ratio} |")
     lines += ["", "## Flower simulation engine (virtual hospitals, one at a time on this machine)", "",
               "| hospitals | round s | hospitals' compute s | overhead s | overhead per hospital s |", "|---|---|---|---|---|"]
     for hospitals in args.simulation:
-        ours = measured[f"simulation/fedmed/{hospitals}"]
-        lines.append(f"| {hospitals} | {ours['round_s']:.1f} | {ours['compute_s']:.1f} | {ours['overhead_s']:.1f} | "
-                     f"{ours['overhead_s'] / hospitals:.2f} |")
+        ours = measured.get(f"simulation/fedmed/{hospitals}")
+        if ours is not None:
+            lines.append(f"| {hospitals} | {ours['round_s']:.1f} | {ours['compute_s']:.1f} | {ours['overhead_s']:.1f} | "
+                         f"{ours['overhead_s'] / hospitals:.2f} |")
     args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
