@@ -84,9 +84,13 @@ class ServerMethod(ABC):
         if "model" not in update.payload.arrays:
             raise RejectedUpdate("reply carries no 'model' arrays")
         try:
-            check_like(update.payload.arrays["model"], self.global_arrays, "model update")
-        except ArraysMismatch as error:
+            check_like(update.payload.arrays["model"], self.expected_model(update), f"update of {update.hospital.name}")
+        except (ArraysMismatch, ValueError) as error:
             raise RejectedUpdate(str(error)) from None
+
+    def expected_model(self, update: HospitalUpdate) -> NamedArrays:
+        """The names, shapes and dtypes a hospital's model arrays must have (default: the global model's)."""
+        return self.global_arrays
 
     @abstractmethod
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:

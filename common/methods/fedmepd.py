@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays, weighted_average
+from common.arrays import NamedArrays, check_like, load_model_arrays, model_arrays, weighted_average
 from common.data.brats import MODALITIES
 
 from .anchors import MultiAnchors, collect_class_vectors
@@ -69,16 +69,9 @@ class FedMEPDServer(ServerTraining):
         mask = pack_mask(self.personalisation.mask(hospital.name), self.personalisation.sizes)
         return Payload(arrays=arrays, config={**self.round_config(rnd), MASK_KEY: mask})
 
-    def check(self, update: HospitalUpdate) -> None:
-        if update.num_examples <= 0:
-            raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
-        if "model" not in update.payload.arrays:
-            raise RejectedUpdate("reply carries no 'model' arrays")
-        try:
-            expected = self.hospital_arrays(hospital_modalities(update.hospital))
-            check_like(update.payload.arrays["model"], expected, f"update of {update.hospital.name}")
-        except (ArraysMismatch, ValueError) as error:
-            raise RejectedUpdate(str(error)) from None
+    def expected_model(self, update: HospitalUpdate) -> NamedArrays:
+        """Only the encoders of the hospital's own modalities (an unknown modality raises ValueError)."""
+        return self.hospital_arrays(hospital_modalities(update.hospital))
 
     # --- aggregation ------------------------------------------------------------------------------
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
