@@ -84,8 +84,8 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
                 for after, event in schedule.items():
                     if done >= after and event not in events:
                         events[event] = done + 1  # the round it hits
-                        if event == "kill":
-                            nodes["hospital-02"].stop()
+                        if event == "kill":  # at once: a graceful stop may still deliver this round's reply
+                            nodes["hospital-02"].kill()
                         elif event == "restart":
                             nodes["hospital-02"] = hospital("hospital-02", "hospital-02")
                         elif event == "cut":
