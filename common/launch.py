@@ -63,16 +63,18 @@ def wait_for_port(host: str, port: int, timeout: float, process: subprocess.Pope
     raise TimeoutError(f"{host}:{port} did not open within {timeout:.0f}s")
 
 
-def _log_tail_of(process: subprocess.Popen, lines: int = 30) -> str:
-    """The last lines a process started by :func:`start_process` logged, for error messages."""
-    log_path = getattr(process, "log_path", None)
-    if log_path is None:
-        return ""
+def tail_of(log_path: Path | None, lines: int = 40) -> str:
+    """The last lines of a log file ("" when there is none)."""
     try:
-        tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:]) if log_path else ""
     except OSError:
         return ""
-    return f"; the end of its log {log_path}:\n" + "\n".join(tail)
+
+
+def _log_tail_of(process: subprocess.Popen) -> str:
+    """The end of the log of a process started by :func:`start_process`, for error messages."""
+    log_path = getattr(process, "log_path", None)
+    return f"; the end of its log {log_path}:\n{tail_of(log_path, 30)}" if log_path else ""
 
 
 @dataclass
@@ -116,10 +118,7 @@ class ManagedProcess:
         self.process.wait(timeout=10)
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return tail_of(self.log_path, lines)
 
 
 def start_process(name: str, args: list[str], home: Path, log_dir: Path, env: Mapping[str, str] | None = None,
