@@ -93,3 +93,14 @@ def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     assert "missing.pt: no such model file" in capsys.readouterr().err
     assert fedmed(["export-int8", "--run", str(tmp_path / "frames"), "--out", str(model_file)]) == 2
     assert "no checkpoints" in capsys.readouterr().err
+
+
+def test_benchmark_finds_the_time_spent_in_quantised_convolutions():
+    """The INT8 benchmark's speed bound divides by this time: it must see the int8 kernels and nothing else."""
+    from benchmarks.qfedpolyp.int8_speed import time_in_quantised_convolutions
+
+    images = images_to_tensor(make_polyps(16, 32, seed=0).images, torch.device("cpu"))
+    model = settled_unet(images)
+    in_convs, in_all = time_in_quantised_convolutions(int8_model(model, [images]), images[:1], repeats=3)
+    assert 0 < in_convs < in_all
+    assert time_in_quantised_convolutions(model, images[:1], repeats=3)[0] == 0  # FP32 has no quantised kernels
