@@ -82,8 +82,9 @@ def convolution_kernel_times(model: torch.nn.Module, size: int, warmup: int = 5,
     """(FP32 seconds, INT8 seconds) for the model's Conv2d layers at batch 1, each run alone as one float
     convolution and as one quantised int8 convolution of the same shape, summed over the layers.
 
-    Their ratio is what this CPU's kernels give, whatever the rest of the network does: the ceiling for the
-    whole model's INT8 speed-up, since convolutions are nearly all of its work."""
+    Their ratio is what this CPU's kernels give, whatever the rest of the network does; the whole model's INT8
+    speed-up stays near it, since convolutions are nearly all of its work (INT8 also saves the separate BatchNorm
+    and ReLU passes that the FP32 paths may keep)."""
     from torch.ao.nn.quantized import Conv2d as QuantisedConv2d
 
     inputs: list[tuple[torch.nn.Conv2d, torch.Size]] = []
