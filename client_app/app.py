@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from common.payload import Payload
@@ -61,7 +61,7 @@ def answer(kind: str, payload: Payload, context: Context) -> Payload:
 @app.query()
 @_guarded
 def query(message: Message, context: Context) -> Message:
-    identity = answer("query", Payload(), context)
+    identity = answer("query", from_recorddict(message.content), context)
     return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
 
 
@@ -77,4 +77,4 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Flower's evaluate phase, for strategies that use one: metrics of the received model on local validation data."""
     metrics = answer("evaluate", from_recorddict(message.content), context).metrics
-    return Message(RecordDict({"metrics": MetricRecord({k: float(v) for k, v in metrics.items()})}), reply_to=message)
+    return Message(to_recorddict(Payload(metrics=metrics)), reply_to=message)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping
 
-from common.config import JobConfig, load_job_config
+from common.config import JobConfig, hospital_job_config
 from common.methods.base import HospitalMethod, Payload
 from common.methods.registry import hospital_class
 from common.site import HospitalStateStore, Site, build_site
@@ -35,19 +35,19 @@ def hospital_site(cfg: JobConfig, node: NodeConfig, run_name: str = "") -> Site:
     return site
 
 
-def hospital_method(run_config: Mapping[str, Any], node_config: Mapping[str, Any],
-                    payload: Payload | None = None) -> HospitalMethod:
-    """The job's hospital half, on this node's site (its state folder is the run's, named in the payload)."""
-    cfg = load_job_config(run_config)
+def hospital_method(run_config: Mapping[str, Any], node_config: Mapping[str, Any], payload: Payload) -> HospitalMethod:
+    """The hospital half of the method the message names, on this node's site (its state folder is the
+    run's, named in the payload); how it trains comes from the message's server-set keys."""
+    cfg = hospital_job_config(run_config, payload.config)
     node = load_node_config(node_config)
-    run_name = str(payload.config.get("run-name", "")) if payload is not None else ""
+    run_name = str(payload.config.get("run-name", ""))
     return hospital_class(cfg.strategy)(cfg, hospital_site(cfg, node, run_name))
 
 
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:
     """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics)."""
     if kind == "query":
-        info = hospital_method(run_config, node_config).info()
+        info = hospital_method(run_config, node_config, payload).info()
         return Payload(config={"name": info.name, "num-examples": info.num_examples,
                                **{f"property.{k}": v for k, v in info.properties.items()}})
     method = hospital_method(run_config, node_config, payload)

@@ -18,15 +18,31 @@ class ArraysMismatch(ValueError):
     """Arrays that do not fit the expected names, shapes or dtypes; the message says which."""
 
 
+#: State entries that are never exchanged: BatchNorm's step counter. Ours run with momentum 0.1, for
+#: which the counter is unused, and Flower's DP clipping scales every array of a reply in place,
+#: which fails for an integer array.
+LOCAL_ONLY_SUFFIXES = ("num_batches_tracked",)
+
+
+def is_exchanged(name: str) -> bool:
+    return not name.endswith(LOCAL_ONLY_SUFFIXES)
+
+
 def model_arrays(model: torch.nn.Module) -> NamedArrays:
-    return {name: tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()}
+    """A model's state as named arrays, in state-dict order, without the entries that stay local."""
+    return {name: tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()
+            if is_exchanged(name)}
 
 
 def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    """Load named arrays into a model; every state entry must be present with its shape."""
-    check_like(arrays, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, "model arrays")
+    """Load named arrays into a model; every exchanged state entry must be present with its shape
+    (the local-only counters may be given, and are otherwise left as they are)."""
+    expected = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if is_exchanged(k)}
+    check_like({k: v for k, v in arrays.items() if is_exchanged(k)}, expected, "model arrays")
     state = {name: torch.from_numpy(np.require(value, requirements="C")) for name, value in arrays.items()}
-    model.load_state_dict(state, strict=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(is_exchanged(name) for name in missing):
+        raise ArraysMismatch(f"model arrays: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def check_like(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str,

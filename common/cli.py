@@ -42,7 +42,7 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     return {k: (str(Path(v).resolve()) if is_path(k) and isinstance(v, str) and v else v) for k, v in values.items()}
 
 
-def simulate(hospitals: int, overrides: dict[str, Any], federation: dict[str, Any], home: Path,
+def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], home: Path,
              timeout: float) -> int:
     """Run the app in Flower's simulation engine on a private local SuperLink; print the results."""
     from common.config import load_job_config
@@ -59,7 +59,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], federation: dict[str, An
     superlink = start_superlink(flower_home, free_port(), simulation=True)
     printed = 0
     try:
-        run_id = submit_run(flower_home, "local", run_config, {"num-supernodes": hospitals, **federation})
+        run_id = submit_run(flower_home, "local", run_config, {"num-supernodes": hospitals, **engine})
         print(f"run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
 
         def progress(_status: str) -> None:
@@ -67,7 +67,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], federation: dict[str, An
             if (run_dir / "metrics.jsonl").exists():
                 history = read_history(run_dir)
                 for record in history[printed:]:
-                    from common.federation import describe
+                    from common.round_engine import describe
 
                     print(f"round {record['round']}: {describe(record)}", flush=True)
                 printed = len(history)

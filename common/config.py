@@ -269,6 +269,28 @@ class JobConfig(Section):
             raise ConfigError(f"resume-from: {self.resume_from!r} does not exist")
 
 
+#: Run-config keys the server sends with every message and a hospital takes from it over its own run
+#: config: which method runs and how it trains (the number of rounds sets learning-rate schedules). Data,
+#: model size and paths stay the hospital's own.
+SERVER_SET_KEYS = ("strategy", "num-server-rounds", "local-epochs", "batch-size", "learning-rate", "weight-decay", "seed")
+SERVER_SET_SECTIONS = ("fedprox", "fedproin", "moon", "fedproto", "qfedpolyp", "fedmepd")
+
+
+def server_set_keys(cfg: "JobConfig") -> dict[str, Any]:
+    """The part of ``cfg`` a hospital takes from the server (see :data:`SERVER_SET_KEYS`)."""
+    return {k: v for k, v in cfg.to_flat().items() if is_server_set(k)}
+
+
+def is_server_set(key: str) -> bool:
+    return key in SERVER_SET_KEYS or key.split(".")[0] in SERVER_SET_SECTIONS and key in _FLAT_KEYS
+
+
+def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any]) -> "JobConfig":
+    """A hospital's job: its run config, with the server-set keys of the message's config over it."""
+    overrides = {k: v for k, v in message_config.items() if is_server_set(k)}
+    return load_job_config({**run_config, **overrides})
+
+
 def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in nested.items():
@@ -314,3 +336,6 @@ def load_job_config(flat: Mapping[str, Any], *, check_paths: bool = False) -> Jo
     if check_paths:
         config.check_paths()
     return config
+
+
+_FLAT_KEYS = frozenset(JobConfig().to_flat())

@@ -1,6 +1,6 @@
 """Federated runs in one process, without Flower: for benchmarks, GPU machines without Flower, and tests.
 
-The same :class:`~common.federation.Federation` and the same hospital halves as a Flower run; a
+The same :class:`~common.round_engine.RoundEngine` and the same hospital halves as a Flower run; a
 hospital's method object is created afresh for every round, as in a Flower deployment, so all
 state a hospital keeps must go through its state store.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import JobConfig
-from common.federation import Federation, RoundReply
+from common.round_engine import RoundEngine, RoundReply
 from common.methods.registry import hospital_class
 from common.site import Site, build_site
 
@@ -36,19 +36,19 @@ def simulated_sites(cfg: JobConfig, num_hospitals: int, state_root: str | Path |
     return sites
 
 
-def run_rounds(cfg: JobConfig, sites: list[Site], federation: Federation | None = None,
-               on_round_end: Callable[[Federation, dict], None] | None = None,
-               last_round: int | None = None) -> Federation:
-    """Run rounds ``federation.next_round .. last_round`` (default: the config's last)."""
-    federation = federation or Federation(cfg)
+def run_rounds(cfg: JobConfig, sites: list[Site], engine: RoundEngine | None = None,
+               on_round_end: Callable[[RoundEngine, dict], None] | None = None,
+               last_round: int | None = None) -> RoundEngine:
+    """Run rounds ``engine.next_round .. last_round`` (default: the config's last)."""
+    engine = engine or RoundEngine(cfg)
     by_name = {site.name: site for site in sites}
     infos = [hospital_class(cfg.strategy)(cfg, site).info() for site in sites]
-    for rnd in range(federation.next_round, (last_round or cfg.num_server_rounds) + 1):
+    for rnd in range(engine.next_round, (last_round or cfg.num_server_rounds) + 1):
         started = time.time()
-        chosen = federation.select(rnd, infos)
+        chosen = engine.select(rnd, infos)
         replies, bytes_down = [], {}
         for info in chosen:
-            payload = federation.downlink(rnd, info)
+            payload = engine.downlink(rnd, info)
             bytes_down[info.name] = payload.nbytes()
             try:
                 reply = hospital_class(cfg.strategy)(cfg, by_name[info.name]).timed_train(rnd, payload)
@@ -57,18 +57,18 @@ def run_rounds(cfg: JobConfig, sites: list[Site], federation: Federation | None 
                 replies.append(RoundReply(info, None, f"{type(error).__name__}: {error}"))
                 continue
             replies.append(RoundReply(info, reply, None, reply.nbytes()))
-        record = federation.complete_round(rnd, chosen, replies, started, bytes_down)
+        record = engine.complete_round(rnd, chosen, replies, started, bytes_down)
         if on_round_end is not None:
-            on_round_end(federation, record)
-    return federation
+            on_round_end(engine, record)
+    return engine
 
 
-def evaluate_hospitals(cfg: JobConfig, federation: Federation, sites: list[Site]) -> dict[str, dict[str, float]]:
+def evaluate_hospitals(cfg: JobConfig, engine: RoundEngine, sites: list[Site]) -> dict[str, dict[str, float]]:
     """Each hospital's metrics for the model it holds after the last round (what it would receive
     next, combined with what it keeps), on its validation data: the final scores of personalised methods."""
-    rnd = federation.next_round
+    rnd = engine.next_round
     scores = {}
     for site in sites:
         method = hospital_class(cfg.strategy)(cfg, site)
-        scores[site.name] = method.evaluate(rnd, federation.downlink(rnd, method.info()))
+        scores[site.name] = method.evaluate(rnd, engine.downlink(rnd, method.info()))
     return scores

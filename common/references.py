@@ -14,7 +14,7 @@ from typing import Any
 
 from common.config import JobConfig
 from common.data.containers import concat
-from common.federation import Federation, weighted_mean_metrics
+from common.round_engine import RoundEngine, weighted_mean_metrics
 from common.inprocess import run_rounds
 from common.site import Site
 
@@ -28,7 +28,7 @@ def reference_config(cfg: JobConfig) -> JobConfig:
 
 def train_alone(cfg: JobConfig, site: Site, test_data: Any) -> list[dict[str, Any]]:
     single = reference_config(cfg)
-    return run_rounds(single, [site], Federation(single, test_data=test_data)).history
+    return run_rounds(single, [site], RoundEngine(single, test_data=test_data)).history
 
 
 def run_solo(cfg: JobConfig, sites: list[Site], test_data: Any) -> list[dict[str, Any]]:

@@ -1,45 +1,84 @@
-"""Payloads on Flower's wire: Payload <-> RecordDict, and the measured size of a serialised message.
+"""Payloads on Flower's wire: Payload <-> RecordDict in Flower's own records, and the measured size of a message.
 
-A payload travels as one byte array (``common.payload.payload_to_bytes``: an ``.npz`` archive, no
-pickle) in one ArrayRecord. Flower moves every array of a message as separate objects, each a
-request to the SuperLink; a model with dozens of tensors as dozens of arrays cost seconds per
-round in pushes and pulls on a busy machine, one blob costs a handful of requests (large blobs
-still travel in Flower's chunks). The only module of ``common`` that imports Flower; the methods
-never see Flower types.
+A payload travels the way Flower's own strategies and mods expect a message to look:
+
+* the ``model`` array group as the ``ArrayRecord`` named ``"arrays"`` (Flower's ``arrayrecord_key``), one
+  ``Array`` per state entry in state-dict order, so ``content["arrays"].to_torch_state_dict()`` loads into
+  the hospital's model and Flower's DP wrappers clip exactly the model;
+* every other array group (QFedPolyp's ``packed-model``, FedMEPD's ``anchors``) as an ``ArrayRecord`` of
+  its own name;
+* config (including bytes, e.g. FedMEPD's personal-filter masks) as the ``ConfigRecord`` ``"config"``;
+* metrics (numbers and lists of numbers, e.g. FedProIn's influence counts) as the ``MetricRecord`` ``"metrics"``.
+
+The only module of ``common`` that imports Flower; the methods never see Flower types.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from common.payload import Payload, payload_from_bytes, payload_to_bytes
+from common.payload import Payload
 
-PAYLOAD_RECORD = "fedmed.payload"
-PAYLOAD_ARRAY = "npz"
+MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
+CONFIG_RECORD = "config"
+METRICS_RECORD = "metrics"
+MODEL_GROUP = "model"
 
 
 class MalformedPayload(ValueError):
     """A RecordDict that is not one of ours (unexpected records or undecodable content)."""
 
 
+def record_name(group: str) -> str:
+    return MODEL_RECORD if group == MODEL_GROUP else group
+
+
+def metric_value(key: str, value: Any) -> int | float | list:
+    """A value a MetricRecord accepts: an int, a float, or a flat list of one of them."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        flat = np.asarray(value).ravel()
+        if flat.dtype.kind in "iub":
+            return [int(v) for v in flat]
+        if flat.dtype.kind == "f":
+            return [float(v) for v in flat]
+    raise TypeError(f"metric {key!r}: {type(value).__name__} {value!r} is not a number or a list of numbers")
+
+
 def to_recorddict(payload: Payload) -> RecordDict:
-    blob = np.frombuffer(payload_to_bytes(payload), dtype=np.uint8)
-    return RecordDict({PAYLOAD_RECORD: ArrayRecord({PAYLOAD_ARRAY: Array(blob)})})
+    content = RecordDict()
+    for group, arrays in payload.arrays.items():
+        content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()})
+    content[CONFIG_RECORD] = ConfigRecord(dict(payload.config))
+    content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
+    return content
 
 
 def from_recorddict(content: RecordDict) -> Payload:
-    unexpected = sorted(set(content) - {PAYLOAD_RECORD})
-    if unexpected:
-        raise MalformedPayload(f"unexpected record {unexpected[0]!r}")
-    record = content.array_records.get(PAYLOAD_RECORD)
-    if record is None or set(record) != {PAYLOAD_ARRAY}:
-        raise MalformedPayload(f"no {PAYLOAD_RECORD!r} record holding one {PAYLOAD_ARRAY!r} array")
-    try:
-        payload, _ = payload_from_bytes(record[PAYLOAD_ARRAY].numpy().tobytes())
-    except Exception as error:  # a truncated or corrupted archive
-        raise MalformedPayload(f"payload cannot be decoded: {type(error).__name__}: {error}") from None
+    """The payload in a message's content; MalformedPayload for records of the wrong kind or content."""
+    payload = Payload()
+    for name, record in content.items():
+        if isinstance(record, ArrayRecord):
+            group = MODEL_GROUP if name == MODEL_RECORD else name
+            try:
+                payload.arrays[group] = {key: array.numpy() for key, array in record.items()}
+            except Exception as error:  # an Array whose bytes are not an array
+                raise MalformedPayload(f"record {name!r} cannot be decoded: {type(error).__name__}: {error}") from None
+        elif isinstance(record, ConfigRecord) and name == CONFIG_RECORD:
+            payload.config = dict(record)
+        elif isinstance(record, MetricRecord) and name == METRICS_RECORD:
+            payload.metrics = dict(record)
+        else:
+            raise MalformedPayload(f"unexpected {type(record).__name__} {name!r}")
     return payload
 
 

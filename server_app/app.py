@@ -1,4 +1,8 @@
-"""The ServerApp: validate the job, build the method's strategy, run the rounds, save after each one."""
+"""The ServerApp: validate the job, build the method's strategy from it, run the rounds, save after each one.
+
+fedmed's ServerApp is one user of the strategies in ``strategies/``: the validated run config becomes
+the strategy's constructor arguments (``strategies.strategy_arguments``).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ import time
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import JobConfig
-from common.federation import Federation
 from common.methods.registry import strategy_class
+from common.round_engine import RoundEngine
+from strategies import strategy_arguments
 
 from .checkpoint import save_checkpoint
 from .results import render_summary, write_results
@@ -31,14 +35,6 @@ def setup_logging() -> None:
         log.propagate = False
 
 
-def open_federation(cfg: JobConfig, checkpoint) -> Federation:
-    federation = Federation(cfg)
-    if checkpoint is not None:
-        federation.load_state_dict(checkpoint)
-        log.info("resuming %s after round %d", cfg.run_name, len(federation.history))
-    return federation
-
-
 class RoundSaver:
     """After every round: a checkpoint first, then the result files rebuilt from the history.
 
@@ -50,11 +46,11 @@ class RoundSaver:
         self.plot_interval = plot_interval
         self.last_plot = 0.0
 
-    def __call__(self, federation: Federation, record: dict) -> None:
-        cfg = federation.cfg
-        save_checkpoint(cfg.run_dir, record["round"], federation.state_dict(), keep=cfg.keep_checkpoints)
+    def __call__(self, engine: RoundEngine, record: dict) -> None:
+        cfg = engine.cfg
+        save_checkpoint(cfg.run_dir, record["round"], engine.state_dict(), keep=cfg.keep_checkpoints)
         plots = record["round"] == cfg.num_server_rounds or time.time() - self.last_plot > self.plot_interval
-        write_results(cfg.run_dir, cfg.to_flat(), federation.history, plots=plots)
+        write_results(cfg.run_dir, cfg.to_flat(), engine.history, plots=plots)
         if plots:
             self.last_plot = time.time()
 
@@ -67,8 +63,10 @@ def main(grid: Grid, context: Context) -> None:
     setup_logging()
     cfg, checkpoint = load_run_config(context.run_config)  # a bad config stops here, before round 1
     log.info("run %s: results in %s", cfg.run_name, cfg.run_dir)
-    federation = open_federation(cfg, checkpoint)
-    strategy = strategy_class(cfg.strategy)(federation, on_round_end=RoundSaver())
+    strategy_type = strategy_class(cfg.strategy)
+    strategy = strategy_type(**strategy_arguments(strategy_type, cfg), on_round_end=RoundSaver())
+    if checkpoint is not None:
+        strategy.resume(checkpoint)
     strategy.start(grid)
-    write_results(cfg.run_dir, cfg.to_flat(), federation.history)
-    log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), federation.history))
+    write_results(cfg.run_dir, cfg.to_flat(), strategy.engine.history)
+    log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), strategy.engine.history))

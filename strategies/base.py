@@ -1,48 +1,41 @@
-"""``MethodStrategy``: a Flower strategy that carries a :class:`~common.federation.Federation`'s payloads.
+"""``HospitalStrategy``: the base of our Flower strategies, one subclass per method (``strategies/<method>.py``).
 
-It adds to Flower's round loop what hospitals need: identities (a query at the start, and for
-nodes that join later) so that sampling is by hospital, not by node id; per-hospital byte counts
-measured on the serialised messages; a round timeout after which missing hospitals are recorded
-and the round goes on; refused replies logged with their reason; a callback after each round for
-checkpoints and results; and resuming from any round. Hospitals evaluate the model they receive
-inside their training reply, so there is no separate evaluation round trip.
+A subclass names its method; the base builds that method's server half (``common.methods``, plain
+PyTorch/NumPy) from the constructor's arguments, and adds to Flower's strategy interface what
+hospitals need: identities (a query at the start, and for nodes that join later) so that sampling is
+by hospital name, not node id; per-hospital byte counts measured on the serialised messages; a round
+timeout after which missing hospitals are recorded and the round goes on; refused replies logged with
+their reason; a callback after each round for checkpoints and results; and resuming from any round.
+
+Hospitals evaluate the model they receive inside their training reply, so by default there is no
+separate evaluation round trip (``fraction_evaluate=0``); a positive ``fraction_evaluate`` adds
+Flower's evaluate phase. Everything works both under our :meth:`HospitalStrategy.start` (faster
+polling, resume) and under Flower's own loop, e.g. inside Flower's DP wrappers.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from common.federation import Federation, RoundReply
+from common.config import ConfigError, JobConfig, describe_validation_error, server_set_keys, unflatten
 from common.methods.base import HospitalInfo
+from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
+
+from .records import arrays_of, as_arrayrecord, round_metricrecord
 
 log = logging.getLogger("fedmed")
 
-RoundCallback = Callable[[Federation, dict[str, Any]], None]
-
-
-def numeric_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """Flatten a round record's numeric leaves for a Flower MetricRecord."""
-    flat: dict[str, float] = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(numeric_metrics(value, f"{name}."))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            flat[name] = float(value)
-    return flat
-
-
-def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-    """Push messages and collect replies until all are in or ``timeout`` passes."""
-    return collect_replies(grid, {mid for mid in grid.push_messages(messages) if mid}, timeout)
+RoundCallback = Callable[[RoundEngine, dict[str, Any]], None]
+EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
 
 
 def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None) -> list[Message]:
@@ -63,34 +56,119 @@ def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int |
     return replies
 
 
-class MethodStrategy(Strategy):
-    """Runs a federated method through Flower. Subclasses only name the method (see ``strategies/``)."""
+def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+    """Push messages and collect replies until all are in or ``timeout`` passes."""
+    return collect_replies(grid, {mid for mid in grid.push_messages(messages) if mid}, timeout)
 
-    method_name: str = ""
+
+def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **settings: Any) -> JobConfig:
+    """The job a strategy runs: ``run_config`` (a fedmed run config, flat or validated; default: every
+    default) with the strategy's method and its arguments over it; ConfigError names a bad argument."""
+    base = run_config.to_flat() if isinstance(run_config, JobConfig) else dict(run_config or {})
+    flat = {**base, "strategy": method}
+    for key, value in settings.items():
+        if value is not None:
+            flat[key] = value
+    try:
+        return JobConfig.model_validate(unflatten(flat))
+    except Exception as error:  # pydantic's ValidationError, or unflatten's ConfigError
+        message = describe_validation_error(error, "strategy") if hasattr(error, "errors") else str(error)
+        raise ConfigError(message) from None
+
+
+class HospitalStrategy(Strategy):
+    """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
+
+    Flower's arguments mean what they mean in ``FedAvg``: ``fraction_train`` of the connected
+    hospitals train each round, at least ``min_train_nodes`` replies are needed to aggregate, and
+    round 1 waits for ``min_available_nodes`` hospitals. ``run_config`` is a fedmed run config (the
+    keys of ``[tool.flwr.app.config]``, e.g. ``context.run_config``) for everything else: the task,
+    the server's test set, the model's size. The method's own arguments are the subclasses'.
+    """
+
+    method_name: ClassVar[str] = ""
+    section: ClassVar[str | None] = None  #: the run-config table of the method's own arguments
+    renamed: ClassVar[dict[str, str]] = {}  #: argument -> field of that table, where the names differ
     RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
     QUERY_PATIENCE = 45.0  # seconds before an identity query without reply is sent again
 
-    def __init__(self, federation: Federation, on_round_end: RoundCallback | None = None,
-                 wait_for_hospitals: float = 600.0):
-        self.federation = federation
-        self.cfg = federation.cfg
+    def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
+                 min_evaluate_nodes: int = 1, min_available_nodes: int = 2,
+                 run_config: Mapping[str, Any] | JobConfig | None = None, settings: Mapping[str, Any] | None = None,
+                 on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0):
+        if not self.method_name:
+            raise TypeError("HospitalStrategy is a base class: use one of the strategies in strategies/")
+        if not 0.0 <= fraction_evaluate <= 1.0:
+            raise ConfigError(f"fraction_evaluate={fraction_evaluate!r} must be between 0 and 1")
+        self.job = job_config(self.method_name, run_config, **{
+            "fraction-train": fraction_train, "min-train-hospitals": min_train_nodes,
+            "min-available-hospitals": min_available_nodes, **dict(settings or {})})
+        if not self.job.run_name:  # hospitals keep their memory in a folder named after the run
+            self.job = self.job.model_copy(update={"run_name": f"{self.job.task}-{self.method_name}-"
+                                                               f"{time.strftime('%Y%m%d-%H%M%S')}"})
+        self.fraction_evaluate = fraction_evaluate
+        self.min_evaluate_nodes = min_evaluate_nodes
         self.on_round_end = on_round_end
-        self.wait_for_hospitals = wait_for_hospitals
+        self.wait_for_nodes = wait_for_nodes
         self.hospitals: dict[int, HospitalInfo] = {}  # node id -> identity
         self.unusable: dict[int, float] = {}  # node id -> when its identity query failed (retried after a while)
+        self._engine: RoundEngine | None = None
         self._bytes_down: dict[str, int] = {}
         self._chosen: list[HospitalInfo] = []
+        self._evaluated: list[HospitalInfo] = []
         self._round_started = 0.0
+        self._in_own_loop = False  # our start() calls on_round_end after the whole round
+
+    @classmethod
+    def own_arguments(cls) -> dict[str, str]:
+        """The method's own keyword arguments -> the fields of its run-config table they set."""
+        if not cls.section:
+            return {}
+        own = [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+               if parameter.kind is parameter.KEYWORD_ONLY and name not in BASE_ARGUMENTS]
+        return {name: cls.renamed.get(name, name) for name in own}
+
+    @classmethod
+    def method_settings(cls, **values: Any) -> dict[str, Any]:
+        """The method's own arguments as dotted run-config keys (``fdl_weight`` -> ``fedproin.fdl-weight``)."""
+        fields = cls.own_arguments()
+        return {f"{cls.section}.{fields[name].replace('_', '-')}": value for name, value in values.items()}
+
+    # --- the method's server half ----------------------------------------------------------------
+    @property
+    def engine(self) -> RoundEngine:
+        """The method's round engine, built on first use (it loads the server's test set, and for
+        FedMEPD its own training cases, from the run config)."""
+        if self._engine is None:
+            self._engine = RoundEngine(self.job)
+        return self._engine
+
+    @property
+    def cfg(self) -> JobConfig:
+        return self.job
+
+    def initial_arrays(self) -> ArrayRecord:
+        """The method's initial global model (seeded by the run config's seed), for ``start``."""
+        return as_arrayrecord(self.engine.method.global_arrays)
+
+    def resume(self, checkpoint: Mapping[str, Any]) -> None:
+        """Continue after the checkpoint's last round (``server_app.checkpoint.load_checkpoint``)."""
+        self.engine.load_state_dict(dict(checkpoint))
+        log.info("resuming %s after round %d", self.job.run_name, len(self.engine.history))
+
+    def hospital_config(self, server_round: int) -> dict[str, Any]:
+        """Round config every message carries: the method, how hospitals train, the round's identity."""
+        return {**server_set_keys(self.job), "server-round": server_round, "run-name": self.job.run_name}
 
     # --- hospitals --------------------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
         """Learn the identity of every connected node not seen before (one query message each)."""
-        deadline = time.time() + self.wait_for_hospitals
+        deadline = time.time() + self.wait_for_nodes
         while True:
             nodes = list(grid.get_node_ids())
-            if self.hospitals or len(nodes) >= self.cfg.min_available_hospitals or time.time() > deadline:
+            if self.hospitals or len(nodes) >= self.job.min_available_hospitals or time.time() > deadline:
                 break  # the minimum gates the start of the run; later rounds go on with whoever is connected
-            log.info("waiting for hospitals: %d connected, %d needed", len(nodes), self.cfg.min_available_hospitals)
+            log.info("waiting for hospitals: %d connected, %d needed", len(nodes), self.job.min_available_hospitals)
             time.sleep(2.0)
         connected = set(nodes)
         for node in list(self.hospitals):
@@ -98,7 +176,7 @@ class MethodStrategy(Strategy):
                 log.info("hospital %s (node %d) disconnected", self.hospitals.pop(node).name, node)
         retry_after = time.time() - self.RETRY_FAILED_NODES_AFTER
         new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
-        give_up = time.time() + self.cfg.round_timeout
+        give_up = time.time() + self.job.round_timeout
         asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
         while new and time.time() < give_up:
             asked |= {mid for mid in grid.push_messages(self.identity_queries(new)) if mid}
@@ -109,20 +187,31 @@ class MethodStrategy(Strategy):
                     self.learn_identity(node, reply)
             if new:  # a reply lost on the way (e.g. to a run stopped meanwhile) is not waited for forever
                 log.info("asking node(s) %s again which hospital they are", ", ".join(map(str, new)))
+        for node in new:
+            self.unusable[node] = time.time()
 
-    @staticmethod
-    def identity_queries(nodes: list[int]) -> list[Message]:
-        return [Message(RecordDict({"config": ConfigRecord({"query": "hospital-info"})}),
-                        message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+    def identity_queries(self, nodes: list[int]) -> list[Message]:
+        config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0)})
+        return [Message(RecordDict({"config": config}), message_type=MessageType.QUERY, dst_node_id=node)
+                for node in nodes]
 
     def learn_identity(self, node: int, reply: Message) -> None:
+        """Record which hospital ``node`` is; a reply without a usable identity is logged and the node skipped."""
         if reply.has_error():
             log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
             self.unusable[node] = time.time()
             return
-        info = reply.content.config_records["hospital"]
+        try:
+            info = reply.content.config_records["hospital"]
+            name, count = info["name"], info["num-examples"]
+            if not isinstance(name, str) or not name or isinstance(count, bool) or not isinstance(count, int):
+                raise ValueError(f"name={name!r}, num-examples={count!r}")
+        except (KeyError, ValueError) as error:
+            log.warning("node %d gave no usable identity (%s); it is not asked to train", node, error)
+            self.unusable[node] = time.time()
+            return
         properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}
-        hospital = HospitalInfo(str(info["name"]), int(info["num-examples"]), properties)
+        hospital = HospitalInfo(name, count, properties)
         for old_node, old in list(self.hospitals.items()):
             if old.name == hospital.name:  # a restarted SuperNode comes back under a new node id
                 log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)
@@ -131,28 +220,43 @@ class MethodStrategy(Strategy):
         log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
                  properties or "")
 
-    # --- Flower's strategy interface -------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        self.discover(grid)
-        self._round_started = time.time()
-        self._chosen = self.federation.select(server_round, list(self.hospitals.values()))
+    def hospital_messages(self, server_round: int, hospitals: list[HospitalInfo], config: ConfigRecord,
+                          message_type: str) -> list[Message]:
+        """The method's payload for each hospital, with the round config and ``config`` (Flower's
+        train or evaluate config) in its ConfigRecord."""
         node_of = {info.name: node for node, info in self.hospitals.items()}
         messages = []
-        self._bytes_down = {}
-        for info in self._chosen:
-            payload = self.federation.downlink(server_round, info)
-            message = Message(to_recorddict(payload), message_type=MessageType.TRAIN, dst_node_id=node_of[info.name])
+        for info in hospitals:
+            payload = self.engine.downlink(server_round, info)
+            payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {})}
+            message = Message(to_recorddict(payload), message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
+        return messages
+
+    # --- Flower's strategy interface -------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Hospitals of this round and their messages; ``arrays`` (if any) become the global model first,
+        so a wrapper's changes (e.g. DP noise) are what hospitals receive."""
+        if len(arrays):
+            self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
+        self.discover(grid)
+        self._round_started = time.time()
+        self._chosen = self.engine.select(server_round, list(self.hospitals.values()))
+        self._bytes_down = {}
+        messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN)
         log.info("round %d: training on %s", server_round, ", ".join(h.name for h in self._chosen))
         return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:
+        """Replies by hospital: from unknown nodes ignored, errors and undecodable ones kept with their reason."""
         round_replies = []
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
-            if hospital is None:
-                log.warning("round %d: reply from unknown node %d ignored", server_round, message.metadata.src_node_id)
+            if hospital is None or hospital not in self._chosen:
+                log.warning("round %d: reply from node %d, which was not asked to train, ignored", server_round,
+                            message.metadata.src_node_id)
                 continue
             if message.has_error():
                 round_replies.append(RoundReply(hospital, None, message.error.reason, 0))
@@ -162,38 +266,119 @@ class MethodStrategy(Strategy):
                 round_replies.append(RoundReply(hospital, from_recorddict(message.content), None, up))
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
-        record = self.federation.complete_round(server_round, self._chosen, round_replies, self._round_started,
-                                                self._bytes_down)
-        if self.on_round_end is not None:
-            self.on_round_end(self.federation, record)
-        global_arrays = ArrayRecord({k: Array(v) for k, v in self.federation.method.global_arrays.items()})
-        return global_arrays, MetricRecord(numeric_metrics({k: record[k] for k in ("train", "test", "bytes_up", "bytes_down") if k in record}))
+        return round_replies
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return []  # hospitals evaluate the received model inside their training reply
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
+                                            self._round_started, self._bytes_down)
+        if self.on_round_end is not None and not self._in_own_loop:
+            self.on_round_end(self.engine, record)
+        return as_arrayrecord(self.engine.method.global_arrays), round_metricrecord(record)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Flower's evaluate phase, when ``fraction_evaluate > 0`` (hospitals already score the received
+        model inside their training reply)."""
+        if self.fraction_evaluate <= 0 or not self.hospitals:
+            self._evaluated = []
+            return []
+        self._evaluated = select_hospitals(list(self.hospitals.values()), self.fraction_evaluate,  # a draw of
+                                           self.min_evaluate_nodes, self.job.seed + 1, server_round)  # its own
+        return self.hospital_messages(server_round, self._evaluated, config, MessageType.EVALUATE)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
+        scores = []
+        for message in replies:
+            hospital = self.hospitals.get(message.metadata.src_node_id)
+            if hospital is None or hospital not in self._evaluated:
+                continue
+            if message.has_error():
+                log.warning("round %d: %s could not evaluate: %s", server_round, hospital.name, message.error.reason)
+                continue
+            try:
+                metrics = from_recorddict(message.content).metrics
+            except MalformedPayload as error:
+                log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
+                continue
+            scores.append((max(float(metrics.get("num-examples", 0) or 0), 1.0), metrics))
+        if not scores:
+            return None
+        aggregated = weighted_mean_metrics(scores)
+        if self.engine.history and self.engine.history[-1]["round"] == server_round:
+            self.engine.history[-1]["evaluate"] = aggregated
+        return MetricRecord(aggregated)
 
     def summary(self) -> None:
-        log.info("%s: %s, %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
-                 type(self).__name__, self.cfg.strategy, self.cfg.num_server_rounds, self.cfg.fraction_train,
-                 self.cfg.min_train_hospitals, self.cfg.round_timeout)
+        log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
+                 type(self).__name__, self.job.num_server_rounds, self.job.fraction_train,
+                 self.job.min_train_hospitals, self.job.round_timeout)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
-        """Run from the federation's next round (1, or the round after a checkpoint) to the last."""
-        num_rounds = num_rounds or self.cfg.num_server_rounds
-        timeout = timeout or self.cfg.round_timeout
+              evaluate_config: ConfigRecord | None = None, evaluate_fn: EvaluateFn | None = None) -> Result:
+        """Flower's round loop, from the engine's next round (1, or the round after a resumed checkpoint)
+        to ``num_rounds`` (default: the run config's), each round waiting at most ``timeout`` seconds
+        (default: the run config's round timeout) for replies.
+
+        ``initial_arrays`` replace the method's initial model (same names and shapes; counters such as
+        BatchNorm's ``num_batches_tracked`` may be included); ``train_config`` and ``evaluate_config``
+        travel in every train and evaluate message (their keys win over ours, e.g. ``local-epochs``);
+        ``evaluate_fn(round, arrays)`` scores the global model before round 1 and after every round,
+        and its metrics are in the Result and in each round's record (``central``).
+        """
+        num_rounds = num_rounds or self.job.num_server_rounds
+        timeout = timeout or self.job.round_timeout
+        if num_rounds != self.job.num_server_rounds or timeout != self.job.round_timeout:
+            self.job = self.job.model_copy(update={"num_server_rounds": num_rounds, "round_timeout": timeout})
+            self.engine.cfg = self.job
+            self.engine.method.cfg = self.job
+        if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
+            self.engine.adopt_global_arrays(arrays_of(initial_arrays), "initial_arrays")
+        train_config = train_config or ConfigRecord()
+        evaluate_config = evaluate_config or ConfigRecord()
         self.summary()
         result = Result()
-        for rnd in range(self.federation.next_round, num_rounds + 1):
-            messages = self.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid)
-            replies = send_and_receive(grid, messages, timeout) if messages else []
-            arrays, metrics = self.aggregate_train(rnd, replies)
-            result.arrays = arrays
-            if metrics is not None:
+        if evaluate_fn is not None and self.engine.next_round == 1:
+            central = evaluate_fn(0, self.initial_arrays())
+            if central is not None:
+                result.evaluate_metrics_serverapp[0] = central
+        self._in_own_loop = True
+        try:
+            for rnd in range(self.engine.next_round, num_rounds + 1):
+                arrays = as_arrayrecord(self.engine.method.global_arrays)
+                messages = list(self.configure_train(rnd, arrays, train_config, grid))
+                replies = send_and_receive(grid, messages, timeout) if messages else []
+                arrays, metrics = self.aggregate_train(rnd, replies)
+                result.arrays = arrays
                 result.train_metrics_clientapp[rnd] = metrics
+                evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
+                if evaluation:
+                    evaluated = self.aggregate_evaluate(rnd, send_and_receive(grid, evaluation, timeout))
+                    if evaluated is not None:
+                        result.evaluate_metrics_clientapp[rnd] = evaluated
+                record = self.engine.history[-1]
+                if evaluate_fn is not None:
+                    central = evaluate_fn(rnd, arrays)
+                    if central is not None:
+                        result.evaluate_metrics_serverapp[rnd] = central
+                        record["central"] = dict(central)
+                if self.on_round_end is not None:
+                    self.on_round_end(self.engine, record)
+        finally:
+            self._in_own_loop = False
+        if not len(result.arrays):
+            result.arrays = as_arrayrecord(self.engine.method.global_arrays)
         return result
 
+
+BASE_ARGUMENTS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes",
+                  "min_available_nodes", "run_config", "settings", "on_round_end", "wait_for_nodes", "kwargs")
+
+
+def strategy_arguments(strategy: type[HospitalStrategy], cfg: JobConfig) -> dict[str, Any]:
+    """A validated job as the strategy's constructor arguments (how fedmed's own ServerApp builds one)."""
+    section = getattr(cfg, strategy.section) if strategy.section else None
+    own = {name: getattr(section, field) for name, field in strategy.own_arguments().items()}
+    return {"fraction_train": cfg.fraction_train, "min_train_nodes": cfg.min_train_hospitals,
+            "min_available_nodes": cfg.min_available_hospitals, "run_config": cfg, **own}

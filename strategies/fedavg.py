@@ -1,7 +1,9 @@
 """FedAvg through Flower: the core is ``common.methods.fedavg``."""
 
-from .base import MethodStrategy
+from .base import HospitalStrategy
 
 
-class FedAvgStrategy(MethodStrategy):
+class FedAvgStrategy(HospitalStrategy):
+    """Federated averaging weighted by the hospitals' sample counts (McMahan et al. 2017)."""
+
     method_name = "fedavg"

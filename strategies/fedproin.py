@@ -1,7 +1,30 @@
-"""FedProIn through Flower: the core is ``common.methods.fedproin``."""
+"""FedProIn through Flower: the core is ``common.methods.fedproin``.
 
-from .base import MethodStrategy
+Replies carry the model as the ArrayRecord ``"arrays"`` (prototypes included, as the model's
+``prototypes`` parameter) and the influence matrix as the metric ``influence`` (a flat list of
+counts, classes x prototypes per class), so Flower's DP wrappers can clip the model. Each round's
+MetricRecord has ``method.influence.<hospital>`` and ``method.prototype-usage``.
+"""
+
+from typing import Any
+
+from .base import HospitalStrategy
 
 
-class FedProInStrategy(MethodStrategy):
+class FedProInStrategy(HospitalStrategy):
+    """Learnable multi-prototypes, feature-divergence and prototype-contrastive losses, and normalised
+    influence aggregation of the prototypes (docs/fedproin.md; ablations: ``fdl_weight=0``,
+    ``pcl_weight=0``, ``aggregation='fedavg'``)."""
+
     method_name = "fedproin"
+    section = "fedproin"
+
+    def __init__(self, *, num_prototypes: int = 2, task_loss: str = "mcel", mcel_xi: float = 0.05,
+                 mcl_margin: float = 0.5, fdl_weight: float = 1.0, pcl_weight: float = 1.0, pcl_margin: float = 0.5,
+                 aggregation: str = "nia", class_balanced: bool = True, class_augmentation: bool = True,
+                 prototype_learning_rate: float = 0.0, encoder_weights: str = "", **kwargs: Any):
+        super().__init__(settings=self.method_settings(
+            num_prototypes=num_prototypes, task_loss=task_loss, mcel_xi=mcel_xi, mcl_margin=mcl_margin,
+            fdl_weight=fdl_weight, pcl_weight=pcl_weight, pcl_margin=pcl_margin, aggregation=aggregation,
+            class_balanced=class_balanced, class_augmentation=class_augmentation,
+            prototype_learning_rate=prototype_learning_rate, encoder_weights=encoder_weights), **kwargs)

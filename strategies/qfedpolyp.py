@@ -1,8 +1,24 @@
-"""QFedPolyp through Flower: the core (QAT, packed b-bit payloads, checks, FedAvg) is ``common.methods.qfedpolyp``;
-bytes per hospital each way are measured on the serialised messages by ``MethodStrategy``."""
+"""QFedPolyp through Flower: the core (QAT, packed b-bit payloads, checks, FedAvg) is ``common.methods.qfedpolyp``.
 
-from .base import MethodStrategy
+A train message carries the hospital's uplink bit-width in its ConfigRecord (``qfedpolyp.bit-width``)
+and the global model as the ArrayRecord ``"packed-model"`` (at ``downlink_bit_width``); the reply
+carries the hospital's model as ``"packed-model"``: ``data`` (uint8, every tensor's codes packed at
+b bits), ``ranges`` (float64, min and step per quantised tensor) and ``header`` (uint8 bytes of a
+JSON text: the bit-width tag and every tensor's name, shape and dtype), with ``bit-width`` in its
+metrics. Each round's MetricRecord has ``method.bit-widths.<hospital>`` and the bytes each way.
+"""
+
+from typing import Any
+
+from .base import HospitalStrategy
 
 
-class QFedPolypStrategy(MethodStrategy):
+class QFedPolypStrategy(HospitalStrategy):
+    """FedAvg of models trained quantisation-aware and uploaded at each hospital's bit-width (docs/qfedpolyp.md)."""
+
     method_name = "qfedpolyp"
+    section = "qfedpolyp"
+
+    def __init__(self, *, bit_widths: str = "8", downlink_bit_width: int = 32, qat: bool = True, **kwargs: Any):
+        super().__init__(settings=self.method_settings(
+            bit_widths=bit_widths, downlink_bit_width=downlink_bit_width, qat=qat), **kwargs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.arrays import weighted_average
-from common.federation import Federation, RoundReply, select_hospitals
+from common.round_engine import RoundEngine, RoundReply, select_hospitals
 from common.inprocess import run_rounds, simulated_sites
 from common.methods.base import HospitalInfo, Payload
 
@@ -33,43 +33,43 @@ def test_selection_is_seeded_by_round_and_independent_of_order():
 
 
 @pytest.fixture
-def federation(small_classification):
-    return Federation(small_classification)
+def engine(small_classification):
+    return RoundEngine(small_classification)
 
 
-def honest_reply(federation, name, scale=1.0, n=10):
-    arrays = {k: (v * scale if v.dtype.kind == "f" else v) for k, v in federation.method.global_arrays.items()}
+def honest_reply(engine, name, scale=1.0, n=10):
+    arrays = {k: (v * scale if v.dtype.kind == "f" else v) for k, v in engine.method.global_arrays.items()}
     return RoundReply(HospitalInfo(name, n), Payload(arrays={"model": arrays}, metrics={"num-examples": n}))
 
 
-def test_bad_updates_are_refused_with_reasons_and_the_round_goes_on(federation, caplog):
-    before = {k: v.copy() for k, v in federation.method.global_arrays.items()}
-    nan_reply = honest_reply(federation, "h-nan")
+def test_bad_updates_are_refused_with_reasons_and_the_round_goes_on(engine, caplog):
+    before = {k: v.copy() for k, v in engine.method.global_arrays.items()}
+    nan_reply = honest_reply(engine, "h-nan")
     first_float = next(k for k, v in before.items() if v.dtype.kind == "f")
     nan_reply.payload.arrays["model"][first_float] = np.full_like(before[first_float], np.nan)
-    shape_reply = honest_reply(federation, "h-shape")
+    shape_reply = honest_reply(engine, "h-shape")
     shape_reply.payload.arrays["model"][first_float] = np.zeros(3, np.float32)
     empty_reply = RoundReply(HospitalInfo("h-empty", 5), Payload(metrics={"num-examples": 5}))
     error_reply = RoundReply(HospitalInfo("h-error", 5), None, "DataError: x.jpg: cannot read image")
-    good = [honest_reply(federation, "h-good-1", 2.0, n=10), honest_reply(federation, "h-good-2", 4.0, n=30)]
+    good = [honest_reply(engine, "h-good-1", 2.0, n=10), honest_reply(engine, "h-good-2", 4.0, n=30)]
     chosen = [r.hospital for r in [nan_reply, shape_reply, empty_reply, error_reply, *good]] + [HospitalInfo("h-gone", 3)]
     with caplog.at_level(logging.WARNING, logger="fedmed"):
-        record = federation.complete_round(1, chosen, [nan_reply, shape_reply, empty_reply, error_reply, *good], 0.0)
+        record = engine.complete_round(1, chosen, [nan_reply, shape_reply, empty_reply, error_reply, *good], 0.0)
     assert record["aggregated"] == ["h-good-1", "h-good-2"]
     assert "NaN" in record["refused"]["h-nan"] and "shape" in record["refused"]["h-shape"]
     assert "no 'model'" in record["refused"]["h-empty"] and "x.jpg" in record["refused"]["h-error"]
     assert record["missing"] == ["h-gone"]
     assert "refused the update of h-nan" in caplog.text
-    np.testing.assert_allclose(federation.method.global_arrays[first_float], before[first_float] * 3.5, rtol=1e-5)
+    np.testing.assert_allclose(engine.method.global_arrays[first_float], before[first_float] * 3.5, rtol=1e-5)
     assert "test" in record and record["test"]["accuracy"] >= 0
 
 
-def test_too_few_good_updates_leave_the_model_unchanged(federation):
-    before = {k: v.copy() for k, v in federation.method.global_arrays.items()}
-    record = federation.complete_round(1, [HospitalInfo("h1", 1), HospitalInfo("h2", 1)],
-                                       [honest_reply(federation, "h1", 5.0)], 0.0)
+def test_too_few_good_updates_leave_the_model_unchanged(engine):
+    before = {k: v.copy() for k, v in engine.method.global_arrays.items()}
+    record = engine.complete_round(1, [HospitalInfo("h1", 1), HospitalInfo("h2", 1)],
+                                       [honest_reply(engine, "h1", 5.0)], 0.0)
     assert "min-train-hospitals" in record["skipped"]
-    assert all(np.array_equal(before[k], v) for k, v in federation.method.global_arrays.items())
+    assert all(np.array_equal(before[k], v) for k, v in engine.method.global_arrays.items())
 
 
 def test_resumed_run_ends_with_the_same_model_as_an_uninterrupted_one(small_classification, tmp_path):
@@ -80,10 +80,10 @@ def test_resumed_run_ends_with_the_same_model_as_an_uninterrupted_one(small_clas
 
     first = run_rounds(cfg, simulated_sites(cfg, 3), last_round=2)
     save_checkpoint(tmp_path, 2, first.state_dict())
-    resumed = Federation(cfg)
+    resumed = RoundEngine(cfg)
     resumed.load_state_dict(load_checkpoint(tmp_path))
     assert resumed.next_round == 3
-    run_rounds(cfg, simulated_sites(cfg, 3), federation=resumed)
+    run_rounds(cfg, simulated_sites(cfg, 3), engine=resumed)
 
     for name, value in straight.method.global_arrays.items():
         np.testing.assert_array_equal(resumed.method.global_arrays[name], value, err_msg=name)

@@ -246,7 +246,7 @@ def test_real_brats_cases_are_divided_between_test_server_and_hospitals(tmp_path
 
 # --- whole rounds in one process ------------------------------------------------------------------------
 def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_path):
-    from common.federation import Federation
+    from common.round_engine import RoundEngine
     from common.inprocess import run_rounds, simulated_sites
     from common.methods.fedmepd import FedMEPDHospital, decoder_part
     from common.methods.filter_personalisation import filter_layers
@@ -264,7 +264,7 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
 
     # a SuperNode restart: new site objects and method objects over the same state folders
     sites = simulated_sites(cfg, 3, state_root=tmp_path / "restarted")
-    resumed = Federation(cfg)
+    resumed = RoundEngine(cfg)
     resumed.load_state_dict(state)
     info = FedMEPDHospital(cfg, sites[0]).info()
     payload = resumed.downlink(3, info)
@@ -282,7 +282,7 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
     for name in [k for k in composed if k.startswith(("lacca.", "aux_decoder."))]:
         np.testing.assert_array_equal(composed[name], kept[name])
 
-    run_rounds(cfg, sites, federation=resumed)
+    run_rounds(cfg, sites, engine=resumed)
     for name, value in straight.method.global_arrays.items():
         np.testing.assert_array_equal(resumed.method.global_arrays[name], value, err_msg=name)
     assert resumed.history[-1]["method"]["personalised"] == straight.history[-1]["method"]["personalised"]
@@ -290,24 +290,24 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
 
 
 def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
-    from common.federation import Federation, RoundReply
+    from common.round_engine import RoundEngine, RoundReply
     from common.inprocess import simulated_sites
     from common.methods.base import HospitalInfo
     from common.methods.fedmepd import FedMEPDHospital
 
     cfg = tiny(num_server_rounds=1, min_train_hospitals=1, **{"brain.hospital-modalities": "t1ce;t2;flair,t1"})
     sites = simulated_sites(cfg, 3)
-    federation = Federation(cfg)
+    engine = RoundEngine(cfg)
     replies = []
     for site in sites:
         info = FedMEPDHospital(cfg, site).info()
-        replies.append(RoundReply(info, FedMEPDHospital(cfg, site).train(1, federation.downlink(1, info))))
+        replies.append(RoundReply(info, FedMEPDHospital(cfg, site).train(1, engine.downlink(1, info))))
     good, nan, missing = replies
     name = next(k for k in nan.payload.arrays["model"] if k.startswith("decoder."))
     nan.payload.arrays["model"][name] = np.full_like(nan.payload.arrays["model"][name], np.nan)
     del missing.payload.arrays["model"][next(k for k in missing.payload.arrays["model"] if k.startswith("encoders.flair."))]
     liar = RoundReply(HospitalInfo("hospital-liar", 2, {"modalities": "flair,pet"}), good.payload)
-    record = federation.complete_round(1, [r.hospital for r in replies + [liar]], replies + [liar], 0.0)
+    record = engine.complete_round(1, [r.hospital for r in replies + [liar]], replies + [liar], 0.0)
     assert record["aggregated"] == ["hospital-00"]
     assert "NaN" in record["refused"]["hospital-01"] and "encoders.flair." in record["refused"]["hospital-02"]
     assert "hospital-liar: modalities" in record["refused"]["hospital-liar"]
@@ -330,8 +330,8 @@ def test_fedmepd_beats_fedavg_for_hospitals_that_miss_modalities():
                    **{"brain.synthetic-cases": 10, "brain.server-fraction": 0.2, "brain.crops-per-case": 8,
                       "brain.hospital-modalities": "t1ce;t2;flair", "fedmepd.warmup-rounds": 2})
         sites = simulated_sites(cfg, 3)
-        federation = run_rounds(cfg, sites)
-        assert not any(record["refused"] for record in federation.history)
-        scores = evaluate_hospitals(cfg, federation, sites)
+        engine = run_rounds(cfg, sites)
+        assert not any(record["refused"] for record in engine.history)
+        scores = evaluate_hospitals(cfg, engine, sites)
         averages[strategy] = float(np.mean([s["dice_mean"] for s in scores.values()]))
     assert averages["fedmepd"] > averages["fedmepd-fedavg"] + 0.05, averages

@@ -11,7 +11,7 @@ import torch
 
 from common.config import JobConfig
 from common.data.containers import LabelledImages
-from common.federation import Federation, RoundReply
+from common.round_engine import RoundEngine, RoundReply
 from common.inprocess import run_rounds, simulated_sites
 from common.methods.base import HospitalInfo, Payload
 from common.methods.fedproin import (FedProInHospital, fedproin_regulariser, influence_counts,
@@ -44,28 +44,28 @@ def test_nia_weights_each_prototype_by_its_influence_and_keeps_unused_ones():
     assert result.dtype == np.float32
 
 
-def honest_reply(federation, name, n=20, scale=1.0, influence=None):
-    arrays = {k: (v * scale if v.dtype.kind == "f" else v.copy()) for k, v in federation.method.global_arrays.items()}
+def honest_reply(engine, name, n=20, scale=1.0, influence=None):
+    arrays = {k: (v * scale if v.dtype.kind == "f" else v.copy()) for k, v in engine.method.global_arrays.items()}
     shape = arrays["prototypes"].shape[:2]
     counts = np.zeros(shape, dtype=np.int64) if influence is None else np.asarray(influence)
     if influence is None:
         counts[:, 0] = 1
-    return RoundReply(HospitalInfo(name, n), Payload(arrays={"model": arrays, "influence": {"counts": counts}},
-                                                     metrics={"num-examples": n}))
+    return RoundReply(HospitalInfo(name, n), Payload(arrays={"model": arrays},
+                                                     metrics={"num-examples": n, "influence": counts.ravel().tolist()}))
 
 
 def test_server_averages_the_encoder_by_samples_and_records_prototype_usage(cfg):
-    federation = Federation(cfg)
-    before = {k: v.copy() for k, v in federation.method.global_arrays.items()}
+    engine = RoundEngine(cfg)
+    before = {k: v.copy() for k, v in engine.method.global_arrays.items()}
     classes, per_class = before["prototypes"].shape[:2]
     first = np.zeros((classes, per_class), dtype=np.int64)
     first[:, 0] = 2
     second = np.zeros_like(first)
     second[:, 0] = 1
-    replies = [honest_reply(federation, "h1", n=10, scale=2.0, influence=first),
-               honest_reply(federation, "h2", n=30, scale=4.0, influence=second)]
-    record = federation.complete_round(1, [r.hospital for r in replies], replies, 0.0)
-    after = federation.method.global_arrays
+    replies = [honest_reply(engine, "h1", n=10, scale=2.0, influence=first),
+               honest_reply(engine, "h2", n=30, scale=4.0, influence=second)]
+    record = engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
+    after = engine.method.global_arrays
     weight = next(k for k, v in before.items() if k != "prototypes" and v.dtype.kind == "f" and np.abs(v).sum() > 0)
     np.testing.assert_allclose(after[weight], before[weight] * (2.0 * 10 + 4.0 * 30) / 40, rtol=1e-5)  # FedAvg
     np.testing.assert_allclose(after["prototypes"][:, 0], before["prototypes"][:, 0] * (2.0 * 2 + 4.0 * 1) / 3,
@@ -77,35 +77,35 @@ def test_server_averages_the_encoder_by_samples_and_records_prototype_usage(cfg)
 
 
 def test_without_nia_prototypes_are_averaged_by_sample_counts(cfg):
-    federation = Federation(cfg.model_copy(update={"fedproin": cfg.fedproin.model_copy(update={"aggregation": "fedavg"})}))
-    before = federation.method.global_arrays["prototypes"].copy()
-    replies = [honest_reply(federation, "h1", n=10, scale=2.0), honest_reply(federation, "h2", n=30, scale=4.0)]
-    federation.complete_round(1, [r.hospital for r in replies], replies, 0.0)
-    np.testing.assert_allclose(federation.method.global_arrays["prototypes"], before * 3.5, rtol=1e-5)
+    engine = RoundEngine(cfg.model_copy(update={"fedproin": cfg.fedproin.model_copy(update={"aggregation": "fedavg"})}))
+    before = engine.method.global_arrays["prototypes"].copy()
+    replies = [honest_reply(engine, "h1", n=10, scale=2.0), honest_reply(engine, "h2", n=30, scale=4.0)]
+    engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
+    np.testing.assert_allclose(engine.method.global_arrays["prototypes"], before * 3.5, rtol=1e-5)
 
 
 def test_malformed_replies_are_refused_with_a_reason_and_the_round_goes_on(cfg, caplog):
-    federation = Federation(cfg)
-    shape = federation.method.global_arrays["prototypes"].shape[:2]
-    wrong_shape = honest_reply(federation, "h-shape", influence=np.ones((shape[0], shape[1] + 1), np.int64))
-    negative = honest_reply(federation, "h-negative", influence=-np.ones(shape, np.int64))
-    not_finite = honest_reply(federation, "h-inf", influence=np.full(shape, np.inf))
-    too_many = honest_reply(federation, "h-inflated", n=5, influence=np.full(shape, 100, np.int64))
-    missing = honest_reply(federation, "h-missing")
-    del missing.payload.arrays["influence"]
-    nan_prototypes = honest_reply(federation, "h-nan")
+    engine = RoundEngine(cfg)
+    shape = engine.method.global_arrays["prototypes"].shape[:2]
+    wrong_shape = honest_reply(engine, "h-shape", influence=np.ones((shape[0], shape[1] + 1), np.int64))
+    negative = honest_reply(engine, "h-negative", influence=-np.ones(shape, np.int64))
+    not_finite = honest_reply(engine, "h-inf", influence=np.full(shape, np.inf))
+    too_many = honest_reply(engine, "h-inflated", n=5, influence=np.full(shape, 100, np.int64))
+    missing = honest_reply(engine, "h-missing")
+    del missing.payload.metrics["influence"]
+    nan_prototypes = honest_reply(engine, "h-nan")
     nan_prototypes.payload.arrays["model"]["prototypes"][0, 0, 0] = np.nan
-    good = [honest_reply(federation, "h-good-1"), honest_reply(federation, "h-good-2")]
+    good = [honest_reply(engine, "h-good-1"), honest_reply(engine, "h-good-2")]
     replies = [wrong_shape, negative, not_finite, too_many, missing, nan_prototypes, *good]
     with caplog.at_level(logging.WARNING, logger="fedmed"):
-        record = federation.complete_round(1, [r.hospital for r in replies], replies, 0.0)
+        record = engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
     refused = record["refused"]
     assert record["aggregated"] == ["h-good-1", "h-good-2"]
     assert "shape" in refused["h-shape"] and "negative" in refused["h-negative"]
     assert "NaN or Inf" in refused["h-inf"] and "more than the 5" in refused["h-inflated"]
     assert "no influence matrix" in refused["h-missing"] and "prototypes holds NaN" in refused["h-nan"]
     assert "refused the update of h-negative" in caplog.text
-    assert np.isfinite(federation.method.global_arrays["prototypes"]).all()
+    assert np.isfinite(engine.method.global_arrays["prototypes"]).all()
 
 
 # --- hospital side ---------------------------------------------------------------------------------
@@ -160,16 +160,16 @@ def site_with_state(cfg, folder, name="hospital-00"):
 
 
 def test_prototypes_persist_across_rounds_and_a_restart(cfg, tmp_path):
-    federation = Federation(cfg)
+    engine = RoundEngine(cfg)
     hospital = FedProInHospital(cfg, site_with_state(cfg, tmp_path / "state"))
-    fresh = hospital.task.model_from_payload(federation.downlink(1, hospital.info()))
+    fresh = hospital.task.model_from_payload(engine.downlink(1, hospital.info()))
     assert hospital.previous_prototypes(1, fresh) is None  # first participation: no PCL
-    first = hospital.train(1, federation.downlink(1, hospital.info()))
-    assert first.arrays["influence"]["counts"].sum() == len(hospital.site.train)
+    first = hospital.train(1, engine.downlink(1, hospital.info()))
+    assert np.sum(first.metrics["influence"]) == len(hospital.site.train)
 
     restarted = FedProInHospital(cfg, site_with_state(cfg, tmp_path / "state"))  # new process, same folder
     np.testing.assert_array_equal(restarted.previous_prototypes(3, fresh), first.arrays["model"]["prototypes"])
-    third = restarted.train(3, federation.downlink(3, restarted.info()))
+    third = restarted.train(3, engine.downlink(3, restarted.info()))
     again = FedProInHospital(cfg, site_with_state(cfg, tmp_path / "state"))
     np.testing.assert_array_equal(again.previous_prototypes(4, fresh), third.arrays["model"]["prototypes"])
     np.testing.assert_array_equal(again.previous_prototypes(3, fresh), first.arrays["model"]["prototypes"])  # replay
@@ -215,10 +215,10 @@ def test_class_balanced_draws_and_per_class_augmentation():
                                       {"task_loss": "mcl", "class_balanced": False, "class_augmentation": False}])
 def test_two_round_in_process_federation(cfg, ablation):
     cfg = cfg.model_copy(update={"fraction_train": 0.7, "fedproin": cfg.fedproin.model_copy(update=ablation)})
-    federation = run_rounds(cfg, simulated_sites(cfg, 3))
-    assert [r["round"] for r in federation.history] == [1, 2]
-    for record in federation.history:
+    engine = run_rounds(cfg, simulated_sites(cfg, 3))
+    assert [r["round"] for r in engine.history] == [1, 2]
+    for record in engine.history:
         assert len(record["aggregated"]) == 2 and not record["refused"]
         assert set(record["method"]["influence"]) == set(record["aggregated"])
         assert 0.0 <= record["test"]["accuracy"] <= 1.0 and np.isfinite(record["train"]["train-loss"])
-    assert federation.method.global_arrays["prototypes"].shape[:2] == (4, 2)
+    assert engine.method.global_arrays["prototypes"].shape[:2] == (4, 2)

@@ -10,7 +10,7 @@ import torch
 
 from common.config import JobConfig
 from common.data.sources import server_test_set
-from common.federation import Federation, RoundReply
+from common.round_engine import RoundEngine, RoundReply
 from common.inprocess import run_rounds, simulated_sites
 from common.methods.base import HospitalInfo, Payload
 from common.methods.moon import model_contrastive_loss
@@ -34,46 +34,46 @@ def test_moon_loss_prefers_the_global_representation():
 def test_moon_two_rounds_keep_each_hospitals_previous_model(cfg):
     cfg = cfg.model_copy(update={"strategy": "moon", "fraction_train": 1.0})
     sites = simulated_sites(cfg, 2)
-    federation = run_rounds(cfg, sites)
-    assert [len(r["aggregated"]) for r in federation.history] == [2, 2]
-    assert 0.0 <= federation.history[-1]["test"]["accuracy"] <= 1.0
+    engine = run_rounds(cfg, sites)
+    assert [len(r["aggregated"]) for r in engine.history] == [2, 2]
+    assert 0.0 <= engine.history[-1]["test"]["accuracy"] <= 1.0
     for site in sites:  # the model it trained in round 2 is what its round-3 contrastive term will push from
         assert site.state.rounds() == [1, 2]
         saved = site.state.load(before_round=3)
-        assert set(saved) == set(federation.method.global_arrays)
-        assert not all(np.array_equal(saved[k], v) for k, v in federation.method.global_arrays.items())
+        assert set(saved) == set(engine.method.global_arrays)
+        assert not all(np.array_equal(saved[k], v) for k, v in engine.method.global_arrays.items())
 
 
 def test_fedproto_two_rounds_share_prototypes_and_score_the_hospitals_models(cfg):
     cfg = cfg.model_copy(update={"strategy": "fedproto"})
     sites = simulated_sites(cfg, 3)
-    federation = run_rounds(cfg, sites)
-    method = federation.method
-    assert [len(r["aggregated"]) for r in federation.history] == [2, 2]
+    engine = run_rounds(cfg, sites)
+    method = engine.method
+    assert [len(r["aggregated"]) for r in engine.history] == [2, 2]
     assert method.present.all() and np.isfinite(method.prototypes).all()
-    assert set(method.local_models) == set(federation.history[0]["aggregated"]) | set(federation.history[1]["aggregated"])
-    assert 0.0 <= federation.history[-1]["test"]["accuracy"] <= 1.0
+    assert set(method.local_models) == set(engine.history[0]["aggregated"]) | set(engine.history[1]["aggregated"])
+    assert 0.0 <= engine.history[-1]["test"]["accuracy"] <= 1.0
     # The downlink carries prototypes only; a hospital continues its own model from its state store.
-    payload = federation.downlink(3, HospitalInfo(sites[0].name, 1))
+    payload = engine.downlink(3, HospitalInfo(sites[0].name, 1))
     assert set(payload.arrays) == {"prototypes"} and payload.arrays["prototypes"]["mean"].shape == method.prototypes.shape
 
 
 def test_fedproto_averages_each_class_over_the_hospitals_that_hold_it(cfg):
     cfg = cfg.model_copy(update={"strategy": "fedproto"})
-    federation = Federation(cfg)
-    classes, dim = federation.method.prototypes.shape
+    engine = RoundEngine(cfg)
+    classes, dim = engine.method.prototypes.shape
 
     def reply(name, mean, count):
         return RoundReply(HospitalInfo(name, 10), Payload(
-            arrays={"model": dict(federation.method.global_arrays),
+            arrays={"model": dict(engine.method.global_arrays),
                     "prototypes": {"mean": np.full((classes, dim), mean, np.float32), "count": np.array(count)}},
             metrics={"num-examples": 10}))
 
     replies = [reply("h1", 1.0, [5, 0, 1, 0]), reply("h2", 3.0, [50, 2, 0, 0]), reply("h3", np.nan, [1, 1, 1, 1])]
-    record = federation.complete_round(1, [r.hospital for r in replies], replies, 0.0)
+    record = engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
     assert "NaN" in record["refused"]["h3"]
-    np.testing.assert_allclose(federation.method.prototypes[:3, 0], [2.0, 3.0, 1.0])  # unweighted by counts
-    assert federation.method.present.tolist() == [True, True, True, False]
+    np.testing.assert_allclose(engine.method.prototypes[:3, 0], [2.0, 3.0, 1.0])  # unweighted by counts
+    assert engine.method.present.tolist() == [True, True, True, False]
     assert record["method"]["hospitals-per-class"] == [2, 1, 1, 0]
 
 

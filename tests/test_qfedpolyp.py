@@ -12,7 +12,7 @@ import torch
 
 from common.arrays import model_arrays, weighted_average
 from common.config import ConfigError, JobConfig
-from common.federation import Federation, RoundReply
+from common.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
 from common.methods.qfedpolyp import BIT_WIDTH_KEY, PACKED, assign_bit_width
 from common.models.unet2d import PolypUNet
@@ -210,12 +210,12 @@ def polyp_job():
 
 
 def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_count(polyp_job, caplog):
-    federation = Federation(polyp_job)
-    server = federation.method
+    engine = RoundEngine(polyp_job)
+    server = engine.method
     names = ["hospital-00", "hospital-01", "hospital-02"]
     infos = [HospitalInfo(n, 10) for n in names] + [HospitalInfo("hospital-03", 10, {"bit-width": 8}),
                                                    HospitalInfo("hospital-04", 10, {"bit-width": 8})]
-    chosen = federation.select(1, infos)
+    chosen = engine.select(1, infos)
     assert [server.downlink(1, h).config[BIT_WIDTH_KEY] for h in chosen] == [4, 8, 32, 8, 8]
     rng = np.random.default_rng(0)
     models = [{k: (v + rng.normal(0, 0.01, v.shape).astype(v.dtype) if v.dtype.kind == "f" else v + i)
@@ -230,7 +230,7 @@ def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_coun
     truncated = reply(4, 8, 10)
     truncated.payload.arrays[PACKED]["data"] = truncated.payload.arrays[PACKED]["data"][:100]
     with caplog.at_level(logging.WARNING, logger="fedmed"):
-        record = federation.complete_round(1, chosen, [*good, wrong_tag, truncated], 0.0)
+        record = engine.complete_round(1, chosen, [*good, wrong_tag, truncated], 0.0)
     assert record["aggregated"] == names
     assert "tag is 4, but 8 was assigned" in record["refused"]["hospital-03"]
     assert "truncated" in record["refused"]["hospital-04"]
@@ -239,16 +239,16 @@ def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_coun
     expected = weighted_average([decode_model(r.payload.arrays[PACKED]) for r in good], [10, 30, 60])
     for name, value in expected.items():
         np.testing.assert_array_equal(server.global_arrays[name], value, err_msg=name)
-    assert server.global_arrays["enc1.bn1.num_batches_tracked"] == models[2]["enc1.bn1.num_batches_tracked"]
+    assert not any(name.endswith("num_batches_tracked") for name in server.global_arrays)  # counters stay local
 
 
 def test_a_hospital_that_drops_out_does_not_shift_the_others_bit_widths_even_after_a_resume(polyp_job):
-    server = Federation(polyp_job).method
+    server = RoundEngine(polyp_job).method
     everyone = [HospitalInfo(f"hospital-0{i}", 10) for i in range(3)]
     server.hospitals_available(1, everyone)
     server.hospitals_available(2, [everyone[0], everyone[2]])  # hospital-01 is gone
     assert server.downlink(2, everyone[2]).config[BIT_WIDTH_KEY] == 32
-    restarted = Federation(polyp_job).method
+    restarted = RoundEngine(polyp_job).method
     restarted.load_state_dict(server.state_dict())
     restarted.hospitals_available(3, [everyone[2]])
     assert restarted.downlink(3, everyone[2]).config[BIT_WIDTH_KEY] == 32
@@ -258,18 +258,18 @@ def test_two_in_process_rounds_with_mixed_bit_widths_and_a_quantised_downlink(po
     from common.inprocess import run_rounds, simulated_sites
 
     cfg = polyp_job.model_copy(update={"qfedpolyp": polyp_job.qfedpolyp.model_copy(update={"downlink_bit_width": 8})})
-    federation = Federation(cfg)
-    initial = {k: v.copy() for k, v in federation.method.global_arrays.items()}
-    run_rounds(cfg, simulated_sites(cfg, 3, device="cpu"), federation)
-    first, last = federation.history
+    engine = RoundEngine(cfg)
+    initial = {k: v.copy() for k, v in engine.method.global_arrays.items()}
+    run_rounds(cfg, simulated_sites(cfg, 3, device="cpu"), engine)
+    first, last = engine.history
     assert last["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"] and not last["refused"]
     assert last["method"]["bit-widths"] == {"hospital-00": 4, "hospital-01": 8, "hospital-02": 32}
     assert {h: m["bit-width"] for h, m in last["hospital_metrics"].items()} == last["method"]["bit-widths"]
     up = {h: t["up"] for h, t in last["traffic"].items()}
-    float_bytes = sum(v.nbytes for v in federation.method.global_arrays.values())
+    float_bytes = sum(v.nbytes for v in engine.method.global_arrays.values())
     assert up["hospital-02"] > float_bytes and up["hospital-02"] / up["hospital-01"] > 3.9
     assert up["hospital-02"] / up["hospital-00"] > 7.7
     assert all(t["down"] < float_bytes / 3.9 for t in last["traffic"].values())  # the 8-bit downlink
     assert 0.0 <= last["test"]["dice"] <= 1.0 and "val-dice" in last["train"]
-    moved = [k for k, v in federation.method.global_arrays.items() if not np.array_equal(v, initial[k])]
-    assert len(moved) == len(initial)  # every weight and buffer moved (num_batches_tracked counts steps)
+    moved = [k for k, v in engine.method.global_arrays.items() if not np.array_equal(v, initial[k])]
+    assert len(moved) == len(initial)  # every weight and BatchNorm statistic moved

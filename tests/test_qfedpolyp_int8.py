@@ -13,7 +13,7 @@ from torch.ao.nn import intrinsic, quantized
 from common.cli import main as fedmed
 from common.config import JobConfig
 from common.data.synthetic import make_polyps
-from common.federation import Federation
+from common.round_engine import RoundEngine
 from common.models.unet2d import PolypUNet
 from common.quantization.int8 import ShuffleUpsample, int8_model, load_deployment, save_deployment
 from common.tasks.base import images_to_tensor
@@ -65,9 +65,9 @@ def test_int8_model_runs_quantised_kernels_and_stays_close_to_fp32(tmp_path):
 def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
                     image_size=32, min_partition_size=5)
-    federation = Federation(cfg)
-    federation.history = [{"round": 1}]
-    save_checkpoint(tmp_path / "run", 1, federation.state_dict())
+    engine = RoundEngine(cfg)
+    engine.history = [{"round": 1}]
+    save_checkpoint(tmp_path / "run", 1, engine.state_dict())
 
     model_file = tmp_path / "polyp-int8.pt"
     assert fedmed(["export-int8", "--run", str(tmp_path / "run"), "--out", str(model_file),

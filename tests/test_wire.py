@@ -37,18 +37,36 @@ def test_message_size_is_measured_from_serialised_content(monkeypatch):
     assert 100 < small_bytes < 5000
 
 
-def test_recorddict_from_elsewhere_is_refused():
-    from flwr.app import ArrayRecord, Array
+def test_payload_travels_in_flowers_own_records():
+    """The model is the ArrayRecord "arrays" (loadable by torch), config and metrics Flower's records."""
+    import torch
 
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    from common.arrays import model_arrays
+
+    content = to_recorddict(Payload(arrays={"model": model_arrays(model), "anchors": {"a": np.ones(2)}},
+                                    config={"mask": b"\x01"}, metrics={"influence": [3, 0, 1, 2], "loss": 0.5}))
+    assert set(content.array_records) == {"arrays", "anchors"}
+    assert content.config_records["config"]["mask"] == b"\x01"
+    assert content.metric_records["metrics"]["influence"] == [3, 0, 1, 2]
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    assert "1.num_batches_tracked" not in content["arrays"]  # the step counter stays local
+    fresh.load_state_dict(content["arrays"].to_torch_state_dict(), strict=True)  # torch accepts it missing
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_recorddict_from_elsewhere_is_refused():
     import pytest
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
     from common.wire import MalformedPayload
 
-    foreign = RecordDict({"weights": ArrayRecord({"w": Array(np.zeros(2, np.float32))})})
-    with pytest.raises(MalformedPayload, match="unexpected record 'weights'"):
-        from_recorddict(foreign)
+    for foreign in (RecordDict({"settings": ConfigRecord({"a": 1})}), RecordDict({"scores": MetricRecord({"a": 1})})):
+        with pytest.raises(MalformedPayload, match="unexpected"):
+            from_recorddict(foreign)
     truncated = to_recorddict(payload_of(100))
-    blob = truncated["fedmed.payload"]["npz"].numpy()
-    truncated["fedmed.payload"]["npz"] = Array(blob[: len(blob) // 2].copy())
+    good = truncated["arrays"]["w"]
+    truncated["arrays"] = ArrayRecord({"w": Array(dtype=good.dtype, shape=good.shape, stype=good.stype,
+                                                  data=good.data[: len(good.data) // 2])})
     with pytest.raises(MalformedPayload, match="cannot be decoded"):
         from_recorddict(truncated)

@@ -11,7 +11,7 @@ import pytest
 from client_app import hospital
 from client_app.worker import WorkerFailed, ask_worker, socket_path
 from common.config import load_job_config
-from common.federation import Federation
+from common.round_engine import RoundEngine
 from common.methods.base import HospitalInfo
 from common.payload import Payload, payload_from_bytes, payload_to_bytes
 from tests.flower_processes import TINY_JOB
@@ -60,7 +60,7 @@ def test_worker_answers_like_the_process_itself_and_stops_with_its_superexec(tmp
 
         cfg = load_job_config(JOB)
         info = HospitalInfo(node["hospital"], int(identity.config["num-examples"]))
-        downlink = Federation(cfg).downlink(1, info)
+        downlink = RoundEngine(cfg).downlink(1, info)
         reply = ask_worker("train", downlink, JOB, node, watch_pid=superexec.pid)
         assert {k: v.shape for k, v in reply.arrays["model"].items()} == \
             {k: v.shape for k, v in downlink.arrays["model"].items()}

@@ -78,13 +78,13 @@ def run_one(flat: dict[str, Any], hospitals: int) -> dict[str, Any]:
     for site in sites:
         site.state = HospitalStateStore(None, keep=1)  # in memory: a hospital only reads back its last round
     started = time.time()
-    federation = run_rounds(cfg, sites)
-    final = evaluate_hospitals(cfg, federation, sites)
+    engine = run_rounds(cfg, sites)
+    final = evaluate_hospitals(cfg, engine, sites)
     return {"seconds": time.time() - started, "config": cfg.to_flat(),
             "hospitals": {s.name: s.properties["modalities"] for s in sites},
             "cases": {s.name: [c.name for c in s.train] for s in sites},
-            "test-cases": [c.name for c in federation.test_data],
-            "final": final, "server": federation.history[-1].get("test", {}), "history": compact(federation.history)}
+            "test-cases": [c.name for c in engine.test_data],
+            "final": final, "server": engine.history[-1].get("test", {}), "history": compact(engine.history)}
 
 
 def one_step(flat: dict[str, Any]) -> None:

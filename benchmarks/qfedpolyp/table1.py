@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 
 from common.config import JobConfig
-from common.federation import Federation
+from common.round_engine import RoundEngine
 from common.inprocess import run_rounds, simulated_sites
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,12 +79,12 @@ def run_config(cfg: JobConfig) -> list[dict[str, Any]]:
         raise SystemExit(f"{cfg.run_dir} holds a run with other settings; pass a fresh --out")
     if (cfg.run_dir / "metrics.jsonl").exists() and len(read_history(cfg.run_dir)) >= cfg.num_server_rounds:
         return read_history(cfg.run_dir)
-    federation = Federation(cfg)
+    engine = RoundEngine(cfg)
     if list_checkpoints(cfg.run_dir):
-        federation.load_state_dict(load_checkpoint(cfg.run_dir))
-        log.info("%s: resuming after round %d", cfg.run_name, len(federation.history))
-    run_rounds(cfg, simulated_sites(cfg, NUM_HOSPITALS, device=cfg.device), federation, on_round_end=save_round)
-    return federation.history
+        engine.load_state_dict(load_checkpoint(cfg.run_dir))
+        log.info("%s: resuming after round %d", cfg.run_name, len(engine.history))
+    run_rounds(cfg, simulated_sites(cfg, NUM_HOSPITALS, device=cfg.device), engine, on_round_end=save_round)
+    return engine.history
 
 
 def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[str, int]:

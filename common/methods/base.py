@@ -42,7 +42,11 @@ class HospitalUpdate:
 
     @property
     def num_examples(self) -> int:
-        return int(self.payload.metrics.get("num-examples", 0))
+        """The reported sample count; 0 (refused by ``check``) when it is not a finite number."""
+        value = self.payload.metrics.get("num-examples", 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            return 0
+        return int(value) if np.isfinite(value) else 0
 
 
 class RejectedUpdate(Exception):

@@ -107,6 +107,8 @@ class FedMEPDServer(ServerTraining):
         if self.personalise and rnd > self.cfg.fedmepd.warmup_rounds and self._round:
             self.update_personalisation(subtract(decoder_part(self.global_arrays), aggregated))
         metrics["personalised"] = {h: self.personalisation.fraction_personal(h) for h in self.personalisation.hospitals}
+        metrics["masks"] = {h: list(pack_mask(self.personalisation.mask(h), self.personalisation.sizes))
+                            for h in self.personalisation.hospitals}  # the bytes each hospital receives next
         if self.share_anchors and self.cfg.fedmepd.lacca:
             batches = self.task.batches(self.server_cases(), max(2, self.cfg.batch_size), self.device,
                                         np.random.default_rng(self.round_seed(rnd)), train=True)

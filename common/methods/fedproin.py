@@ -35,7 +35,10 @@ from .fedavg import FedAvgHospital
 
 log = logging.getLogger("fedmed")
 
-INFLUENCE = "influence"  # reply array group holding the influence matrix under "counts"
+#: reply metric holding the influence matrix, flattened row by row (classes x prototypes per class): a list of
+#: counts travels in the reply's MetricRecord, so the reply's only ArrayRecord is the model (Flower's DP
+#: wrappers clip every ArrayRecord of a reply as model weights).
+INFLUENCE = "influence"
 
 
 # --- the method's pieces, as plain functions -------------------------------------------------------
@@ -126,15 +129,23 @@ class FedProInServer(ServerMethod):
                 raise ValueError(f"fedproin.encoder-weights: {error}") from None
         self.global_arrays = model_arrays(model)
 
+    def influence(self, update: HospitalUpdate) -> np.ndarray:
+        """The reply's influence matrix as (classes, prototypes per class)."""
+        counts = np.asarray(update.payload.metrics[INFLUENCE])
+        return counts.reshape(self.global_arrays["prototypes"].shape[:2])
+
     def check(self, update: HospitalUpdate) -> None:
         super().check(update)
-        influence = update.payload.arrays.get(INFLUENCE, {}).get("counts")
-        if influence is None:
-            raise RejectedUpdate(f"reply carries no influence matrix (arrays['{INFLUENCE}']['counts'])")
+        raw = update.payload.metrics.get(INFLUENCE)
+        if raw is None:
+            raise RejectedUpdate(f"reply carries no influence matrix (metric {INFLUENCE!r})")
+        if not isinstance(raw, (list, tuple, np.ndarray)):
+            raise RejectedUpdate(f"influence matrix is {type(raw).__name__}, expected a list of counts")
         expected = self.global_arrays["prototypes"].shape[:2]
-        if influence.shape != expected:
-            raise RejectedUpdate(f"influence matrix has shape {influence.shape}, expected {expected} "
+        if np.asarray(raw).size != expected[0] * expected[1]:
+            raise RejectedUpdate(f"influence matrix has {np.asarray(raw).size} entries, expected shape {expected} "
                                  "(classes, prototypes per class)")
+        influence = self.influence(update)
         if influence.dtype.kind not in "iuf":
             raise RejectedUpdate(f"influence matrix has dtype {influence.dtype}, expected counts")
         if not np.isfinite(influence).all():
@@ -147,7 +158,7 @@ class FedProInServer(ServerMethod):
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         models = [u.payload.arrays["model"] for u in updates]
-        influences = [u.payload.arrays[INFLUENCE]["counts"] for u in updates]
+        influences = [self.influence(u) for u in updates]
         arrays = weighted_average(models, [u.num_examples for u in updates])
         if self.cfg.fedproin.aggregation == "nia":
             arrays["prototypes"] = normalised_influence_aggregation(
@@ -178,7 +189,8 @@ class FedProInHospital(FedAvgHospital):
         reply = self.train_model(rnd, model, term)
         if tap is not None:
             tap.remove()
-        reply.arrays[INFLUENCE] = {"counts": influence_counts(model, self.task, self.site.train, self.site.device)}
+        counts = influence_counts(model, self.task, self.site.train, self.site.device)
+        reply.metrics[INFLUENCE] = counts.ravel().tolist()
         self.site.state.save(rnd, {"prototypes": reply.arrays["model"]["prototypes"]})
         return reply
 

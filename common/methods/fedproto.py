@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from common.arrays import ArraysMismatch, check_like, load_model_arrays, model_arrays
-from common.federation import weighted_mean_metrics
+from common.round_engine import weighted_mean_metrics
 from common.models.prototype_net import squared_distances
 from common.models.representations import ClassifierFeatures, classifier_features, classifier_head, frozen_copy
 

@@ -1,8 +1,9 @@
-"""The server's side of a run, whatever carries the messages: choose hospitals, build what each one
+"""The server's round engine, whatever carries the messages: choose hospitals, build what each one
 receives, accept or refuse replies, aggregate, evaluate, and keep the round history.
 
-The Flower strategy (``strategies.base``) and the in-process runner (``common.inprocess``) both
-drive a :class:`Federation`; they differ only in how payloads reach hospitals.
+The Flower strategies (``strategies``) and the in-process runner (``common.inprocess``) both
+drive a :class:`RoundEngine`; they differ only in how payloads reach hospitals. (Named so as not
+to be read as a Flower "federation", which is a SuperLink connection.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from common.config import JobConfig
+from common.arrays import ArraysMismatch, check_like, is_exchanged
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate, ServerMethod, pack_json, unpack_json
 from common.methods.registry import server_class
 from common.tasks import get_task, task_class
@@ -52,7 +54,7 @@ def weighted_mean_metrics(items: list[tuple[float, dict[str, float]]]) -> dict[s
             if all(isinstance(m[k], (int, float)) and math.isfinite(m[k]) for _, m in items)}
 
 
-class Federation:
+class RoundEngine:
     """One run's server state: the method, the test set, the round history."""
 
     def __init__(self, cfg: JobConfig, method: ServerMethod | None = None, test_data: Any = None):
@@ -80,6 +82,16 @@ class Federation:
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         return self.method.downlink(rnd, hospital)
 
+    def adopt_global_arrays(self, arrays: dict[str, np.ndarray], what: str = "global arrays") -> None:
+        """Take ``arrays`` as the global model (e.g. a DP wrapper's noised aggregate, or a user's initial
+        model): same names and shapes as the method's, each cast to the method's dtype."""
+        current = self.method.global_arrays
+        try:
+            check_like({k: v for k, v in arrays.items() if is_exchanged(k)}, current, what)
+        except ArraysMismatch as error:
+            raise ValueError(str(error)) from None
+        self.method.global_arrays = {k: np.asarray(arrays[k], dtype=v.dtype) for k, v in current.items()}
+
     def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply], started: float,
                        bytes_down: dict[str, int] | None = None) -> dict[str, Any]:
         """Check every reply, aggregate the accepted ones, let the server work, evaluate, record.
@@ -88,6 +100,7 @@ class Federation:
         """
         accepted: list[HospitalUpdate] = []
         refused: dict[str, str] = {}
+        replies = sorted(replies, key=lambda r: r.hospital.name)  # the same result whatever order replies arrive in
         for reply in replies:
             name = reply.hospital.name
             if reply.payload is None:

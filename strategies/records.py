@@ -1,0 +1,56 @@
+"""Small helpers between our round records and Flower's records (the way ``FedAvg`` has ``strategy_utils``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, MetricRecord
+
+from common.payload import NamedArrays
+
+
+def as_arrayrecord(arrays: NamedArrays) -> ArrayRecord:
+    """Named NumPy arrays as an ArrayRecord, in their order (``to_torch_state_dict()`` loads it)."""
+    return ArrayRecord({name: Array(np.require(value, requirements="C")) for name, value in arrays.items()})
+
+
+def arrays_of(record: ArrayRecord) -> NamedArrays:
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def flat_metrics(value: Any, prefix: str = "") -> dict[str, int | float | list]:
+    """A round record's numbers and lists of numbers under dotted keys; text and empty lists are left out
+    (they stay in ``metrics.jsonl``). A nested list (an influence matrix) becomes one flat list."""
+    flat: dict[str, int | float | list] = {}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            flat.update(flat_metrics(item, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(value, bool):
+        flat[prefix] = int(value)
+    elif isinstance(value, (int, float, np.integer, np.floating)):
+        flat[prefix] = value.item() if isinstance(value, np.generic) else value
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged
+            return flat
+        if array.size and array.dtype.kind in "iub":
+            flat[prefix] = [int(v) for v in array.ravel()]
+        elif array.size and array.dtype.kind == "f":
+            flat[prefix] = [float(v) for v in array.ravel()]
+    return flat
+
+
+def round_metricrecord(record: dict[str, Any]) -> MetricRecord:
+    """One round as a MetricRecord: the hospitals' weighted training metrics (``train.*``), the server's test
+    metrics (``test.*``), the method's state (``method.*``, e.g. FedProIn's influence matrix per hospital),
+    bytes each way in all and per hospital, and how many hospitals were aggregated, refused or missing."""
+    flat = flat_metrics({key: record[key] for key in ("train", "test", "evaluate", "method") if key in record})
+    flat.update({"bytes-up": int(record["bytes_up"]), "bytes-down": int(record["bytes_down"]),
+                 "hospitals-aggregated": len(record["aggregated"]), "hospitals-refused": len(record["refused"]),
+                 "hospitals-missing": len(record["missing"])})
+    for hospital, traffic in record["traffic"].items():
+        flat[f"bytes-up.{hospital}"] = int(traffic["up"])
+        flat[f"bytes-down.{hospital}"] = int(traffic["down"])
+    return MetricRecord(flat)

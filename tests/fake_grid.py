@@ -1,0 +1,84 @@
+"""A Flower ``Grid`` without processes, for unit tests of the strategies.
+
+Each node is a function from a message to its reply (``None``: the node never answers, as when it
+is killed mid-round). ``hospital_node`` answers with fedmed's real ClientApp handlers, in this
+process, on its partition of the job's data set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+from uuid import uuid4
+
+from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+NodeHandler = Callable[[Message], "Message | None"]
+
+
+class FakeGrid(Grid):
+    def __init__(self, nodes: Mapping[int, NodeHandler]):
+        TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as inside a ServerApp
+        self.nodes: dict[int, NodeHandler] = dict(nodes)
+        self.sent: list[Message] = []
+        self._replies: dict[str, Message] = {}
+        self._run = None
+
+    def set_run(self, run) -> None:
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+            self.sent.append(message)
+            handler = self.nodes.get(message.metadata.dst_node_id)
+            reply = handler(message) if handler is not None else None
+            if reply is not None:
+                self._replies[message.metadata.message_id] = reply
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(mid) for mid in list(message_ids) if mid in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def sent_of_type(self, message_type: str) -> list[Message]:
+        return [m for m in self.sent if m.metadata.message_type == message_type]
+
+
+def hospital_node(run_config: Mapping[str, Any], node_config: Mapping[str, Any], node_id: int) -> NodeHandler:
+    """A hospital answering with fedmed's ClientApp handlers (query, train, evaluate)."""
+    from client_app import app as client
+
+    context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
+                      run_config=dict(run_config))
+    handlers = {MessageType.QUERY: client.query, MessageType.TRAIN: client.train, MessageType.EVALUATE: client.evaluate}
+
+    def answer(message: Message) -> Message:
+        return handlers[message.metadata.message_type](message, context)
+
+    return answer
+
+
+def simulated_hospitals(run_config: Mapping[str, Any], count: int, first_node_id: int = 101,
+                        **node_config: Any) -> dict[int, NodeHandler]:
+    """``count`` hospitals on partitions 0..count-1 of the job's data, as Flower's simulation makes them."""
+    return {first_node_id + pid: hospital_node(run_config, {"partition-id": pid, "num-partitions": count, **node_config},
+                                               first_node_id + pid)
+            for pid in range(count)}
