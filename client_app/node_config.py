@@ -38,7 +38,8 @@ class NodeConfig(Section):
     def _has_data(self) -> "NodeConfig":
         if not self.data_dir and self.partition_id is None:
             raise ValueError("a hospital needs data-dir (deployment) or partition-id (simulation)")
-        if self.partition_id is not None and self.num_partitions is not None and self.partition_id >= self.num_partitions:
+        if (self.partition_id is not None and self.num_partitions is not None
+                and self.partition_id >= self.num_partitions):
             raise ValueError(f"partition-id {self.partition_id} is not below num-partitions {self.num_partitions}")
         return self
 

@@ -89,7 +89,8 @@ def ask_worker(kind: str, payload: Payload, run_config: Mapping[str, Any], node_
             _send(connection, request)
             reply, header = payload_from_bytes(_receive(connection))
         except (OSError, ConnectionError) as error:
-            raise WorkerFailed(f"the hospital's worker stopped while answering ({error}); see {_log_path(path, node_config)}") from None
+            raise WorkerFailed(f"the hospital's worker stopped while answering ({error}); "
+                               f"see {_log_path(path, node_config)}") from None
     if header.get("error"):
         raise WorkerFailed(header["error"])
     return reply

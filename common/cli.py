@@ -14,10 +14,10 @@ import json
 import shlex
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -106,7 +106,8 @@ def int8_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedmed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="federated classification on generated data (3 hospitals, simulation)")

@@ -45,7 +45,9 @@ class FedProxSection(Section):
 
 
 class FedProInSection(Section):
-    """FedProIn (docs/fedproin.md). Ablations: fdl-weight=0 (no FDL), pcl-weight=0 (no PCL), aggregation='fedavg' (no NIA)."""
+    """FedProIn (docs/fedproin.md).
+
+    Ablations: fdl-weight=0 (no FDL), pcl-weight=0 (no PCL), aggregation='fedavg' (no NIA)."""
 
     num_prototypes: int = Field(2, ge=1, le=4, description="M, learnable prototypes per class (paper: 2 on HAM10000).")
     task_loss: Literal["mcel", "mcl"] = Field("mcel", description="Minimum classification error or margin loss.")
@@ -67,7 +69,8 @@ class MoonSection(Section):
 
 
 class FedProtoSection(Section):
-    proto_weight: float = Field(1.0, ge=0.0, description="lambda: weight of MSE(feature, global prototype of its class).")
+    proto_weight: float = Field(1.0, ge=0.0,
+                                description="lambda: weight of MSE(feature, global prototype of its class).")
 
 
 class QFedPolypSection(Section):
@@ -76,7 +79,8 @@ class QFedPolypSection(Section):
     bit_widths: str = Field("8", description="Uplink bit-width per hospital in name order, e.g. '8,8,8,16,16'; "
                                              "one value: every hospital. Each 2..16, or 32 for plain floats. "
                                              "A hospital's node config 'bit-width' wins over this list.")
-    downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals (32: plain floats).")
+    downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals "
+                                                    "(32: plain floats).")
     qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training.")
 
     @field_validator("bit_widths", mode="before")
@@ -120,10 +124,12 @@ class BrainSection(Section):
     crop_size: int = Field(80, ge=8, description="Edge of training crops and sliding windows, a multiple of 8.")
     downsample: int = Field(1, ge=1, le=4, description="Volumes are shrunk by this factor after cropping to the brain.")
     crops_per_case: int = Field(1, ge=1, description="Random crops drawn from each case per epoch (paper: 1).")
-    window_overlap: float = Field(0.5, ge=0.0, lt=1.0, description="Sliding-window overlap at evaluation (0.5: stride 40 of 80).")
+    window_overlap: float = Field(0.5, ge=0.0, lt=1.0,
+                                  description="Sliding-window overlap at evaluation (0.5: stride 40 of 80).")
     server_data_dir: str = Field("", description="The server's own full-modality training cases; "
                                                  "empty: simulation takes server-fraction of data-dir.")
-    server_fraction: float = Field(0.2, gt=0.0, lt=0.9, description="Simulation: share of the cases the server trains on.")
+    server_fraction: float = Field(0.2, gt=0.0, lt=0.9,
+                                   description="Simulation: share of the cases the server trains on.")
     hospital_modalities: str = Field(PAPER_HOSPITAL_MODALITIES, description=(
         "Simulation: modalities of hospital 0, 1, ... separated by ';' (a node config 'modalities' wins)."))
     synthetic_cases: int = Field(24, ge=4, description="Generated data: volumes in all (server, hospitals, test).")
@@ -166,7 +172,8 @@ class FedMEPDSection(Section):
 
     patience: int = Field(10, ge=0, description="P: rounds of negative cosine in a row before a filter turns personal.")
     warmup_rounds: int = Field(30, ge=0, description="Rounds before patience counters and weights start to move.")
-    server_momentum: float = Field(0.3, ge=0.0, le=1.0, description="lambda: server decoder = lambda*server + (1-lambda)*hospitals.")
+    server_momentum: float = Field(0.3, ge=0.0, le=1.0,
+                                   description="lambda: server decoder = lambda*server + (1-lambda)*hospitals.")
     weight_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="EMA of the per-filter hospital weights.")
     num_anchors: int = Field(4, ge=1, description="N_k: anchors per class and scale (K-means clusters).")
     anchor_momentum: float = Field(0.999, ge=0.0, le=1.0, description="EMA of the anchors after their K-means start.")
@@ -272,7 +279,8 @@ class JobConfig(Section):
 #: Run-config keys the server sends with every message and a hospital takes from it over its own run
 #: config: which method runs and how it trains (the number of rounds sets learning-rate schedules). Data,
 #: model size and paths stay the hospital's own.
-SERVER_SET_KEYS = ("strategy", "num-server-rounds", "local-epochs", "batch-size", "learning-rate", "weight-decay", "seed")
+SERVER_SET_KEYS = ("strategy", "num-server-rounds", "local-epochs", "batch-size", "learning-rate", "weight-decay",
+                   "seed")
 SERVER_SET_SECTIONS = ("fedprox", "fedproin", "moon", "fedproto", "qfedpolyp", "fedmepd")
 
 
@@ -286,9 +294,12 @@ def is_server_set(key: str) -> bool:
 
 
 def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any]) -> "JobConfig":
-    """A hospital's job: its run config, with the server-set keys of the message's config over it."""
+    """A hospital's job: its run config, with the server-set keys of the message's config over it.
+
+    Keys that are not fedmed's are left out: the ServerApp validated the run config before round 1,
+    and a user's own ServerApp (docs/own-serverapp.md) may have run-config keys of its own."""
     overrides = {k: v for k, v in message_config.items() if is_server_set(k)}
-    return load_job_config({**run_config, **overrides})
+    return load_job_config({k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS})
 
 
 def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import JobConfig
-from common.round_engine import RoundEngine, RoundReply
 from common.methods.registry import hospital_class
+from common.round_engine import RoundEngine, RoundReply
 from common.site import Site, build_site
 
 log = logging.getLogger("fedmed")

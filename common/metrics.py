@@ -72,7 +72,8 @@ class SegmentationScores:
             metric.reset()
 
 
-def binary_segmentation_metrics(prediction: np.ndarray | torch.Tensor, target: np.ndarray | torch.Tensor) -> dict[str, float]:
+def binary_segmentation_metrics(prediction: np.ndarray | torch.Tensor,
+                                target: np.ndarray | torch.Tensor) -> dict[str, float]:
     """Dice, IoU and HD95 of binary masks (N, H, W) or (N, 1, H, W)."""
     prediction, target = torch.as_tensor(np.asarray(prediction)), torch.as_tensor(np.asarray(target))
     if prediction.ndim == 3:

@@ -14,8 +14,8 @@ from typing import Any
 
 from common.config import JobConfig
 from common.data.containers import concat
-from common.round_engine import RoundEngine, weighted_mean_metrics
 from common.inprocess import run_rounds
+from common.round_engine import RoundEngine, weighted_mean_metrics
 from common.site import Site
 
 
@@ -39,7 +39,8 @@ def run_solo(cfg: JobConfig, sites: list[Site], test_data: Any) -> list[dict[str
         if "test" not in first:
             continue
         per_hospital = {name: history[index]["test"] for name, history in histories.items()}
-        records.append({"round": first["round"], "test": weighted_mean_metrics([(1.0, m) for m in per_hospital.values()]),
+        records.append({"round": first["round"],
+                        "test": weighted_mean_metrics([(1.0, m) for m in per_hospital.values()]),
                         "per_hospital": per_hospital})
     return records
 

@@ -16,9 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from common.config import JobConfig
 from common.arrays import ArraysMismatch, check_like, is_exchanged
-from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate, ServerMethod, pack_json, unpack_json
+from common.config import JobConfig
+from common.methods.base import (
+    HospitalInfo,
+    HospitalUpdate,
+    Payload,
+    RejectedUpdate,
+    ServerMethod,
+    pack_json,
+    unpack_json,
+)
 from common.methods.registry import server_class
 from common.tasks import get_task, task_class
 
@@ -35,7 +43,8 @@ class RoundReply:
     bytes_up: int = 0
 
 
-def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: int, seed: int, rnd: int) -> list[HospitalInfo]:
+def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: int, seed: int,
+                     rnd: int) -> list[HospitalInfo]:
     """This round's hospitals: a seeded draw over hospitals sorted by name, so reruns and resumed
     runs choose the same ones whatever node ids the transport assigned."""
     ordered = sorted(hospitals, key=lambda h: h.name)

@@ -57,7 +57,8 @@ def metric_value(key: str, value: Any) -> int | float | list:
 def to_recorddict(payload: Payload) -> RecordDict:
     content = RecordDict()
     for group, arrays in payload.arrays.items():
-        content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()})
+        content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C"))
+                                                   for k, v in arrays.items()})
     content[CONFIG_RECORD] = ConfigRecord(dict(payload.config))
     content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
     return content

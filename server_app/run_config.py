@@ -12,7 +12,8 @@ from common.methods.base import unpack_json
 from .checkpoint import find_checkpoint, load_checkpoint
 
 #: Keys that must equal the checkpoint's for a resumed run to continue the same experiment.
-MUST_MATCH_ON_RESUME = ("task", "strategy", "seed", "dataset", "data-dir", "partitioner", "fraction-train", "image-size")
+MUST_MATCH_ON_RESUME = ("task", "strategy", "seed", "dataset", "data-dir", "partitioner", "fraction-train",
+                        "image-size")
 
 
 def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:

@@ -11,8 +11,8 @@ from .base import HospitalStrategy, strategy_arguments
 from .fedavg import FedAvgStrategy
 from .fedmepd import FederatedDecoderStrategy, FedMEPDStrategy, LocalOnlyStrategy, SharedEncoderFedAvgStrategy
 from .fedproin import FedProInStrategy
-from .fedprox import FedProxStrategy
 from .fedproto import FedProtoStrategy
+from .fedprox import FedProxStrategy
 from .moon import MoonStrategy
 from .qfedpolyp import QFedPolypStrategy
 

@@ -6,7 +6,7 @@ from .base import HospitalStrategy
 
 
 class FedProxStrategy(HospitalStrategy):
-    """FedAvg whose hospitals add (mu/2)||w - w_global||^2 to their loss; ``proximal_mu`` as Flower's FedProx names it."""
+    """FedAvg whose hospitals add (mu/2)||w - w_global||^2 to their loss (``proximal_mu``, as Flower's FedProx)."""
 
     method_name = "fedprox"
     section = "fedprox"

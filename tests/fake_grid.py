@@ -79,6 +79,9 @@ def hospital_node(run_config: Mapping[str, Any], node_config: Mapping[str, Any],
 def simulated_hospitals(run_config: Mapping[str, Any], count: int, first_node_id: int = 101,
                         **node_config: Any) -> dict[int, NodeHandler]:
     """``count`` hospitals on partitions 0..count-1 of the job's data, as Flower's simulation makes them."""
-    return {first_node_id + pid: hospital_node(run_config, {"partition-id": pid, "num-partitions": count, **node_config},
-                                               first_node_id + pid)
-            for pid in range(count)}
+    nodes = {}
+    for pid in range(count):
+        node_id = first_node_id + pid
+        node = {"partition-id": pid, "num-partitions": count, **node_config}
+        nodes[node_id] = hospital_node(run_config, node, node_id)
+    return nodes

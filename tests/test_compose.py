@@ -33,7 +33,8 @@ def mounts(service: dict) -> list[tuple[str, str, str]]:
 def test_compose_file_is_valid_for_docker_compose():
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose); .ci/run installs it")
-    done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr
 
 
@@ -64,6 +65,7 @@ def test_tls_and_hospital_authentication_are_on_everywhere():
     assert "--disable-runtime-dependency-installation" in link
     for name, service in hospitals().items():
         command = " ".join(service["command"].split())
-        assert "--root-certificates /certs/ca.crt" in command and f"--auth-supernode-private-key /keys/{name}" in command
+        assert ("--root-certificates /certs/ca.crt" in command
+                and f"--auth-supernode-private-key /keys/{name}" in command)
         assert f"hospital='{name}'" in command
     assert "--insecure" not in COMPOSE.read_text()

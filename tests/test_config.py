@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import tomllib
-
 import pytest
+import tomllib
 
 from client_app.node_config import load_node_config
 from common.config import ConfigError, JobConfig, flatten, load_job_config

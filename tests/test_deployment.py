@@ -25,7 +25,8 @@ ROUNDS = 4
 def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_path):
     sites = tmp_path / "sites"
     assert fedmed(["partition", "--hospitals", "2", "--out", str(sites),
-                   "--run-config", "synthetic-samples=160 image-size=16 min-partition-size=5 partitioner='dirichlet'"]) == 0
+                   "--run-config",
+                   "synthetic-samples=160 image-size=16 min-partition-size=5 partitioner='dirichlet'"]) == 0
     manifest = json.loads((sites / "manifest.json").read_text())
     assert set(manifest["sites"]) == {"test", "hospital-00", "hospital-01"}
     broken = tmp_path / "broken-site"

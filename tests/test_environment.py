@@ -8,7 +8,8 @@ import torch
 
 
 def test_no_nvidia_packages_installed():
-    nvidia = sorted(d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].lower().startswith("nvidia"))
+    nvidia = sorted(d.metadata["Name"] for d in metadata.distributions()
+                    if d.metadata["Name"].lower().startswith("nvidia"))
     assert nvidia == [], f"CUDA packages were installed (an unpinned torch?): {nvidia}"
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from common.arrays import weighted_average
-from common.round_engine import RoundEngine, RoundReply, select_hospitals
 from common.inprocess import run_rounds, simulated_sites
 from common.methods.base import HospitalInfo, Payload
+from common.round_engine import RoundEngine, RoundReply, select_hospitals
 
 
 def test_weighted_average_by_sample_count_and_integer_buffers():
@@ -52,7 +52,8 @@ def test_bad_updates_are_refused_with_reasons_and_the_round_goes_on(engine, capl
     empty_reply = RoundReply(HospitalInfo("h-empty", 5), Payload(metrics={"num-examples": 5}))
     error_reply = RoundReply(HospitalInfo("h-error", 5), None, "DataError: x.jpg: cannot read image")
     good = [honest_reply(engine, "h-good-1", 2.0, n=10), honest_reply(engine, "h-good-2", 4.0, n=30)]
-    chosen = [r.hospital for r in [nan_reply, shape_reply, empty_reply, error_reply, *good]] + [HospitalInfo("h-gone", 3)]
+    chosen = ([r.hospital for r in [nan_reply, shape_reply, empty_reply, error_reply, *good]]
+              + [HospitalInfo("h-gone", 3)])
     with caplog.at_level(logging.WARNING, logger="fedmed"):
         record = engine.complete_round(1, chosen, [nan_reply, shape_reply, empty_reply, error_reply, *good], 0.0)
     assert record["aggregated"] == ["h-good-1", "h-good-2"]
@@ -62,6 +63,28 @@ def test_bad_updates_are_refused_with_reasons_and_the_round_goes_on(engine, capl
     assert "refused the update of h-nan" in caplog.text
     np.testing.assert_allclose(engine.method.global_arrays[first_float], before[first_float] * 3.5, rtol=1e-5)
     assert "test" in record and record["test"]["accuracy"] >= 0
+
+
+def test_sample_counts_that_are_not_finite_numbers_are_refused(engine):
+    bad = {"h-nan": float("nan"), "h-inf": float("inf"), "h-text": "abc", "h-none": None, "h-list": [3]}
+    replies = [honest_reply(engine, name) for name in bad] + [honest_reply(engine, "h-good-1"),
+                                                                  honest_reply(engine, "h-good-2")]
+    for reply in replies[:len(bad)]:
+        reply.payload.metrics["num-examples"] = bad[reply.hospital.name]
+    record = engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
+    assert record["aggregated"] == ["h-good-1", "h-good-2"]
+    assert sorted(record["refused"]) == sorted(bad)
+    assert all("is not positive" in reason for reason in record["refused"].values())
+
+
+def test_aggregation_does_not_depend_on_the_order_replies_arrive_in(small_classification):
+    first, second = RoundEngine(small_classification), RoundEngine(small_classification)
+    replies = [honest_reply(first, "h-a", 2.0, n=10), honest_reply(first, "h-b", 3.0, n=7),
+               honest_reply(first, "h-c", 0.5, n=13)]
+    first.complete_round(1, [r.hospital for r in replies], replies, 0.0)
+    second.complete_round(1, [r.hospital for r in replies], list(reversed(replies)), 0.0)
+    for name, value in first.method.global_arrays.items():
+        assert np.array_equal(value, second.method.global_arrays[name]), name
 
 
 def test_too_few_good_updates_leave_the_model_unchanged(engine):

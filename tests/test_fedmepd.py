@@ -10,19 +10,24 @@ import pytest
 import torch
 
 from common.config import ConfigError, load_job_config
-from common.data.brats import MODALITIES
 from common.data.containers import DataError
 from common.methods.anchors import MultiAnchors, class_vectors
-from common.methods.filter_personalisation import (FilterPersonalisation, aggregate_filters, filter_cosines,
-                                                   filter_layers, pack_mask, unpack_mask)
+from common.methods.filter_personalisation import (
+    FilterPersonalisation,
+    aggregate_filters,
+    filter_cosines,
+    filter_layers,
+    pack_mask,
+    unpack_mask,
+)
 from common.models.lacca import LACCA
 from common.models.rfnet import MultimodalSegNet
 from common.tasks.brain import region_masks
 
-TINY = {"task": "brain-tumour-segmentation", "strategy": "fedmepd", "batch-size": 2, "brain.widths": "4,8,16,32", "brain.crop-size": 16,
-        "brain.synthetic-size": 24, "brain.synthetic-cases": 12, "brain.crops-per-case": 2, "device": "cpu",
-        "learning-rate": 0.003, "fedmepd.warmup-rounds": 0, "fedmepd.patience": 2, "fedmepd.num-anchors": 2,
-        "fedmepd.anchor-momentum": 0.5}
+TINY = {"task": "brain-tumour-segmentation", "strategy": "fedmepd", "batch-size": 2, "brain.widths": "4,8,16,32",
+        "brain.crop-size": 16, "brain.synthetic-size": 24, "brain.synthetic-cases": 12, "brain.crops-per-case": 2,
+        "device": "cpu", "learning-rate": 0.003, "fedmepd.warmup-rounds": 0, "fedmepd.patience": 2,
+        "fedmepd.num-anchors": 2, "fedmepd.anchor-momentum": 0.5}
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +155,8 @@ def test_anchor_shapes_kmeans_start_and_ema():
     assert anchors.ready.tolist() == [True, True, True, False]
     assert {k: v.shape for k, v in sent.items()} == {f"scale{s}": (12, w) for s, w in enumerate(widths)}
     anchors.update(vectors + [(3, [rng.normal(size=w) for w in widths]) for _ in range(4)])
-    assert {k: v.shape for k, v in anchors.for_hospitals().items()} == {f"scale{s}": (16, w) for s, w in enumerate(widths)}
+    assert ({k: v.shape for k, v in anchors.for_hospitals().items()}
+            == {f"scale{s}": (16, w) for s, w in enumerate(widths)})
     before = [a.copy() for a in anchors.anchors]
     new = [1.0 + before[s][0] for s in range(4)]  # nearest to class 0's first anchor
     anchors.update([(0, [v for v in new])])
@@ -232,9 +238,9 @@ def test_simulated_hospitals_hold_their_modalities_and_are_scored_on_the_test_ca
 
 
 def test_real_brats_cases_are_divided_between_test_server_and_hospitals(tmp_path):
-    from .conftest import shared_data
-
     from common.data.brain_sources import hospital_cases, simulation_split
+
+    from .conftest import shared_data
 
     cfg = load_job_config({**TINY, "dataset": "brats", "data-dir": str(shared_data("brats"))})
     split = simulation_split(cfg)
@@ -246,10 +252,10 @@ def test_real_brats_cases_are_divided_between_test_server_and_hospitals(tmp_path
 
 # --- whole rounds in one process ------------------------------------------------------------------------
 def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_path):
-    from common.round_engine import RoundEngine
     from common.inprocess import run_rounds, simulated_sites
     from common.methods.fedmepd import FedMEPDHospital, decoder_part
     from common.methods.filter_personalisation import filter_layers
+    from common.round_engine import RoundEngine
     from server_app.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = tiny(num_server_rounds=3, **{"brain.hospital-modalities": "t1ce;t2;flair,t1"}, **{"fedmepd.patience": 1})
@@ -269,7 +275,8 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
     info = FedMEPDHospital(cfg, sites[0]).info()
     payload = resumed.downlink(3, info)
     assert set(payload.arrays) == {"model", "anchors"} and payload.arrays["anchors"]["scale0"].shape == (8, 4)
-    assert not any(k.startswith(("encoders.t2.", "encoders.flair.", "aux_decoder.", "lacca.")) for k in payload.arrays["model"])
+    assert not any(k.startswith(("encoders.t2.", "encoders.flair.", "aux_decoder.", "lacca."))
+                   for k in payload.arrays["model"])
     model, personal = FedMEPDHospital(cfg, sites[0]).compose(3, payload)
     kept = sites[0].state.load(before_round=3)
     composed = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -290,10 +297,10 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
 
 
 def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
-    from common.round_engine import RoundEngine, RoundReply
     from common.inprocess import simulated_sites
     from common.methods.base import HospitalInfo
     from common.methods.fedmepd import FedMEPDHospital
+    from common.round_engine import RoundEngine, RoundReply
 
     cfg = tiny(num_server_rounds=1, min_train_hospitals=1, **{"brain.hospital-modalities": "t1ce;t2;flair,t1"})
     sites = simulated_sites(cfg, 3)
@@ -305,7 +312,8 @@ def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     good, nan, missing = replies
     name = next(k for k in nan.payload.arrays["model"] if k.startswith("decoder."))
     nan.payload.arrays["model"][name] = np.full_like(nan.payload.arrays["model"][name], np.nan)
-    del missing.payload.arrays["model"][next(k for k in missing.payload.arrays["model"] if k.startswith("encoders.flair."))]
+    del missing.payload.arrays["model"][next(k for k in missing.payload.arrays["model"]
+                                             if k.startswith("encoders.flair."))]
     liar = RoundReply(HospitalInfo("hospital-liar", 2, {"modalities": "flair,pet"}), good.payload)
     record = engine.complete_round(1, [r.hospital for r in replies + [liar]], replies + [liar], 0.0)
     assert record["aggregated"] == ["hospital-00"]

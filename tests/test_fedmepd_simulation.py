@@ -33,9 +33,11 @@ def test_two_round_simulation_with_server_side_training(tmp_path, monkeypatch):
         assert record["aggregated"] == hospitals and not record["refused"]
         assert np.isfinite(record["method"]["server-train-loss"])  # the server trained on its own cases
         assert record["method"]["encoder-contributors"] == {"flair": 1, "t1ce": 1, "t1": 1, "t2": 2}
-        assert 0.0 <= record["test"]["dice_mean"] <= 1.0 and 0.0 <= record["method"]["hospital-average"]["dice_mean"] <= 1.0
+        assert (0.0 <= record["test"]["dice_mean"] <= 1.0
+                and 0.0 <= record["method"]["hospital-average"]["dice_mean"] <= 1.0)
     # the masks the server set after round 1 are what the hospitals used in round 2 (bit-packed in the config)
-    total = second["hospital_metrics"]["hospital-00"]["personal-filters"] / first["method"]["personalised"]["hospital-00"]["all"]
+    total = (second["hospital_metrics"]["hospital-00"]["personal-filters"]
+             / first["method"]["personalised"]["hospital-00"]["all"])
     for name in hospitals:
         assert first["hospital_metrics"][name]["personal-filters"] == 0
         assert second["hospital_metrics"][name]["personal-filters"] == pytest.approx(
@@ -48,5 +50,7 @@ def test_two_round_simulation_with_server_side_training(tmp_path, monkeypatch):
     assert checkpoint["method/fedmepd/anchors/scale0"].shape == (8, 4)
     counters = [k for k in checkpoint if k.startswith("method/fedmepd/personalisation/counter/decoder.")]
     assert counters and all(checkpoint[k].shape[0] == 3 for k in counters)
-    with np.load(state / "hospital-01" / "fedmepd" / "state-r00002.npz") as kept:  # personal filters and LACCA stay home
-        assert any(k.startswith("lacca.") for k in kept.files) and any(k.startswith("encoders.t1ce.") for k in kept.files)
+    # personal filters and LACCA stay home
+    with np.load(state / "hospital-01" / "fedmepd" / "state-r00002.npz") as kept:
+        assert (any(k.startswith("lacca.") for k in kept.files)
+                and any(k.startswith("encoders.t1ce.") for k in kept.files))

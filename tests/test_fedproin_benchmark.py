@@ -14,7 +14,8 @@ def run_record(method, partition, seed, accuracy, f1, mcc, rounds=(2, 4)):
 
 
 def test_table_reports_mean_and_std_of_the_final_round_over_seeds():
-    runs = [run_record("FedProIn", "dirichlet", 0, 0.6, 0.5, 0.30), run_record("FedProIn", "dirichlet", 1, 0.8, 0.7, 0.40),
+    runs = [run_record("FedProIn", "dirichlet", 0, 0.6, 0.5, 0.30),
+            run_record("FedProIn", "dirichlet", 1, 0.8, 0.7, 0.40),
             run_record("FedAvg", "dirichlet", 0, 0.7, 0.6, 0.25)]
     text = table(runs, ["FedAvg", "FedProIn", "MOON"], ["dirichlet"])
     lines = text.splitlines()
@@ -34,7 +35,8 @@ def test_references_are_plotted_on_the_federated_round_scale():
 def test_job_configs_share_the_protocol_and_apply_each_methods_overrides():
     base = {**PROTOCOL, **PRESETS["cpu"]["job"], "partitioner": "dirichlet", "seed": 1}
     no_nia = job_config(base, *ABLATIONS["FedProIn no NIA"])
-    assert no_nia.strategy == "fedproin" and no_nia.fedproin.aggregation == "fedavg" and no_nia.fedproin.fdl_weight == 1.0
+    assert (no_nia.strategy == "fedproin" and no_nia.fedproin.aggregation == "fedavg"
+            and no_nia.fedproin.fdl_weight == 1.0)
     solo = job_config(base, "solo", {})
     assert solo.strategy == "fedavg" and solo.evaluate_every == base["num_server_rounds"] // 2
     for cfg in (no_nia, solo):

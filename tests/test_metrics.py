@@ -52,5 +52,6 @@ def test_cumulative_scores_equal_one_shot_scores():
 
     cumulative = SegmentationScores()
     for start in (0, 2, 4):
-        cumulative.update(torch.from_numpy(prediction[start:start + 2, None]), torch.from_numpy(target[start:start + 2, None]))
+        cumulative.update(torch.from_numpy(prediction[start:start + 2, None]),
+                          torch.from_numpy(target[start:start + 2, None]))
     assert cumulative.compute()["dice"] == pytest.approx(binary_segmentation_metrics(prediction, target)["dice"])

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from common.cli import main as fedmed
-from common.launch import FlowerHome, TLSFiles, run_log, run_status, start_superlink, start_supernode, submit_run, wait_for_port
+from common.launch import (
+    FlowerHome,
+    TLSFiles,
+    run_log,
+    run_status,
+    start_superlink,
+    start_supernode,
+    submit_run,
+    wait_for_port,
+)
 from server_app.results import read_history
 
 from .flower_processes import stopped_at_exit
@@ -25,7 +34,8 @@ ROUNDS = 7
 
 
 def deploy_script(name: str, *args: str, env: dict | None = None) -> str:
-    done = subprocess.run(["bash", str(ROOT / "deploy" / name), *map(str, args)], capture_output=True, text=True, env=env)
+    done = subprocess.run(["bash", str(ROOT / "deploy" / name), *map(str, args)], capture_output=True, text=True,
+                          env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -40,11 +50,11 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
         link_address = net.addresses["superlink"]
         deploy_script("make_certificates.sh", tmp_path / "certs", "superlink", link_address)
         deploy_script("make_hospital_keys.sh", tmp_path / "keys", *HOSPITALS, "intruder")
-        tls = TLSFiles(tmp_path / "certs" / "ca.crt", tmp_path / "certs" / "server.pem", tmp_path / "certs" / "server.key")
+        tls = TLSFiles(tmp_path / "certs" / "ca.crt", tmp_path / "certs" / "server.pem",
+                       tmp_path / "certs" / "server.key")
         home = FlowerHome(tmp_path / "flwr-home")
         superlink = start_superlink(home, PORT, host=link_address, simulation=False, tls=tls, supernode_auth=True,
                                     netns=net.netns("superlink"), connection="consortium")
-        processes = [superlink]
         with stopped_at_exit(superlink) as started:
             wait_for_port(link_address, PORT, 60, superlink.process)
             deploy_script("register_hospitals.sh", "consortium", *[tmp_path / "keys" / f"{h}.pub" for h in HOSPITALS],
@@ -67,8 +77,9 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
             run_dir = tmp_path / "results" / "consortium"
             run_id = submit_run(home, "consortium", {
                 "strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
-                "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "min-available-hospitals": 3, "min-train-hospitals": 2,
-                "round-timeout": 60.0, "run-name": "consortium", "results-dir": str(tmp_path / "results")})
+                "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "min-available-hospitals": 3,
+                "min-train-hospitals": 2, "round-timeout": 60.0, "run-name": "consortium",
+                "results-dir": str(tmp_path / "results")})
             # after round 1: kill hospital-02 as round 2 starts; after 2: restart it (same key and state
             # folder); after 3: cut hospital-01's cable; after 4: restore it
             schedule = {1: "kill", 2: "restart", 3: "cut", 4: "restore"}

@@ -10,11 +10,11 @@ import torch
 
 from common.config import JobConfig
 from common.data.sources import server_test_set
-from common.round_engine import RoundEngine, RoundReply
 from common.inprocess import run_rounds, simulated_sites
 from common.methods.base import HospitalInfo, Payload
 from common.methods.moon import model_contrastive_loss
 from common.references import reference_config, run_centralised, run_solo
+from common.round_engine import RoundEngine, RoundReply
 
 
 @pytest.fixture
@@ -55,7 +55,8 @@ def test_fedproto_two_rounds_share_prototypes_and_score_the_hospitals_models(cfg
     assert 0.0 <= engine.history[-1]["test"]["accuracy"] <= 1.0
     # The downlink carries prototypes only; a hospital continues its own model from its state store.
     payload = engine.downlink(3, HospitalInfo(sites[0].name, 1))
-    assert set(payload.arrays) == {"prototypes"} and payload.arrays["prototypes"]["mean"].shape == method.prototypes.shape
+    assert (set(payload.arrays) == {"prototypes"}
+            and payload.arrays["prototypes"]["mean"].shape == method.prototypes.shape)
 
 
 def test_fedproto_averages_each_class_over_the_hospitals_that_hold_it(cfg):

@@ -12,13 +12,21 @@ import torch
 
 from common.arrays import model_arrays, weighted_average
 from common.config import ConfigError, JobConfig
-from common.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
 from common.methods.qfedpolyp import BIT_WIDTH_KEY, PACKED, assign_bit_width
 from common.models.unet2d import PolypUNet
-from common.quantization.codec import (VALID_BIT_WIDTHS, PayloadError, decode_model, encode_model, pack_codes,
-                                       packed_nbytes, quantise, unpack_codes)
+from common.quantization.codec import (
+    VALID_BIT_WIDTHS,
+    PayloadError,
+    decode_model,
+    encode_model,
+    pack_codes,
+    packed_nbytes,
+    quantise,
+    unpack_codes,
+)
 from common.quantization.fake_quant import fake_quantize, quantization_aware
+from common.round_engine import RoundEngine, RoundReply
 
 
 def sample_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -184,7 +192,8 @@ def test_bit_widths_come_from_node_config_or_the_list_in_name_order():
     assert [assign_bit_width(HospitalInfo(n, 1), roster, widths) for n in sorted(roster)] == [4, 8, 16]
     assert assign_bit_width(HospitalInfo("hospital-02", 1, {"bit-width": 32}), roster, widths) == 32
     assert assign_bit_width(HospitalInfo("anyone", 1), roster, [6]) == 6
-    with pytest.raises(ConfigError, match="qfedpolyp.bit-widths: lists 3 bit-widths, but hospital-03 is hospital number 4"):
+    with pytest.raises(ConfigError,
+                       match="qfedpolyp.bit-widths: lists 3 bit-widths, but hospital-03 is hospital number 4"):
         assign_bit_width(HospitalInfo("hospital-03", 1), roster, widths)
     with pytest.raises(ValueError, match="'bit-width': 20 is not a bit-width"):
         assign_bit_width(HospitalInfo("hospital-00", 1, {"bit-width": 20}), roster, widths)

@@ -13,9 +13,9 @@ from torch.ao.nn import intrinsic, quantized
 from common.cli import main as fedmed
 from common.config import JobConfig
 from common.data.synthetic import make_polyps
-from common.round_engine import RoundEngine
 from common.models.unet2d import PolypUNet
 from common.quantization.int8 import ShuffleUpsample, int8_model, load_deployment, save_deployment
+from common.round_engine import RoundEngine
 from common.tasks.base import images_to_tensor
 from server_app.checkpoint import save_checkpoint
 
@@ -82,7 +82,8 @@ def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     rng = np.random.default_rng(0)
     for name, (width, height) in sizes.items():
         Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(frames / f"{name}.png")
-    assert fedmed(["segment", "--model", str(model_file), "--images", str(frames), "--out", str(tmp_path / "masks")]) == 0
+    assert fedmed(["segment", "--model", str(model_file), "--images", str(frames),
+                   "--out", str(tmp_path / "masks")]) == 0
     assert "3 masks written" in capsys.readouterr().out
     for name, size in sizes.items():
         with Image.open(tmp_path / "masks" / f"{name}.png") as mask:

@@ -15,9 +15,18 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 import strategies
 from common.config import ConfigError, JobConfig, load_job_config
 from common.inprocess import run_rounds, simulated_sites
-from strategies import (FedAvgStrategy, FederatedDecoderStrategy, FedMEPDStrategy, FedProInStrategy, FedProtoStrategy,
-                        FedProxStrategy, LocalOnlyStrategy, MoonStrategy, QFedPolypStrategy,
-                        SharedEncoderFedAvgStrategy)
+from strategies import (
+    FedAvgStrategy,
+    FederatedDecoderStrategy,
+    FedMEPDStrategy,
+    FedProInStrategy,
+    FedProtoStrategy,
+    FedProxStrategy,
+    LocalOnlyStrategy,
+    MoonStrategy,
+    QFedPolypStrategy,
+    SharedEncoderFedAvgStrategy,
+)
 from strategies.records import arrays_of
 
 from .fake_grid import FakeGrid, hospital_node, simulated_hospitals

@@ -11,9 +11,9 @@ import pytest
 from client_app import hospital
 from client_app.worker import WorkerFailed, ask_worker, socket_path
 from common.config import load_job_config
-from common.round_engine import RoundEngine
 from common.methods.base import HospitalInfo
 from common.payload import Payload, payload_from_bytes, payload_to_bytes
+from common.round_engine import RoundEngine
 from tests.flower_processes import TINY_JOB
 
 JOB = {**TINY_JOB, "classifier": "small-cnn", "run-name": "worker-test"}
@@ -50,8 +50,8 @@ def superexec():
 
 
 def test_worker_answers_like_the_process_itself_and_stops_with_its_superexec(tmp_path, superexec):
-    node = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state"), "hospital": f"h-{tmp_path.name}",
-            "warm-worker": True}
+    node = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state"),
+            "hospital": f"h-{tmp_path.name}", "warm-worker": True}
     path = broken_path = socket_path(node)
     try:
         identity = ask_worker("query", Payload(), JOB, node, watch_pid=superexec.pid)

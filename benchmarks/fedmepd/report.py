@@ -63,7 +63,8 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
             "| method | " + " | ".join(heads) + " | hospital average | server |", "|---" * (len(heads) + 3) + "|"]
     for name, records in runs.items():
         row = [cell([r["final"][h]["dice_mean"] for r in records]) for h in hospitals]
-        row += [cell([hospital_mean(r, "dice_mean") for r in records]), cell([r["server"].get("dice_mean") for r in records])]
+        row += [cell([hospital_mean(r, "dice_mean") for r in records]),
+                cell([r["server"].get("dice_mean") for r in records])]
         text.append(f"| {name} | " + " | ".join(row) + " |")
     text += ["", "## Per region: Dice (%) and HD95 (voxels of the downsampled volume)", "",
              "| method | hospitals WT | TC | ET | HD95 | server WT | TC | ET | HD95 |", "|---" * 9 + "|"]
@@ -73,7 +74,8 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
         row += [cell([r["server"].get(f"dice_{k}") for r in records]) for k in ("WT", "TC", "ET")]
         row.append(cell([r["server"].get("hd95_mean") for r in records], 1.0))
         text.append(f"| {name} | " + " | ".join(row) + " |")
-    text += ["", "## Cost", "", "| method | minutes | MB up per round | MB down per round | personal decoder filters at the end |",
+    text += ["", "## Cost", "",
+             "| method | minutes | MB up per round | MB down per round | personal decoder filters at the end |",
              "|---|---|---|---|---|"]
     for name, records in runs.items():
         last = [r["history"][-1] for r in records]
@@ -84,8 +86,10 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
                     f"{cell(personal) + ' %' if personal else '-'} |")
     kinds = [modality_label(m) for m in hospitals.values()]
     if all(k in PAPER["FedMEPD"] for k in kinds):
-        text += ["", "## The paper's BraTS 2018 test scores for the same hospital kinds (mDSC %, 285 cases, 1000 rounds)", "",
-                 "| method | " + " | ".join(kinds) + " | average of its 8 hospitals | server |", "|---" * (len(kinds) + 3) + "|"]
+        text += ["", "## The paper's BraTS 2018 test scores for the same hospital kinds "
+                 "(mDSC %, 285 cases, 1000 rounds)", "",
+                 "| method | " + " | ".join(kinds) + " | average of its 8 hospitals | server |",
+                 "|---" * (len(kinds) + 3) + "|"]
         text += [f"| {name} | " + " | ".join(f"{scores[k]:.2f}" for k in kinds) +
                  f" | {scores['average']:.2f} | {scores['server']:.2f} |" for name, scores in PAPER.items()]
     plot_rounds(runs, out / "rounds.png")

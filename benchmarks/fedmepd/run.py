@@ -51,7 +51,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "brain.crops-per-case": 4, "fedmepd.warmup-rounds": 2, "fedmepd.patience": 3,
             "fedmepd.anchor-momentum": 0.9},
 }
-PROTOCOL = {"task": "brain-tumour-segmentation", "dataset": "brats", "test-fraction": 0.25, "brain.server-fraction": 0.25,
+PROTOCOL = {"task": "brain-tumour-segmentation", "dataset": "brats",
+            "test-fraction": 0.25, "brain.server-fraction": 0.25,
             "local-epochs": 1, "fraction-train": 1.0, "min-train-hospitals": 1, "min-available-hospitals": 1,
             "fedmepd.num-anchors": 4, "device": "auto"}
 
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             log.info("=== %s, seed %d", name, seed)
             record = {"method": name, "seed": seed,
-                      **run_one({**flat, "strategy": METHODS[name], "seed": seed, "run-name": target.stem}, args.hospitals)}
+                      **run_one({**flat, "strategy": METHODS[name], "seed": seed, "run-name": target.stem},
+                                args.hospitals)}
             target.write_text(json.dumps(record, indent=1) + "\n")
             log.info("=== %s, seed %d: server %.4f, hospitals %s in %.0fs", name, seed,
                      record["server"].get("dice_mean", float("nan")),

@@ -47,7 +47,8 @@ def table(runs: list[dict[str, Any]], methods: list[str], partitions: list[str])
             seeds |= {r["seed"] for r in chosen}
             minutes += [r["seconds"] / 60 for r in chosen]
             finals = [final_test(r) for r in chosen]
-            row += [mean_std([f["accuracy"] for f in finals], 100, 1), mean_std([f["f1_weighted"] for f in finals], 100, 1),
+            row += [mean_std([f["accuracy"] for f in finals], 100, 1),
+                    mean_std([f["f1_weighted"] for f in finals], 100, 1),
                     mean_std([f["mcc"] for f in finals], 1, 3)]
         row += [",".join(str(s) for s in sorted(seeds)) or "-", f"{np.mean(minutes):.1f}" if minutes else "-"]
         lines.append("| " + " | ".join(row) + " |")

@@ -31,8 +31,14 @@ import numpy as np
 import torch
 
 from common.data.sources import server_test_set
-from common.quantization.int8 import (calibration_images, frozen_script, image_batches, int8_model, model_from_checkpoint,
-                                     quiet_deprecations)
+from common.quantization.int8 import (
+    calibration_images,
+    frozen_script,
+    image_batches,
+    int8_model,
+    model_from_checkpoint,
+    quiet_deprecations,
+)
 from common.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +50,8 @@ def compiled(model: torch.nn.Module) -> Callable:
     return torch.compile(model)
 
 
-def latencies(paths: dict[str, Callable], x: torch.Tensor, warmup: int, repeats: int, seed: int = 0) -> dict[str, float]:
+def latencies(paths: dict[str, Callable], x: torch.Tensor, warmup: int, repeats: int,
+              seed: int = 0) -> dict[str, float]:
     """Median seconds per call of each path, the paths interleaved in a shuffled order every repetition."""
     rng = random.Random(seed)
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -78,7 +85,8 @@ def time_in_quantised_convolutions(model: torch.nn.Module, x: torch.Tensor, repe
     return in_convs / repeats / 1e6, sum(e.self_cpu_time_total for e in events) / repeats / 1e6
 
 
-def convolution_kernel_times(model: torch.nn.Module, size: int, warmup: int = 5, repeats: int = 20) -> tuple[float, float]:
+def convolution_kernel_times(model: torch.nn.Module, size: int, warmup: int = 5,
+                             repeats: int = 20) -> tuple[float, float]:
     """(FP32 seconds, INT8 seconds) for the model's Conv2d layers at batch 1, each run alone as one float
     convolution and as one quantised int8 convolution of the same shape, summed over the layers.
 
@@ -99,7 +107,8 @@ def convolution_kernel_times(model: torch.nn.Module, size: int, warmup: int = 5,
         x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
         weight = conv.weight.detach()
         quantised = QuantisedConv2d(conv.in_channels, conv.out_channels, conv.kernel_size, padding=conv.padding)
-        quantised.set_weight_bias(torch.quantize_per_tensor(weight, float(weight.abs().max()) / 127 + 1e-12, 0, torch.qint8), None)
+        quantised.set_weight_bias(torch.quantize_per_tensor(weight, float(weight.abs().max()) / 127 + 1e-12, 0,
+                                                            torch.qint8), None)
         quantised.scale, quantised.zero_point = float(x.abs().max()) / 64, 0
         x_int8 = torch.quantize_per_tensor(x, float(x.abs().max()) / 127, 128, torch.quint8)
         times = latencies({"FP32": lambda _: conv(x), "INT8": lambda _: quantised(x_int8)}, x, warmup, repeats)
@@ -120,7 +129,8 @@ def cpu_name() -> str:
 
 def cpu_flags() -> str:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return ""
     return " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
@@ -149,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     task = get_task(cfg, {"in-channels": 3})
     test = server_test_set(cfg)
     fp32_scores, int8_scores = task.evaluate(model, test), task.evaluate(quantised, test)
-    fp32_masks, int8_masks = task.predict_masks(model, test, torch.device("cpu")), task.predict_masks(quantised, test, torch.device("cpu"))
+    fp32_masks, int8_masks = (task.predict_masks(model, test, torch.device("cpu")),
+                              task.predict_masks(quantised, test, torch.device("cpu")))
     agreement = float((fp32_masks == int8_masks).mean())
     log.info("Dice FP32 %.4f, INT8 %.4f", fp32_scores["dice"], int8_scores["dice"])
 
@@ -180,21 +191,24 @@ def main(argv: list[str] | None = None) -> int:
     fastest = {b: min((v, k) for k, v in r.items() if k.startswith("FP32")) for b, r in results.items()}
     best_int8 = {b: min((v, k) for k, v in r.items() if k.startswith("INT8")) for b, r in results.items()}
     lines = ["# QFedPolyp: INT8 against FP32 on this CPU", "",
-             f"Model: final global model of `{checkpoint}` (round {rounds}, trained at {cfg.image_size}x{cfg.image_size}, "
-             f"bit-widths {cfg.qfedpolyp.bit_widths}). CPU: {cpu_name()} ({os.cpu_count()} logical cores, "
-             f"{torch.get_num_threads()} torch threads; {cpu_flags() or 'no AVX flags read'}), torch {torch.__version__}, "
+             f"Model: final global model of `{checkpoint}` (round {rounds}, trained at "
+             f"{cfg.image_size}x{cfg.image_size}, bit-widths {cfg.qfedpolyp.bit_widths}). CPU: {cpu_name()} "
+             f"({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads; "
+             f"{cpu_flags() or 'no AVX flags read'}), torch {torch.__version__}, "
              f"quantised engine `{torch.backends.quantized.engine}`.", "",
-             f"Command: `{' '.join(['python -m benchmarks.qfedpolyp.int8_speed', *(argv if argv is not None else sys.argv[1:])])}`",
+             "Command: `" + " ".join(["python -m benchmarks.qfedpolyp.int8_speed",
+                                     *(argv if argv is not None else sys.argv[1:])]) + "`",
              "", f"## Latency, 3x{args.size}x{args.size} input (median ms per call; batch 8: per call of 8 images)", "",
-             "| path | batch 1 ms | speed-up vs fastest FP32 | batch 8 ms | speed-up vs fastest FP32 |", "|---|---|---|---|---|"]
+             "| path | batch 1 ms | speed-up vs fastest FP32 | batch 8 ms | speed-up vs fastest FP32 |",
+             "|---|---|---|---|---|"]
     for name in paths:
         cells = [name]
         for batch in (1, 8):
             value = results[batch][name]
             cells += [f"{value * 1e3:.2f}", f"{fastest[batch][0] / value:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Repetitions: {args.repeats} at batch 1, {max(10, args.repeats // 4)} at batch 8, after {args.warmup} "
-              "warm-up calls per path; paths interleaved in a shuffled order.", *notes, "",
+    lines += ["", f"Repetitions: {args.repeats} at batch 1, {max(10, args.repeats // 4)} at batch 8, "
+              f"after {args.warmup} warm-up calls per path; paths interleaved in a shuffled order.", *notes, "",
               f"## Dice on the same {len(test)} test images ({cfg.image_size}x{cfg.image_size})", "",
               "| model | Dice | IoU | " + " | ".join(f"Dice {s}" for s in test.source_names()) + " |",
               "|---|---|---|" + "---|" * len(test.source_names())]
@@ -206,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     share = conv_seconds / op_seconds
     lines += ["", f"Pixels where the INT8 and FP32 masks agree: {agreement * 100:.2f} %.", "", "## Goals", "",
               "| goal | measured | met |", "|---|---|---|",
-              f"| INT8 >= 4x faster than the fastest FP32 path at batch 1 | {best_int8[1][1]} {best_int8[1][0] * 1e3:.2f} ms "
-              f"vs {fastest[1][1]} {fastest[1][0] * 1e3:.2f} ms: {speedup:.2f}x | {'yes' if speedup >= 4 else 'no'} |",
+              f"| INT8 >= 4x faster than the fastest FP32 path at batch 1 | {best_int8[1][1]} "
+              f"{best_int8[1][0] * 1e3:.2f} ms vs {fastest[1][1]} {fastest[1][0] * 1e3:.2f} ms: {speedup:.2f}x | "
+              f"{'yes' if speedup >= 4 else 'no'} |",
               f"| INT8 Dice within 0.005 of FP32 | {int8_scores['dice']:.4f} vs {fp32_scores['dice']:.4f} "
               f"(difference {gap:.4f}) | {'yes' if gap <= 0.005 else 'no'} |", "",
               "## Where the INT8 time goes (batch 1, torch.profiler on INT8 eager)", "",

@@ -37,8 +37,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 
 from common.config import JobConfig
-from common.round_engine import RoundEngine
 from common.inprocess import run_rounds, simulated_sites
+from common.round_engine import RoundEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "polyp"
@@ -174,8 +174,8 @@ def goals(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> list[str]:
         eight = by_config["8,8,8,8,8"]
         gap = baseline["dice"] - eight["dice"]
         gap5 = baseline["dice_last5"] - eight["dice_last5"]
-        lines.append(f"| 8-bit Dice within 0.015 of 32-bit (final round) | {eight['dice']:.3f} vs {baseline['dice']:.3f}"
-                     f" (32-bit minus 8-bit: {gap:+.3f}; mean of last 5 rounds: {gap5:+.3f}) | "
+        lines.append(f"| 8-bit Dice within 0.015 of 32-bit (final round) | {eight['dice']:.3f} vs "
+                     f"{baseline['dice']:.3f} (32-bit minus 8-bit: {gap:+.3f}; mean of last 5 rounds: {gap5:+.3f}) | "
                      f"{'yes' if gap <= 0.015 else 'no'} |")
     return lines + [""]
 

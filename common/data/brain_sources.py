@@ -69,12 +69,14 @@ def simulation_split(cfg: JobConfig) -> BrainSplit:
     return BrainSplit(tuple(order[:n_test]), tuple(order[n_test:n_test + n_server]), tuple(order[n_test + n_server:]))
 
 
-def load_named_cases(cfg: JobConfig, names: tuple[str, ...], modalities: tuple[str, ...] = MODALITIES) -> list[BratsCase]:
+def load_named_cases(cfg: JobConfig, names: tuple[str, ...],
+                     modalities: tuple[str, ...] = MODALITIES) -> list[BratsCase]:
     """Cases of the simulation's data set by name, restricted to ``modalities``."""
     if cfg.dataset == "synthetic":
         generated = _generated(cfg.brain.synthetic_cases, cfg.brain.synthetic_size, cfg.seed)
         return [with_modalities(generated[name], modalities) for name in names]
-    return [with_modalities(load_case(Path(cfg.data_dir) / name, MODALITIES, downsample=cfg.brain.downsample), modalities)
+    return [with_modalities(load_case(Path(cfg.data_dir) / name, MODALITIES, downsample=cfg.brain.downsample),
+                            modalities)
             for name in names]
 
 

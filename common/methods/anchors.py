@@ -44,7 +44,8 @@ def class_vectors(features: list[torch.Tensor], labels: torch.Tensor, num_classe
 
 
 @torch.no_grad()
-def collect_class_vectors(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int) -> ClassVectors:
+def collect_class_vectors(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                          num_classes: int) -> ClassVectors:
     """Class vectors of every crop in ``batches`` from the model's decoder features."""
     model.eval()
     vectors: ClassVectors = []
@@ -89,7 +90,8 @@ class MultiAnchors:
                 for j in range(self.num_anchors):
                     members = clusters == j
                     for s, values in enumerate(scales):  # an empty cluster (duplicate vectors) takes the class mean
-                        self.anchors[s][c * self.num_anchors + j] = values[members].mean(0) if members.any() else values.mean(0)
+                        self.anchors[s][c * self.num_anchors + j] = (values[members].mean(0) if members.any()
+                                                                     else values.mean(0))
                 self.ready[c] = True
         return counts
 

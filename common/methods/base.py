@@ -24,6 +24,7 @@ from common.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the
 from common.site import Site
 from common.tasks import Task, get_task
 
+
 @dataclass(frozen=True)
 class HospitalInfo:
     """What a hospital tells the server about itself when the run starts."""

@@ -94,7 +94,8 @@ class BrainHospital(HospitalMethod):
 
     @property
     def modalities(self) -> tuple[str, ...]:
-        return parse_modalities(str(self.site.properties.get("modalities", "")), f"hospital {self.site.name}: modalities")
+        return parse_modalities(str(self.site.properties.get("modalities", "")),
+                                f"hospital {self.site.name}: modalities")
 
     def initial_arrays(self, model: torch.nn.Module) -> NamedArrays:
         """``model``'s arrays with every part the server has taken from the server's initial model

@@ -25,10 +25,19 @@ from common.arrays import NamedArrays, check_like, load_model_arrays, model_arra
 from common.data.brats import MODALITIES
 
 from .anchors import MultiAnchors, collect_class_vectors
-from .base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate
+from .base import HospitalInfo, HospitalUpdate, Payload
 from .brain_harness import BrainHospital, ServerTraining, encoder_prefixes, hospital_average, hospital_modalities
-from .filter_personalisation import (FilterPersonalisation, aggregate_filters, filter_cosines, filter_layers,
-                                     filter_norms, layer_sizes, pack_mask, subtract, unpack_mask)
+from .filter_personalisation import (
+    FilterPersonalisation,
+    aggregate_filters,
+    filter_cosines,
+    filter_layers,
+    filter_norms,
+    layer_sizes,
+    pack_mask,
+    subtract,
+    unpack_mask,
+)
 
 DECODER = "decoder."
 MASK_KEY = "personal-mask"
@@ -156,7 +165,8 @@ class FedMEPDHospital(BrainHospital):
         model, kept = self.own_model(rnd, lacca=self.uses_lacca)
         arrays = model_arrays(model)
         received = payload.arrays["model"]
-        check_like(received, {k: v for k, v in arrays.items() if k.startswith(encoder_prefixes(self.modalities) + (DECODER,))},
+        check_like(received, {k: v for k, v in arrays.items()
+                              if k.startswith(encoder_prefixes(self.modalities) + (DECODER,))},
                    f"model received by {self.site.name}")
         if MASK_KEY not in payload.config:
             raise ValueError(f"round config for {self.site.name} carries no {MASK_KEY!r}")

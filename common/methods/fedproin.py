@@ -167,7 +167,8 @@ class FedProInServer(ServerMethod):
         usage = np.sum(influences, axis=0)
         unused = self.prototype_names(usage == 0)
         if unused:
-            log.info("round %d: prototypes no hospital used (kept or averaged as configured): %s", rnd, ", ".join(unused))
+            log.info("round %d: prototypes no hospital used (kept or averaged as configured): %s", rnd,
+                     ", ".join(unused))
         return {"influence": {u.hospital.name: i.tolist() for u, i in zip(updates, influences)},
                 "prototype-usage": usage.tolist(), "unused-prototypes": unused}
 
@@ -185,7 +186,8 @@ class FedProInHospital(FedAvgHospital):
 
     def train(self, rnd: int, payload: Payload) -> Payload:
         model = self.task.model_from_payload(payload)
-        term, tap = fedproin_regulariser(model, self.cfg.fedproin, self.previous_prototypes(rnd, model), self.site.device)
+        term, tap = fedproin_regulariser(model, self.cfg.fedproin, self.previous_prototypes(rnd, model),
+                                         self.site.device)
         reply = self.train_model(rnd, model, term)
         if tap is not None:
             tap.remove()

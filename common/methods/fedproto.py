@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from common.arrays import ArraysMismatch, check_like, load_model_arrays, model_arrays
-from common.round_engine import weighted_mean_metrics
 from common.models.prototype_net import squared_distances
 from common.models.representations import ClassifierFeatures, classifier_features, classifier_head, frozen_copy
+from common.round_engine import weighted_mean_metrics
 
 from .base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod
 from .fedavg import FedAvgHospital
@@ -75,7 +75,8 @@ class FedProtoServer(ServerMethod):
         holders = np.stack([u.payload.arrays[PROTOTYPES]["count"] > 0 for u in updates])  # (H, C)
         reported = holders.sum(axis=0)
         seen = reported > 0
-        self.prototypes[seen] = (np.einsum("hc,hcd->cd", holders, means)[seen] / reported[seen, None]).astype(np.float32)
+        self.prototypes[seen] = (np.einsum("hc,hcd->cd", holders, means)[seen]
+                                 / reported[seen, None]).astype(np.float32)
         self.present |= seen
         for update in updates:
             self.local_models[update.hospital.name] = update.payload.arrays["model"]

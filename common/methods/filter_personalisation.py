@@ -85,7 +85,8 @@ def unpack_mask(data: bytes, sizes: dict[str, int]) -> dict[str, np.ndarray]:
 
 
 def aggregate_filters(server: NamedArrays, uploads: list[NamedArrays], weights: list[dict[str, np.ndarray]],
-                      layers: dict[str, list[str]], server_momentum: float) -> tuple[NamedArrays, dict[str, np.ndarray]]:
+                      layers: dict[str, list[str]],
+                      server_momentum: float) -> tuple[NamedArrays, dict[str, np.ndarray]]:
     """Per-filter weighted mean of the uploads, EMA'd into the server's filters where any hospital
     contributes; returns the new arrays and, per layer, which filters had contributors."""
     result, contributed = dict(server), {}
@@ -95,7 +96,8 @@ def aggregate_filters(server: NamedArrays, uploads: list[NamedArrays], weights: 
         contributed[layer] = total > 0
         for name in names:
             shape = (-1,) + (1,) * (server[name].ndim - 1)
-            stacked = np.stack([u[name].astype(np.float64) for u in uploads]) if uploads else np.zeros((0,) + server[name].shape)
+            stacked = (np.stack([u[name].astype(np.float64) for u in uploads]) if uploads
+                       else np.zeros((0,) + server[name].shape))
             mean = (w.reshape(w.shape + (1,) * (server[name].ndim - 1)) * stacked).sum(axis=0)
             mean = mean / np.where(total > 0, total, 1.0).reshape(shape)
             blended = server_momentum * server[name].astype(np.float64) + (1.0 - server_momentum) * mean

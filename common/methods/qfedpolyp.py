@@ -18,8 +18,16 @@ from common.config import ConfigError
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 from common.quantization.fake_quant import quantization_aware
 
-from .base import (HospitalInfo, HospitalMethod, HospitalUpdate, Payload, RejectedUpdate, ServerMethod, pack_json,
-                   unpack_json)
+from .base import (
+    HospitalInfo,
+    HospitalMethod,
+    HospitalUpdate,
+    Payload,
+    RejectedUpdate,
+    ServerMethod,
+    pack_json,
+    unpack_json,
+)
 
 PACKED = "packed-model"  #: the array group holding an encoded model, both ways
 BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital

@@ -151,7 +151,8 @@ def read_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 def _well_formed(entry: Any) -> bool:
     return (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-            and isinstance(entry[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1])
+            and isinstance(entry[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1])
             and entry[2] in ALLOWED_DTYPES)
 
 

@@ -197,7 +197,8 @@ def find_images(folder: str | Path) -> list[Path]:
 
 def load_images(paths: list[Path], image_size: int) -> np.ndarray:
     """uint8 (N, H, W, 3), resized as in training."""
-    return np.stack([read_rgb(path, image_size) for path in paths]) if paths else np.zeros((0, image_size, image_size, 3), np.uint8)
+    return (np.stack([read_rgb(path, image_size) for path in paths]) if paths
+            else np.zeros((0, image_size, image_size, 3), np.uint8))
 
 
 def image_batches(images: np.ndarray, batch_size: int = 16) -> Iterable[torch.Tensor]:

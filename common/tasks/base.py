@@ -93,7 +93,8 @@ class Task(ABC):
         return server_test_set(cfg)
 
     @classmethod
-    def hospital_properties(cls, cfg: JobConfig, partition_id: int | None, properties: dict[str, Any]) -> dict[str, Any]:
+    def hospital_properties(cls, cfg: JobConfig, partition_id: int | None,
+                            properties: dict[str, Any]) -> dict[str, Any]:
         """What a hospital tells the server about itself, from its node config (a simulated hospital's
         may come from the run config, e.g. its MRI modalities); checked before its data is loaded."""
         return properties
@@ -162,7 +163,8 @@ class Task(ABC):
         return "accuracy"
 
 
-def index_batches(n: int, batch_size: int, rng: np.random.Generator | None, drop_last: bool = False) -> Iterator[np.ndarray]:
+def index_batches(n: int, batch_size: int, rng: np.random.Generator | None,
+                  drop_last: bool = False) -> Iterator[np.ndarray]:
     order = rng.permutation(n) if rng is not None else np.arange(n)
     stop = n - n % batch_size if drop_last and n >= batch_size else n
     for start in range(0, stop, batch_size):

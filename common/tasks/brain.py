@@ -42,7 +42,8 @@ def weighted_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.
 
 def region_masks(labels: torch.Tensor) -> torch.Tensor:
     """(N, D, H, W) labels -> (N, 3, D, H, W) WT/TC/ET masks."""
-    return torch.stack([torch.isin(labels, torch.tensor(classes, device=labels.device)) for classes in REGIONS.values()], 1)
+    return torch.stack([torch.isin(labels, torch.tensor(classes, device=labels.device))
+                        for classes in REGIONS.values()], 1)
 
 
 def poly_learning_rate(base: float, rnd: int | None, num_rounds: int) -> float:
@@ -181,7 +182,8 @@ class BrainTumourTask(Task):
             lambda window: torch.softmax(model(window), dim=1), overlap=self.cfg.brain.window_overlap)
         return torch.as_tensor(probabilities).argmax(dim=1)
 
-    def evaluate(self, model: torch.nn.Module, data: list[BratsCase], device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, data: list[BratsCase],
+                 device: torch.device = torch.device("cpu")) -> dict[str, float]:
         """Dice, IoU and HD95 of WT, TC and ET over whole volumes, their means, and the case count."""
         if not data:
             return {}
@@ -195,7 +197,8 @@ class BrainTumourTask(Task):
         metrics["num-examples"] = float(len(data))
         return metrics
 
-    def validate(self, model: torch.nn.Module, data: list[BratsCase], device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    def validate(self, model: torch.nn.Module, data: list[BratsCase],
+                 device: torch.device = torch.device("cpu")) -> dict[str, float]:
         """A hospital scores the model it holds in evaluation rounds only (every ``evaluate-every``
         rounds and the last): whole-volume inference is the dearest part of a round on a CPU."""
         rnd = self.round

@@ -58,7 +58,8 @@ class ClassificationTask(Task):
                        for x, _ in self.batches(data, 256, device, None, train=False)]
         return np.concatenate(predictions) if predictions else np.zeros(0, dtype=np.int64)
 
-    def validate(self, model: torch.nn.Module, data: LabelledImages, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    def validate(self, model: torch.nn.Module, data: LabelledImages,
+                 device: torch.device = torch.device("cpu")) -> dict[str, float]:
         """A hospital's check of a received model: accuracy and loss, in torch alone (no scikit-learn
         import in every ClientApp process); the server's test evaluation gives F1 and MCC."""
         if len(data) == 0:
@@ -72,7 +73,8 @@ class ClassificationTask(Task):
                 loss += float(F.cross_entropy(output, y, reduction="sum"))
         return {"accuracy": correct / len(data), "loss": loss / len(data)}
 
-    def evaluate(self, model: torch.nn.Module, data: LabelledImages, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, data: LabelledImages,
+                 device: torch.device = torch.device("cpu")) -> dict[str, float]:
         if len(data) == 0:
             return {}
         metrics = classification_metrics(data.labels, self.predict(model, data, device))

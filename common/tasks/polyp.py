@@ -49,7 +49,8 @@ class PolypSegmentationTask(Task):
                  for x, _ in self.batches(data, batch_size, device, None, train=False)]
         return np.concatenate(masks) if masks else np.zeros((0,) + data.masks.shape[1:], np.uint8)
 
-    def evaluate(self, model: torch.nn.Module, data: SegmentationImages, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, data: SegmentationImages,
+                 device: torch.device = torch.device("cpu")) -> dict[str, float]:
         """Dice, IoU and HD95 over all test images, and per source (data set) when there are several."""
         if len(data) == 0:
             return {}

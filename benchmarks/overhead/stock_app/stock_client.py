@@ -2,7 +2,6 @@
 
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -16,7 +15,8 @@ app = ClientApp()
 
 def local_data(context: Context):
     seed = int(context.node_config.get("partition-id", context.node_config.get("seed", 0)))
-    data = make_classification(int(context.run_config["samples-per-hospital"]), int(context.run_config["image-size"]), seed)
+    data = make_classification(int(context.run_config["samples-per-hospital"]), int(context.run_config["image-size"]),
+                               seed)
     x = torch.from_numpy(data.images).permute(0, 3, 1, 2).float() / 255.0
     return x, torch.from_numpy(data.labels)
 
@@ -46,5 +46,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     model.eval()
     with torch.no_grad():
         accuracy = float((model(x).argmax(1) == y).float().mean())
-    metrics = MetricRecord({"num-examples": len(y), "accuracy": accuracy, "eval-seconds": time.perf_counter() - started})
+    metrics = MetricRecord({"num-examples": len(y), "accuracy": accuracy,
+                            "eval-seconds": time.perf_counter() - started})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

@@ -23,7 +23,8 @@ def slowest(records: list[RecordDict], weight_key: str) -> MetricRecord:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     ends: list[float] = []
-    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_available_nodes=int(context.run_config.get("min-nodes", 2)),
+    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=1.0,
+                      min_available_nodes=int(context.run_config.get("min-nodes", 2)),
                       train_metrics_aggr_fn=slowest, evaluate_metrics_aggr_fn=slowest)
 
     def mark(server_round: int, arrays: ArrayRecord):
@@ -37,6 +38,7 @@ def main(grid: Grid, context: Context) -> None:
         train = result.train_metrics_clientapp.get(rnd, {})
         evaluate = result.evaluate_metrics_clientapp.get(rnd, {})
         rounds.append({"round": rnd, "seconds": ends[rnd] - ends[rnd - 1],
-                       "hospital-seconds": float(train.get("train-seconds", 0.0)) + float(evaluate.get("eval-seconds", 0.0))})
+                       "hospital-seconds": float(train.get("train-seconds", 0.0))
+                       + float(evaluate.get("eval-seconds", 0.0))})
     with open(str(context.run_config["timings-file"]), "w") as handle:
         json.dump(rounds, handle)
