@@ -47,10 +47,20 @@ class RoundSaver:
         self.last_plot = 0.0
 
     def __call__(self, engine: RoundEngine, record: dict) -> None:
+        """A write that fails (disk full, permissions changed) is logged and the run goes on: the checkpoints
+        already written stay whole, and the next round tries again."""
         cfg = engine.cfg
-        save_checkpoint(cfg.run_dir, record["round"], engine.state_dict(), keep=cfg.keep_checkpoints)
+        try:
+            save_checkpoint(cfg.run_dir, record["round"], engine.state_dict(), keep=cfg.keep_checkpoints)
+        except OSError as error:
+            log.error("round %d: checkpoint not written to %s (%s); the earlier checkpoints are kept",
+                      record["round"], cfg.run_dir, error)
         plots = record["round"] == cfg.num_server_rounds or time.time() - self.last_plot > self.plot_interval
-        write_results(cfg.run_dir, cfg.to_flat(), engine.history, plots=plots)
+        try:
+            write_results(cfg.run_dir, cfg.to_flat(), engine.history, plots=plots)
+        except OSError as error:
+            log.error("round %d: result files not written to %s (%s)", record["round"], cfg.run_dir, error)
+            return
         if plots:
             self.last_plot = time.time()
 

@@ -3,13 +3,15 @@ and a resumed run checked against the checkpoint it continues."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 from common.config import ConfigError, JobConfig, load_job_config
 from common.methods.base import unpack_json
 
-from .checkpoint import find_checkpoint, load_checkpoint
+from .checkpoint import checkpoint_dir, find_checkpoint, load_checkpoint
 
 #: Keys that must equal the checkpoint's for a resumed run to continue the same experiment.
 MUST_MATCH_ON_RESUME = ("task", "strategy", "seed", "dataset", "data-dir", "partitioner", "fraction-train",
@@ -37,6 +39,22 @@ def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:
     return cfg, checkpoint
 
 
+def check_writable(run_dir: Path) -> None:
+    """The run's results and checkpoint folders can be written (checked before round 1, not after it)."""
+    for folder in (run_dir, checkpoint_dir(run_dir)):
+        probe = folder / f".write-test-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise ConfigError(f"results-dir: cannot write {folder} as uid {os.getuid()} ({error.strerror or error}); "
+                              "give this user write access to it or choose another results-dir") from None
+
+
 def load_run_config(run_config: Mapping[str, Any]) -> tuple[JobConfig, dict[str, Any] | None]:
-    """Validate Flower's run config (paths included) and resolve the run; raises ConfigError."""
-    return resolve(load_job_config(run_config, check_paths=True))
+    """Validate Flower's run config (paths included), resolve the run and check that its folder can be written;
+    raises ConfigError."""
+    cfg, checkpoint = resolve(load_job_config(run_config, check_paths=True))
+    check_writable(cfg.run_dir)
+    return cfg, checkpoint

@@ -143,10 +143,6 @@ class HospitalStrategy(Strategy):
             self._engine = RoundEngine(self.job)
         return self._engine
 
-    @property
-    def cfg(self) -> JobConfig:
-        return self.job
-
     def initial_arrays(self) -> ArrayRecord:
         """The method's initial global model (seeded by the run config's seed), for ``start``."""
         return as_arrayrecord(self.engine.method.global_arrays)
@@ -331,8 +327,8 @@ class HospitalStrategy(Strategy):
         timeout = timeout or self.job.round_timeout
         if num_rounds != self.job.num_server_rounds or timeout != self.job.round_timeout:
             self.job = self.job.model_copy(update={"num_server_rounds": num_rounds, "round_timeout": timeout})
-            self.engine.cfg = self.job
-            self.engine.method.cfg = self.job
+            if self._engine is not None:  # built already (initial_arrays()): the server's schedules follow too
+                self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
         if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
             self.engine.adopt_global_arrays(arrays_of(initial_arrays), "initial_arrays")
         train_config = train_config or ConfigRecord()

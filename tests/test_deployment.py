@@ -96,3 +96,42 @@ def test_interrupted_checkpoint_write_leaves_the_last_checkpoint_readable(tmp_pa
     assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00001.npz"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["round-00001.npz"]  # no debris
     np.testing.assert_array_equal(load_checkpoint(tmp_path)["method/global/w"], np.arange(3.0))
+
+
+def test_a_results_folder_that_cannot_be_written_stops_the_run_before_round_1(tmp_path):
+    from common.config import ConfigError
+    from server_app.run_config import load_run_config
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "run").write_text("a file where the run folder should be")
+    with pytest.raises(ConfigError, match=r"results-dir: cannot write .*locked/run"):
+        load_run_config({"results-dir": str(locked), "run-name": "run"})
+    cfg, _ = load_run_config({"results-dir": str(tmp_path / "fine"), "run-name": "run"})
+    assert (tmp_path / "fine" / "run" / "checkpoints").is_dir()
+
+
+def test_a_failed_checkpoint_write_is_logged_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    from common.config import JobConfig
+    from common.round_engine import RoundEngine
+    from server_app import app as server
+    from server_app.results import read_history
+
+    cfg = JobConfig(run_name="r", results_dir=str(tmp_path), synthetic_samples=40, image_size=8,
+                    classifier="small-cnn")
+    engine = RoundEngine(cfg)
+    engine.history.append({"round": 1, "chosen": [], "aggregated": [], "missing": [], "refused": {},
+                           "traffic": {}, "bytes_up": 0, "bytes_down": 0, "seconds": 0.1})
+    saver = server.RoundSaver(plot_interval=1e9)
+    saver(engine, engine.history[-1])
+    engine.history.append({**engine.history[-1], "round": 2})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(server, "save_checkpoint", full)
+    with caplog.at_level("ERROR", logger="fedmed"):
+        saver(engine, engine.history[-1])  # no exception: the run goes on
+    assert "round 2: checkpoint not written" in caplog.text and "No space left" in caplog.text
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == ["round-00001.npz"]
+    assert [r["round"] for r in read_history(cfg.run_dir)] == [1, 2]

@@ -1,0 +1,139 @@
+"""docker-compose on a real Docker engine: the image builds, the consortium comes up with TLS and authentication
+and three hospitals on data written by ``fedmed partition``, a run submitted from the host with ``flwr run``
+completes with its results on the host; a hospital whose container is killed mid-run is recorded as missing,
+and after ``docker-compose start`` it rejoins with its saved state. Everything the test made is removed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from common.cli import main as fedmed
+from common.launch import FlowerHome, free_port, run_log, submit_run, wait_for_run
+from server_app.results import read_history
+
+from .conftest import ROOT
+
+pytestmark = [pytest.mark.docker, pytest.mark.integration]
+
+ENGINE = ROOT.parent / "shared" / "tools" / "docker-engine.sh"
+BASE_IMAGE = "fedmed-base/python:3.11"
+HOSPITALS = ("hospital-a", "hospital-b", "hospital-c")
+
+
+def sh(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None,
+       check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if check:
+        assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}:\n{done.stdout[-3000:]}\n" \
+                                     f"{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def docker_engine():
+    if not ENGINE.is_file():
+        pytest.skip(f"no Docker engine script at {ENGINE} (../shared/tools beside the repository)")
+    done = subprocess.run(["bash", str(ENGINE)], capture_output=True, text=True, timeout=1200)
+    if done.returncode == 3:
+        pytest.skip(f"no Docker engine can start on this machine: {done.stdout.strip()} {done.stderr.strip()}")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def image(docker_engine):
+    tag = f"fedmed:test-{uuid.uuid4().hex[:8]}"
+    sh("docker", "build", "--network", "host", "-f", "deploy/Dockerfile", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+       "--build-arg", "TORCH_INDEX=", "-t", tag, ".", cwd=ROOT, timeout=1500)
+    yield tag
+    sh("docker", "rmi", "-f", tag, check=False)
+
+
+@pytest.fixture
+def consortium(tmp_path, image):
+    """The README's compose steps in a fresh folder: certificates, keys, sites, .env, `docker-compose up -d`."""
+    project = tmp_path / "consortium"
+    (project / "deploy").mkdir(parents=True)
+    shutil.copy(ROOT / "docker-compose.yml", project / "docker-compose.yml")
+    sh("bash", str(ROOT / "deploy" / "make_certificates.sh"), "deploy/certs", "superlink", "localhost", "127.0.0.1",
+       cwd=project)
+    sh("bash", str(ROOT / "deploy" / "make_hospital_keys.sh"), "deploy/keys", *HOSPITALS, cwd=project)
+    assert fedmed(["partition", "--hospitals", "3", "--out", str(project / "sites"), "--run-config",
+                   "synthetic-samples=240 image-size=16 min-partition-size=5"]) == 0
+    (project / "results").mkdir()
+    port = free_port()
+    name = f"fedmedtest{uuid.uuid4().hex[:6]}"
+    (project / ".env").write_text(f"FEDMED_UID={os.getuid()}\nFEDMED_GID={os.getgid()}\nFEDMED_IMAGE={image}\n"
+                                  f"FEDMED_PORT={port}\nCOMPOSE_PROJECT_NAME={name}\n")
+    compose = ["docker-compose", "-p", name]
+    try:
+        sh(*compose, "up", "-d", cwd=project, timeout=600)
+        home = FlowerHome(tmp_path / "flwr-home")
+        home.add_connection("consortium", f"127.0.0.1:{port}", project / "deploy" / "certs" / "ca.crt")
+        yield project, compose, home
+    finally:
+        logs = sh(*compose, "logs", "--no-color", cwd=project, check=False).stdout
+        (tmp_path / "compose.log").write_text(logs)
+        sh(*compose, "down", "-v", "--remove-orphans", cwd=project, timeout=300, check=False)
+        left = sh("docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={name}", check=False).stdout
+        assert not left.strip(), f"containers left behind: {left}"
+
+
+def run_config(name: str, rounds: int, **extra) -> dict:
+    return {"dataset": "npz", "test-dir": "/data/test", "classifier": "small-cnn", "image-size": 16,
+            "batch-size": 16, "num-server-rounds": rounds, "min-available-hospitals": 3, "min-train-hospitals": 2,
+            "run-name": name, **extra}
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def history_of(project: Path, name: str) -> list[dict]:
+    path = project / "results" / name
+    return read_history(path) if (path / "metrics.jsonl").is_file() else []
+
+
+def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
+    project, compose, home = consortium
+    no_crash_loops = sh(*compose, "ps", cwd=project).stdout
+    assert "Restarting" not in no_crash_loops and "Exit 1" not in no_crash_loops, no_crash_loops
+
+    first = submit_run(home, "consortium", run_config("compose-first", 2))
+    status = wait_for_run(home, "consortium", first, 600)
+    assert status == "finished:completed", run_log(home, "consortium", first)[-4000:]
+    history = history_of(project, "compose-first")
+    assert [r["round"] for r in history] == [1, 2] and all(sorted(r["aggregated"]) == list(HOSPITALS)
+                                                           for r in history)
+    results = project / "results" / "compose-first"
+    for path in (results / "summary.md", results / "checkpoints" / "round-00002.npz"):
+        assert path.is_file() and path.stat().st_uid == os.getuid(), path  # on the host, owned by its user
+
+    second = submit_run(home, "consortium", run_config("compose-second", 5, strategy="fedproin",
+                                                       **{"round-timeout": 40.0}))
+    wait_for(lambda: len(history_of(project, "compose-second")) >= 1, 300, "round 1 of the second run")
+    sh(*compose, "kill", "hospital-c", cwd=project)
+    wait_for(lambda: any("hospital-c" in r["missing"] for r in history_of(project, "compose-second")), 300,
+             "a round that names hospital-c as missing")
+    sh(*compose, "start", "hospital-c", cwd=project)
+    status = wait_for_run(home, "consortium", second, 900)
+    assert status == "finished:completed", run_log(home, "consortium", second)[-4000:]
+    history = history_of(project, "compose-second")
+    missed = [r["round"] for r in history if "hospital-c" in r["missing"]]
+    back = [r for r in history if r["round"] > max(missed) and "hospital-c" in r["aggregated"]]
+    assert missed and back, [(r["round"], r["aggregated"], r["missing"]) for r in history]
+    remembered = back[0]["hospital_metrics"]["hospital-c"]["state-from-round"]  # its memory from before the kill
+    assert 1 <= remembered < back[0]["round"]
