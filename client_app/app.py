@@ -68,8 +68,9 @@ def query(message: Message, context: Context) -> Message:
 @app.train()
 @_guarded
 def train(message: Message, context: Context) -> Message:
-    reply = answer("train", from_recorddict(message.content), context)
-    return Message(to_recorddict(reply), reply_to=message)
+    payload = from_recorddict(message.content)
+    reply = answer("train", payload, context)
+    return Message(to_recorddict(reply, packed=payload.config.get("message-arrays") == "packed"), reply_to=message)
 
 
 @app.evaluate()

@@ -178,6 +178,14 @@ class FedMEPDSection(Section):
     num_anchors: int = Field(4, ge=1, description="N_k: anchors per class and scale (K-means clusters).")
     anchor_momentum: float = Field(0.999, ge=0.0, le=1.0, description="EMA of the anchors after their K-means start.")
     lacca: bool = Field(True, description="Hospitals calibrate decoder features with the anchors (false: ablation).")
+    server_change_from: Literal["sent", "aggregated"] = Field("sent", description=(
+        "The server's decoder change delta_s is its trained decoder minus the decoder it held before "
+        "aggregating ('sent', the public code's) or minus the aggregate ('aggregated', this project's first rule)."))
+    initial_weight: Literal["one", "share"] = Field("one", description=(
+        "A hospital's filter weights start at 1, an unweighted mean until the warm-up ends (the public code's), "
+        "or at its share of the round's samples."))
+    filter_vector: Literal["kernel", "kernel-and-bias"] = Field("kernel", description=(
+        "What a filter's cosine and norms are computed on: its kernel (the public code's) or kernel and bias."))
 
 
 class JobConfig(Section):
@@ -220,6 +228,10 @@ class JobConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, description="Round checkpoints kept besides the latest.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     evaluate_every: int = Field(1, ge=1, description="Evaluate the global model on the test set every N rounds.")
+    message_arrays: Literal["per-tensor", "packed"] = Field("per-tensor", description=(
+        "How a message's arrays travel: one Flower Array per tensor (Flower's DP wrappers and tools read them), "
+        "or each array group packed into one Array (far fewer objects through the SuperLink, so much faster "
+        "rounds for models with many tensors; Flower's mods cannot read it)."))
 
     fedprox: FedProxSection = FedProxSection()
     fedproin: FedProInSection = FedProInSection()
@@ -280,7 +292,7 @@ class JobConfig(Section):
 #: config: which method runs and how it trains (the number of rounds sets learning-rate schedules). Data,
 #: model size and paths stay the hospital's own.
 SERVER_SET_KEYS = ("strategy", "num-server-rounds", "local-epochs", "batch-size", "learning-rate", "weight-decay",
-                   "seed")
+                   "seed", "message-arrays")
 SERVER_SET_SECTIONS = ("fedprox", "fedproin", "moon", "fedproto", "qfedpolyp", "fedmepd")
 
 

@@ -178,11 +178,14 @@ class FlowerHome:
 def start_superlink(home: FlowerHome, port: int, *, simulation: bool, host: str = "127.0.0.1",
                     tls: TLSFiles | None = None, supernode_auth: bool = False, database: Path | None = None,
                     log_dir: Path | None = None, extra: list[str] | None = None, timeout: float = 60.0,
-                    connection: str = "local", netns: str | None = None) -> ManagedProcess:
-    """Start a SuperLink (simulation or deployment) and register it as ``connection`` in FLWR_HOME."""
+                    connection: str = "local", netns: str | None = None, in_memory: bool = False) -> ManagedProcess:
+    """Start a SuperLink (simulation or deployment) and register it as ``connection`` in FLWR_HOME.
+
+    Its state lives in ``database`` (default: a file in FLWR_HOME), or in memory with ``in_memory``."""
     args = [str(BIN / "flower-superlink"), "--host", host, "--port", str(port),
-            "--disable-runtime-dependency-installation",
-            "--database", str(database or (home.path / f"superlink-{port}.db"))]
+            "--disable-runtime-dependency-installation"]
+    if not in_memory:
+        args += ["--database", str(database or (home.path / f"superlink-{port}.db"))]
     if simulation:
         args.append("--simulation")
     if tls is None:

@@ -10,23 +10,30 @@ A payload travels the way Flower's own strategies and mods expect a message to l
 * config (including bytes, e.g. FedMEPD's personal-filter masks) as the ``ConfigRecord`` ``"config"``;
 * metrics (numbers and lists of numbers, e.g. FedProIn's influence counts) as the ``MetricRecord`` ``"metrics"``.
 
+With ``packed`` (run config ``message-arrays='packed'``) each array group's ArrayRecord holds one uint8 Array,
+``fedmed.npz``: the group as an ``.npz`` archive (read without pickle). Flower moves every Array as a
+separate object through the SuperLink (benchmarks/results/overhead_arrays.md), so a model of a hundred tensors
+costs far less this way; Flower's mods and wrappers then see bytes, not weights.
+
 The only module of ``common`` that imports Flower; the methods never see Flower types.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from common.payload import Payload
+from common.payload import NamedArrays, Payload
 
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"
 METRICS_RECORD = "metrics"
 MODEL_GROUP = "model"
+PACKED_ARRAY = "fedmed.npz"  #: the one Array of a packed group's ArrayRecord
 
 
 class MalformedPayload(ValueError):
@@ -54,22 +61,44 @@ def metric_value(key: str, value: Any) -> int | float | list:
     raise TypeError(f"metric {key!r}: {type(value).__name__} {value!r} is not a number or a list of numbers")
 
 
-def to_recorddict(payload: Payload) -> RecordDict:
+def pack_arrays(arrays: NamedArrays) -> Array:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return Array(np.frombuffer(buffer.getvalue(), dtype=np.uint8))
+
+
+def unpack_arrays(array: Array, name: str) -> NamedArrays:
+    try:
+        with np.load(io.BytesIO(array.numpy().tobytes()), allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except Exception as error:  # a truncated or corrupted archive
+        raise MalformedPayload(f"record {name!r}: packed arrays cannot be read: {type(error).__name__}: {error}") \
+            from None
+
+
+def to_recorddict(payload: Payload, packed: bool = False) -> RecordDict:
     content = RecordDict()
     for group, arrays in payload.arrays.items():
-        content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C"))
-                                                   for k, v in arrays.items()})
+        if packed:
+            content[record_name(group)] = ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)})
+        else:
+            content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C"))
+                                                       for k, v in arrays.items()})
     content[CONFIG_RECORD] = ConfigRecord(dict(payload.config))
     content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
     return content
 
 
 def from_recorddict(content: RecordDict) -> Payload:
-    """The payload in a message's content; MalformedPayload for records of the wrong kind or content."""
+    """The payload in a message's content (either layout); MalformedPayload for records of the wrong kind or
+    content."""
     payload = Payload()
     for name, record in content.items():
         if isinstance(record, ArrayRecord):
             group = MODEL_GROUP if name == MODEL_RECORD else name
+            if set(record) == {PACKED_ARRAY}:
+                payload.arrays[group] = unpack_arrays(record[PACKED_ARRAY], name)
+                continue
             try:
                 payload.arrays[group] = {key: array.numpy() for key, array in record.items()}
             except Exception as error:  # an Array whose bytes are not an array

@@ -3,8 +3,9 @@
 ``config.json`` (the resolved config), ``metrics.jsonl`` (one JSON record per round: hospitals
 chosen, aggregated, missing and refused, bytes each way per hospital, training and test
 metrics), ``summary.md`` (a markdown table) and ``plots/*.png`` (metrics and traffic over
-rounds). All are rewritten from the full history after every round, atomically, so a resumed run
-continues the same files.
+rounds; for FedMEPD the share of personal decoder filters per layer and hospital). All are
+rewritten from the full history after every round, atomically, so a resumed run continues the
+same files.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def plot_history(history: list[dict[str, Any]], folder: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, folder / "test_metrics.png"))
         plt.close(fig)
+    personalised = personal_filter_fractions(history)
+    if personalised:
+        written.append(plot_personalised(plt, personalised, folder / "personalised.png"))
     fig, ax = plt.subplots(figsize=(5, 3))
     rounds = [r["round"] for r in history]
     ax.plot(rounds, [r["bytes_up"] / 1e6 for r in history], marker="o", label="to server (up)")
@@ -108,6 +112,44 @@ def plot_history(history: list[dict[str, Any]], folder: Path) -> list[Path]:
     written.append(_save(fig, folder / "traffic.png"))
     plt.close(fig)
     return written
+
+
+def personal_filter_fractions(history: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """FedMEPD: hospital -> decoder layer (and 'all') -> (round, share of its filters that are personal)."""
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for record in history:
+        for hospital, layers in record.get("method", {}).get("personalised", {}).items():
+            for layer, fraction in layers.items():
+                series.setdefault(hospital, {}).setdefault(layer, []).append((record["round"], fraction))
+    return series
+
+
+def plot_personalised(plt, series: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> Path:
+    """One panel per hospital: the share of personal filters per decoder layer over rounds ('all' in black)."""
+    hospitals = sorted(series)
+    columns = min(4, len(hospitals))
+    rows = -(-len(hospitals) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.8 * rows), squeeze=False, sharey=True)
+    for ax, hospital in zip(axes.ravel(), hospitals):
+        for layer, points in sorted(series[hospital].items()):
+            style = {"color": "black", "linewidth": 2.0, "label": "all"} if layer == "all" else \
+                {"linewidth": 0.8, "alpha": 0.6, "label": layer.removeprefix("decoder.")}
+            ax.plot([p[0] for p in points], [p[1] for p in points], **style)
+        ax.set_title(hospital)
+        ax.set_xlabel("round")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(hospitals):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("personal filters")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if len(labels) <= 12:
+        fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=6)
+        fig.subplots_adjust(bottom=0.25)
+    fig.tight_layout(rect=(0, 0.12 if len(labels) <= 12 else 0, 1, 1))
+    saved = _save(fig, path)
+    plt.close(fig)
+    return saved
 
 
 def _save(fig, path: Path) -> Path:

@@ -225,7 +225,8 @@ class HospitalStrategy(Strategy):
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
             payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {})}
-            message = Message(to_recorddict(payload), message_type=message_type, dst_node_id=node_of[info.name])
+            content = to_recorddict(payload, packed=self.job.message_arrays == "packed")
+            message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
         return messages

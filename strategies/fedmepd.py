@@ -21,11 +21,13 @@ class FedMEPDStrategy(HospitalStrategy):
 
     def __init__(self, *, patience: int = 10, warmup_rounds: int = 30, server_momentum: float = 0.3,
                  weight_momentum: float = 0.95, num_anchors: int = 4, anchor_momentum: float = 0.999,
-                 lacca: bool = True, **kwargs: Any):
+                 lacca: bool = True, server_change_from: str = "sent", initial_weight: str = "one",
+                 filter_vector: str = "kernel", **kwargs: Any):
         super().__init__(settings=self.method_settings(
             patience=patience, warmup_rounds=warmup_rounds, server_momentum=server_momentum,
             weight_momentum=weight_momentum, num_anchors=num_anchors, anchor_momentum=anchor_momentum,
-            lacca=lacca), **kwargs)
+            lacca=lacca, server_change_from=server_change_from, initial_weight=initial_weight,
+            filter_vector=filter_vector), **kwargs)
 
 
 class SharedEncoderFedAvgStrategy(HospitalStrategy):

@@ -30,6 +30,16 @@ def shared_data(*parts: str) -> Path:
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread: two threads on a shared two-core machine spin against other jobs; one is many times
+    faster here (modules that train use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def small_classification():
     from common.config import JobConfig
 

@@ -8,7 +8,6 @@ import inspect
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
@@ -45,12 +44,7 @@ CASES = [(FedAvgStrategy, SMALL_CLASSIFICATION), (FedProxStrategy, SMALL_CLASSIF
          (FederatedDecoderStrategy, SMALL_BRAIN), (LocalOnlyStrategy, SMALL_BRAIN)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_config(tmp_path, base: dict, **extra) -> dict:
@@ -144,6 +138,19 @@ def test_start_honours_its_arguments(tmp_path):
     assert strategy.engine.history[-1]["central"]["norm"] == result.evaluate_metrics_serverapp[1]["norm"]
     assert 0.0 <= result.evaluate_metrics_clientapp[1]["accuracy"] <= 1.0
     assert len(strategy.engine.history) == 1 and strategy.job.round_timeout == 30.0
+
+
+def test_packed_messages_carry_one_array_per_group_and_train_the_same_model(tmp_path):
+    final = {}
+    for layout in ("per-tensor", "packed"):
+        config = run_config(tmp_path / layout, SMALL_CLASSIFICATION, **{"message-arrays": layout})
+        grid = FakeGrid(simulated_hospitals(config, 2))
+        result = FedProInStrategy(run_config=config).start(grid, num_rounds=2)
+        final[layout] = arrays_of(result.arrays)
+        sent = grid.sent_of_type(MessageType.TRAIN)[0]
+        assert (len(sent.content["arrays"]) == 1) == (layout == "packed")
+    for name, value in final["per-tensor"].items():
+        np.testing.assert_array_equal(final["packed"][name], value, err_msg=name)
 
 
 def test_a_hospital_applies_the_training_keys_the_server_sends(tmp_path):

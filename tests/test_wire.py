@@ -70,3 +70,25 @@ def test_recorddict_from_elsewhere_is_refused():
                                                   data=good.data[: len(good.data) // 2])})
     with pytest.raises(MalformedPayload, match="cannot be decoded"):
         from_recorddict(truncated)
+
+
+def test_packed_layout_carries_each_group_as_one_array_and_reads_back_the_same():
+    import pytest
+    from flwr.app import Array, ArrayRecord
+
+    from common.wire import PACKED_ARRAY, MalformedPayload
+
+    original = payload_of(1000)
+    original.arrays["anchors"] = {"scale0": np.ones((2, 3))}
+    content = to_recorddict(original, packed=True)
+    assert set(content["arrays"]) == {PACKED_ARRAY} and set(content["anchors"]) == {PACKED_ARRAY}
+    back = from_recorddict(content)
+    for group, arrays in original.arrays.items():
+        for name, value in arrays.items():
+            assert back.arrays[group][name].dtype == value.dtype
+            np.testing.assert_array_equal(back.arrays[group][name], value)
+    assert back.config == original.config and back.metrics == original.metrics
+    blob = content["arrays"][PACKED_ARRAY].numpy()
+    content["arrays"] = ArrayRecord({PACKED_ARRAY: Array(blob[: len(blob) // 2].copy())})
+    with pytest.raises(MalformedPayload, match="packed arrays cannot be read"):
+        from_recorddict(content)

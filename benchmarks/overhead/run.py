@@ -7,10 +7,12 @@ generated data, so the difference is orchestration: fedmed sends one message per
 round (the hospital evaluates the received model inside its training reply) and polls for replies
 every 0.25 s at first instead of every 3 s; both send the model in Flower's records, one ``Array``
 per tensor. ``fedmed-worker`` also keeps torch and the data loaded in each hospital's warm worker
-(node config ``warm-worker=true``).
+(node config ``warm-worker=true``); ``fedmed-packed`` sends each array group as one Array
+(``message-arrays='packed'``).
 
     python -m benchmarks.overhead.run                       # loopback deployment + simulation
     python -m benchmarks.overhead.run --deployment 2 4 --simulation 2 10 50 100 --rounds 6
+    python -m benchmarks.overhead.run --deployment --simulation --arrays 1 20 120   # the cost of one Array
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from server_app.results import read_history
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 SAMPLES_PER_HOSPITAL = 80
-#: stock Flower FedAvg; fedmed as shipped; fedmed with each SuperNode's ``warm-worker=true``
-APPS = ("stock", "fedmed", "fedmed-worker")
+#: stock Flower FedAvg; fedmed as shipped; fedmed with each SuperNode's ``warm-worker=true``; fedmed with
+#: ``message-arrays='packed'`` (each array group one Flower Array)
+APPS = ("stock", "fedmed", "fedmed-worker", "fedmed-packed")
 IMAGE_SIZE = 16
 
 
@@ -66,8 +69,9 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
             configs = [{"hospital": f"hospital-{i:02d}", "data-dir": str(sites / f"hospital-{i:02d}"),
                         "state-dir": str(work / "state" / f"h{i}"), "device": "cpu",
                         "warm-worker": app == "fedmed-worker"} for i in range(hospitals)]
+            layout = "packed" if app == "fedmed-packed" else "per-tensor"
             run_config = fedmed_job(hospitals, rounds, work / "results", dataset="npz",
-                                    **{"test-dir": str(sites / "test")})
+                                    **{"test-dir": str(sites / "test"), "message-arrays": layout})
             app_dir = HERE.parent.parent
         else:
             configs = [{"seed": i} for i in range(hospitals)]
@@ -104,6 +108,30 @@ def run_simulation(hospitals: int, rounds: int, work: Path) -> list[dict]:
     return fedmed_rounds(work / "results" / "overhead", parallel=False)
 
 
+def run_array_costs(counts: list[int], work: Path, in_memory: bool) -> list[dict]:
+    """Round trips of messages with K Arrays (25k floats in all) through a loopback SuperLink and one SuperNode
+    to an echoing ClientApp (``echo_app``): what one Array costs on the way, apart from any training. The
+    SuperLink keeps its state in a database file (as deploy/ starts it) or, ``in_memory``, in memory."""
+    home = FlowerHome(work / "home")
+    port = free_port()
+    link = start_superlink(home, port, simulation=False, connection="bench", in_memory=in_memory)
+    node = start_supernode(home, f"127.0.0.1:{port}", free_port(), {})
+    timings = work / "array-timings.json"
+    try:
+        run_id = submit_run(home, "bench", {"array-counts": ",".join(map(str, counts)), "timings-file": str(timings)},
+                            app_dir=HERE / "echo_app")
+        status = wait_for_run(home, "bench", run_id, timeout=1800)
+        if status != "finished:completed":
+            raise RuntimeError(f"echo run ended {status}:\n{run_log(home, 'bench', run_id)[-3000:]}")
+    finally:
+        for process in (node, link):
+            process.stop()
+    rows = json.loads(timings.read_text())
+    return [{"arrays": k, "superlink_state": "memory" if in_memory else "file",
+             **{key: statistics.median(r[key] for r in rows if r["arrays"] == k)
+                for key in ("push_s", "round_trip_s", "handler_s")}} for k in counts]
+
+
 def summarise(rows: list[dict]) -> dict:
     """Medians over rounds 2.. (round 1 includes start-up: app install, hospitals joining)."""
     steady = [r for r in rows if r["round"] >= 2] or rows
@@ -118,13 +146,16 @@ def main() -> None:
     parser.add_argument("--deployment", type=int, nargs="*", default=[2, 4], help="hospital counts on loopback")
     parser.add_argument("--simulation", type=int, nargs="*", default=[2, 10, 50, 100], help="virtual hospital counts")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--apps", nargs="+", choices=APPS, default=list(APPS), help="deployment apps to run")
+    parser.add_argument("--arrays", type=int, nargs="*", default=[1, 20, 120],
+                        help="Arrays per message for the per-Array cost (echo app; none: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
     args = parser.parse_args()
 
     measured: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fedmed-overhead-") as tmp:
         for hospitals in args.deployment:
-            for app in APPS:
+            for app in args.apps:
                 started = time.time()
                 rows = run_deployment(app, hospitals, args.rounds, Path(tmp) / f"deploy-{app}-{hospitals}")
                 measured[f"deployment/{app}/{hospitals}"] = {**summarise(rows), "per_round": rows}
@@ -136,6 +167,13 @@ def main() -> None:
             measured[f"simulation/fedmed/{hospitals}"] = {**summarise(rows), "per_round": rows}
             print(f"simulation {hospitals} hospitals: {summarise(rows)}", flush=True)
             write_report(args, measured)
+        if args.arrays:
+            measured["arrays"] = []
+            for in_memory in (False, True):
+                state = "memory" if in_memory else "file"
+                measured["arrays"] += run_array_costs(args.arrays, Path(tmp) / f"arrays-{state}", in_memory)
+                print(f"arrays: {measured['arrays']}", flush=True)
+                write_report(args, measured)
     print(args.out.read_text())
 
 
@@ -155,7 +193,8 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
              f"{cpu_name()} machine; medians over rounds 2.. (round 1 includes start-up). Same ~25k-parameter CNN "
              f"and generated data ({SAMPLES_PER_HOSPITAL} samples per hospital, {IMAGE_SIZE}x{IMAGE_SIZE}) in both "
              "apps, and both send the model as Flower records, one `Array` per tensor (fedmed: 18 tensors, "
-             "BatchNorm's step counters stay local; stock: 21).", "",
+             "BatchNorm's step counters stay local; stock: 21), except `fedmed-packed` (`message-arrays='packed'`: "
+             "one Array per array group).", "",
              "## Loopback deployment (one SuperLink, one SuperNode per hospital)", "",
              "| hospitals | app | round s | hospitals' compute s | overhead s | overhead / stock overhead |",
              "|---|---|---|---|---|---|"]
@@ -176,6 +215,15 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
         if ours is not None:
             lines.append(f"| {hospitals} | {ours['round_s']:.1f} | {ours['compute_s']:.1f} | "
                          f"{ours['overhead_s']:.1f} | {ours['overhead_s'] / hospitals:.2f} |")
+    if measured.get("arrays"):
+        lines += ["", "## What one Flower Array costs (loopback, one SuperNode, an echoing ClientApp)", "",
+                  "Messages of K Arrays holding 25k float32 values in all, to the SuperNode and back; medians of 4. "
+                  "SuperLink state in a database file (`--database`, as `deploy/` and docker-compose start it) or "
+                  "in memory (Flower's default).", "",
+                  "| SuperLink state | Arrays per message | push to the SuperLink s | round trip s | "
+                  "ClientApp handler s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['superlink_state']} | {r['arrays']} | {r['push_s']:.3f} | {r['round_trip_s']:.2f} | "
+                  f"{r['handler_s']:.4f} |" for r in measured["arrays"]]
     args.out.write_text("\n".join(lines) + "\n")
 
 

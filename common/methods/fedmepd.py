@@ -33,6 +33,7 @@ from .filter_personalisation import (
     filter_cosines,
     filter_layers,
     filter_norms,
+    kernels_only,
     layer_sizes,
     pack_mask,
     subtract,
@@ -46,6 +47,15 @@ STATE_PREFIX = "fedmepd/"
 
 def decoder_part(arrays: NamedArrays) -> NamedArrays:
     return {k: v for k, v in arrays.items() if k.startswith(DECODER)}
+
+
+def server_decoder_change(trained: NamedArrays, sent: NamedArrays, aggregated: NamedArrays,
+                          reference: str = "sent") -> NamedArrays:
+    """delta_s: the server's trained decoder minus the one it held before aggregating (``'sent'``, the public
+    code's: it includes the pull toward the hospitals) or minus the aggregate (``'aggregated'``: its own step only)."""
+    if reference not in ("sent", "aggregated"):
+        raise ValueError(f"fedmepd.server-change-from: {reference!r} is neither 'sent' nor 'aggregated'")
+    return subtract(trained, sent if reference == "sent" else aggregated)
 
 
 class FedMEPDServer(ServerTraining):
@@ -95,8 +105,10 @@ class FedMEPDServer(ServerTraining):
                 prefix = f"encoders.{modality}."
                 encoder = [{k: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in having]
                 self.global_arrays.update(weighted_average(encoder, [1.0] * len(encoder)))
-        for name, share in shares.items():
-            self.personalisation.ensure(name, share)
+        for name, share in shares.items():  # weights start at 1 (the public code's) or at the sample share;
+            # the federated-decoder baseline keeps FedAvg's sample shares
+            by_share = not self.personalise or self.cfg.fedmepd.initial_weight == "share"
+            self.personalisation.ensure(name, share if by_share else 1.0)
         uploads = [decoder_part(u.payload.arrays["model"]) for u in updates]
         weights = [self.personalisation.weights[u.hospital.name] for u in updates]  # 0 where personal
         decoder, contributed = aggregate_filters(sent, uploads, weights, filter_layers(sent),
@@ -114,7 +126,8 @@ class FedMEPDServer(ServerTraining):
         self.global_arrays = model_arrays(model)
         metrics: dict[str, Any] = {"server-train-loss": stats["train-loss"]}
         if self.personalise and rnd > self.cfg.fedmepd.warmup_rounds and self._round:
-            self.update_personalisation(subtract(decoder_part(self.global_arrays), aggregated))
+            self.update_personalisation(server_decoder_change(decoder_part(self.global_arrays), self._round["sent"],
+                                                              aggregated, self.cfg.fedmepd.server_change_from))
         metrics["personalised"] = {h: self.personalisation.fraction_personal(h) for h in self.personalisation.hospitals}
         metrics["masks"] = {h: list(pack_mask(self.personalisation.mask(h), self.personalisation.sizes))
                             for h in self.personalisation.hospitals}  # the bytes each hospital receives next
@@ -126,8 +139,11 @@ class FedMEPDServer(ServerTraining):
         return metrics
 
     def update_personalisation(self, server_change: NamedArrays) -> None:
-        """Step 5: cosine of each hospital's decoder change with the server's, per filter."""
+        """Step 5: cosine of each hospital's decoder change with the server's, per filter (on its kernel, or on
+        kernel and bias: ``fedmepd.filter-vector``)."""
         layers = filter_layers(server_change)
+        if self.cfg.fedmepd.filter_vector == "kernel":
+            layers = kernels_only(layers)
         server_norms = filter_norms(server_change, layers)
         for hospital, upload in self._round["uploads"].items():
             change = subtract(upload, self._round["sent"])

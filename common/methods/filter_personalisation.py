@@ -7,7 +7,8 @@ parameter's first axis). For every hospital and filter the server keeps
   against the server's own change (negative cosine) counts it down, an agreeing round resets it
   to P, a round without information (a zero change) leaves it; at 0 the filter turns personal for
   that hospital, for good;
-* an aggregation weight w, starting at the hospital's share of the round's samples and moved by
+* an aggregation weight w, starting at 1 (the public code's; or at the hospital's share of the round's
+  samples, ``fedmepd.initial-weight='share'``) and moved by
   ``w <- m w + (1 - m) (||delta_server|| / (||delta_hospital|| + eps)) share`` (left as it is in a
   round without information); 0 once personal.
 
@@ -34,6 +35,12 @@ def filter_layers(arrays: NamedArrays) -> dict[str, list[str]]:
         if len({arrays[n].shape[0] if arrays[n].ndim else -1 for n in names}) != 1 or arrays[names[0]].ndim == 0:
             raise ValueError(f"layer {layer}: parameters {names} do not share a first (filter) axis")
     return layers
+
+
+def kernels_only(layers: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each layer's kernel (``<layer>.weight``) without its bias, as the public code compares filters;
+    a layer without a kernel keeps what it has."""
+    return {layer: [n for n in names if n.endswith(".weight")] or names for layer, names in layers.items()}
 
 
 def layer_sizes(arrays: NamedArrays) -> dict[str, int]:
@@ -120,14 +127,14 @@ class FilterPersonalisation:
         self.personal: dict[str, dict[str, np.ndarray]] = {}
         self.weights: dict[str, dict[str, np.ndarray]] = {}
 
-    def ensure(self, hospital: str, share: float) -> None:
-        """Start a hospital's state the first time it contributes: no personal filter, weight = its share."""
+    def ensure(self, hospital: str, weight: float) -> None:
+        """Start a hospital's state the first time it contributes: no personal filter, every weight ``weight``."""
         if hospital in self.personal:
             return
         self.hospitals.append(hospital)
         self.counters[hospital] = {layer: np.full(n, self.patience, np.int32) for layer, n in self.sizes.items()}
         self.personal[hospital] = {layer: np.zeros(n, bool) for layer, n in self.sizes.items()}
-        self.weights[hospital] = {layer: np.full(n, share, np.float64) for layer, n in self.sizes.items()}
+        self.weights[hospital] = {layer: np.full(n, weight, np.float64) for layer, n in self.sizes.items()}
 
     def mask(self, hospital: str) -> dict[str, np.ndarray]:
         if hospital not in self.personal:

@@ -11,8 +11,7 @@ from strategies import FedProInStrategy
 app = ServerApp()
 
 
-def prototype_spread(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-    """A central check of the user's own: how far apart the global prototypes are."""
+def prototype_spread(server_round: int, arrays: ArrayRecord) -> MetricRecord:  # a central check of the user's own
     prototypes = arrays["prototypes"].numpy()
     return MetricRecord({"prototype-spread": float(prototypes.std())})
 
