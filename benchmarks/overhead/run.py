@@ -188,8 +188,9 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(measured, indent=2))
     lines = ["# Orchestration overhead per round", "",
-             f"`python -m benchmarks.overhead.run --deployment {' '.join(map(str, args.deployment))} --simulation "
-             f"{' '.join(map(str, args.simulation))} --rounds {args.rounds}` on a {os.cpu_count()}-core "
+             f"`python -m benchmarks.overhead.run --deployment {' '.join(map(str, args.deployment))} --apps "
+             f"{' '.join(args.apps)} --simulation {' '.join(map(str, args.simulation))} --rounds {args.rounds}` "
+             f"on a {os.cpu_count()}-core "
              f"{cpu_name()} machine; medians over rounds 2.. (round 1 includes start-up). Same ~25k-parameter CNN "
              f"and generated data ({SAMPLES_PER_HOSPITAL} samples per hospital, {IMAGE_SIZE}x{IMAGE_SIZE}) in both "
              "apps, and both send the model as Flower records, one `Array` per tensor (fedmed: 18 tensors, "
