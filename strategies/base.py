@@ -183,8 +183,9 @@ class HospitalStrategy(Strategy):
                     self.learn_identity(node, reply)
             if new:  # a reply lost on the way (e.g. to a run stopped meanwhile) is not waited for forever
                 log.info("asking node(s) %s again which hospital they are", ", ".join(map(str, new)))
-        for node in new:
-            self.unusable[node] = time.time()
+        if new:  # slow, not broken (a first answer loads torch and the data): asked again next round
+            log.warning("node(s) %s did not say which hospital they are within %.0f s; asked again next round",
+                        ", ".join(map(str, new)), self.job.round_timeout)
 
     def identity_queries(self, nodes: list[int]) -> list[Message]:
         config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0)})
