@@ -223,6 +223,25 @@ def test_unknown_failing_malformed_and_silent_nodes(tmp_path, caplog):
     assert result.train_metrics_clientapp[1]["hospitals-refused"] == 2
 
 
+def test_a_node_slow_to_say_who_it_is_is_asked_again_next_round(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    nodes = simulated_hospitals(config, 3)
+    queries = []
+
+    def slow(message: Message) -> Message | None:  # its first identity reply does not come in time
+        if message.metadata.message_type == MessageType.QUERY:
+            queries.append(message)
+            if len(queries) == 1:
+                return None
+        return nodes[103](message)
+
+    strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
+    strategy.start(FakeGrid({101: nodes[101], 102: nodes[102], 103: slow}), num_rounds=2, timeout=1.0)
+    first, second = strategy.engine.history
+    assert first["aggregated"] == ["hospital-00", "hospital-01"]
+    assert second["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"] and len(queries) >= 2
+
+
 def test_identity_replies_without_a_usable_name_are_skipped(tmp_path, caplog):
     config = run_config(tmp_path, SMALL_CLASSIFICATION)
     nodes = simulated_hospitals(config, 2)
