@@ -25,7 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from common.config import ConfigError, JobConfig, describe_validation_error, server_set_keys, unflatten
+from common.config import ConfigError, JobConfig, load_job_config, server_set_keys
 from common.methods.base import HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
@@ -66,14 +66,8 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     default) with the strategy's method and its arguments over it; ConfigError names a bad argument."""
     base = run_config.to_flat() if isinstance(run_config, JobConfig) else dict(run_config or {})
     flat = {**base, "strategy": method}
-    for key, value in settings.items():
-        if value is not None:
-            flat[key] = value
-    try:
-        return JobConfig.model_validate(unflatten(flat))
-    except Exception as error:  # pydantic's ValidationError, or unflatten's ConfigError
-        message = describe_validation_error(error, "strategy") if hasattr(error, "errors") else str(error)
-        raise ConfigError(message) from None
+    flat.update({key: value for key, value in settings.items() if value is not None})
+    return load_job_config(flat)
 
 
 class HospitalStrategy(Strategy):
