@@ -74,6 +74,18 @@ def read_volume(path: Path) -> np.ndarray:
         raise DataError(f"{path}: cannot read NIfTI volume ({type(error).__name__}: {error})") from None
 
 
+def _check_seg_labels(path: Path, seg: np.ndarray) -> None:
+    """Segmentation labels must be whole numbers in :data:`BRATS_LABELS`: ``int()`` would quietly turn 1.5
+    into 1. Label 3 is refused too: BraTS 2023 files use it for enhancing tumour, which here must be 4."""
+    values = np.unique(seg)
+    bad = [v for v in values.tolist() if not (np.isfinite(v) and v == int(v) and int(v) in BRATS_LABELS)]
+    if bad:
+        shown = ", ".join(str(int(v)) if np.isfinite(v) and v == int(v) else str(v) for v in bad[:10])
+        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise DataError(f"{path}: label(s) [{shown}]{more} outside the BraTS set {list(BRATS_LABELS)} "
+                        "(labels are whole numbers; BraTS 2023's enhancing tumour 3 must be relabelled 4)")
+
+
 def _downsample(volume: np.ndarray, factor: int, nearest: bool) -> np.ndarray:
     if factor == 1:
         return volume
@@ -112,10 +124,7 @@ def _decode_case(case_dir: Path, modalities: tuple[str, ...], with_label: bool, 
         seg = read_volume(seg_path)
         if seg.shape != brain.shape:
             raise DataError(f"{seg_path}: shape {seg.shape} differs from the images' {brain.shape}")
-        values = np.unique(seg)
-        bad = [int(v) for v in values if int(v) not in BRATS_LABELS]
-        if bad:
-            raise DataError(f"{seg_path}: label(s) {bad} outside the BraTS set {list(BRATS_LABELS)}")
+        _check_seg_labels(seg_path, seg)
         label = seg[crop].astype(np.uint8)
         label[label == 4] = 3
         arrays["label"] = _downsample(label, downsample, nearest=True)

@@ -17,7 +17,7 @@ from PIL import Image
 
 from common.config import JobConfig
 
-from .containers import LabelledImages, SegmentationImages
+from .containers import DataError, LabelledImages, SegmentationImages
 from .ham10000 import write_ham10000
 from .image_mask import write_image_mask
 from .medmnist_npz import write_npz
@@ -53,8 +53,18 @@ def describe(data) -> dict[str, Any]:
     return {"samples": len(data), "sources": {str(s): int(c) for s, c in zip(sources, counts)}}
 
 
+def _check_output_folder(out: Path) -> None:
+    """Refuse an output folder that already holds something: a hospital folder left from an earlier partition
+    (more hospitals, another seed) would stay beside the new ones and its samples would be used twice."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: exists and is not a folder (the partition output must be a new or empty folder)")
+    if out.is_dir() and any(out.iterdir()):
+        raise DataError(f"{out}: output folder exists and is not empty; remove it or choose another --out")
+
+
 def export_partitions(cfg: JobConfig, num_hospitals: int, out: Path) -> dict[str, Any]:
-    """Write ``out/test`` and ``out/hospital-NN``; return (and write) the manifest."""
+    """Write ``out/test`` and ``out/hospital-NN`` into a new or empty ``out``; return (and write) the manifest."""
+    _check_output_folder(out)
     split = simulation_split(cfg)
     manifest: dict[str, Any] = {"dataset": cfg.dataset, "task": cfg.task, "partitioner": cfg.partitioner,
                                 "dirichlet-alpha": cfg.dirichlet_alpha, "seed": cfg.seed, "sites": {}}

@@ -15,8 +15,20 @@ HAM10000_CLASSES = ("akiec", "bcc", "bkl", "df", "mel", "nv", "vasc")
 METADATA_FILE = "HAM10000_metadata.csv"
 
 
+def _check_image_id(path: Path, line_number: int, image_id: str | None, images: Path) -> None:
+    """An image_id must name a file directly inside ``images/`` (``images`` is that folder, resolved): an id such
+    as '../../outside', or a link out of the folder, would make a hospital read a file outside its data."""
+    if not image_id or "/" in image_id or "\\" in image_id or ".." in image_id or "\0" in image_id:
+        raise DataError(f"{path}, line {line_number}: image_id {image_id!r} is not a plain file name "
+                        f"(it must not be empty or hold '/', '\\' or '..')")
+    target = (images / f"{image_id}.jpg").resolve()
+    if not target.is_relative_to(images):
+        raise DataError(f"{path}, line {line_number}: images/{image_id}.jpg resolves to {target}, outside {images}")
+
+
 def read_metadata(folder: Path) -> list[tuple[str, str]]:
-    """(image_id, dx) rows of the metadata file, checked for the columns and the class set."""
+    """(image_id, dx) rows of the metadata file, checked for the columns, the class set, ids that are not
+    plain file names and ids listed twice (one image would land in two of train/validation/test)."""
     path = folder / METADATA_FILE
     if not path.is_file():
         raise DataError(f"{path}: metadata file not found (a HAM10000 folder holds {METADATA_FILE} and images/)")
@@ -26,7 +38,16 @@ def read_metadata(folder: Path) -> list[tuple[str, str]]:
         if missing:
             raise DataError(f"{path}: missing column(s) {sorted(missing)}")
         rows = []
-        for line_number, row in enumerate(reader, start=2):
+        first_line: dict[str, int] = {}
+        images = (folder / "images").resolve()
+        for row in reader:
+            line_number = reader.line_num  # the row's last physical line (blank lines are skipped, not counted)
+            image_id = row["image_id"]
+            _check_image_id(path, line_number, image_id, images)
+            if image_id in first_line:
+                raise DataError(f"{path}, line {line_number}: image_id {image_id!r} appears twice "
+                                f"(lines {first_line[image_id]} and {line_number})")
+            first_line[image_id] = line_number
             if row["dx"] not in HAM10000_CLASSES:
                 raise DataError(
                     f"{path}, line {line_number}: label dx={row['dx']!r} of {row['image_id']} is not one of "

@@ -18,6 +18,10 @@ from PIL import Image, UnidentifiedImageError
 from .containers import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff")
+#: Pillow modes without colour: such a mask is thresholded as it is.
+GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+#: How far a mask's R, G and B may differ and still count as grey (JPEG rounding); a colour mask differs more.
+GREY_TOLERANCE = 8
 
 
 def read_rgb(path: Path, size: int | None) -> np.ndarray:
@@ -32,20 +36,35 @@ def read_rgb(path: Path, size: int | None) -> np.ndarray:
         raise DataError(f"{path}: cannot read image ({error})") from None
 
 
+def _check_grey(path: Path, rgb: np.ndarray) -> None:
+    """A mask stored as RGB must have equal channels: converting a colour mask (say, red polyp on green) to grey
+    and thresholding it would silently give a wrong foreground."""
+    spread = rgb.max(axis=-1).astype(np.int16) - rgb.min(axis=-1)
+    if spread.max() > GREY_TOLERANCE:
+        y, x = np.unravel_index(int(np.argmax(spread)), spread.shape)
+        raise DataError(f"{path}: colour mask (pixel x={x}, y={y} is RGB {tuple(int(c) for c in rgb[y, x])}); "
+                        "a mask must be grey (or RGB with equal channels)")
+
+
 def read_mask(path: Path, size: int | None, threshold: int = 127) -> np.ndarray:
     """A binary mask as (H, W) uint8 in {0, 1}: grey level above ``threshold`` is foreground.
 
-    Resizing uses bilinear interpolation before thresholding so that thin borders survive
-    downscaling the way they do in the usual preprocessing of these data sets.
+    Grey masks with many levels (anti-aliased JPEG masks, as Kvasir-SEG ships them) are thresholded;
+    colour masks are refused. Resizing uses bilinear interpolation before thresholding so that thin
+    borders survive downscaling the way they do in the usual preprocessing of these data sets.
     """
     try:
         with Image.open(path) as image:
+            rgb = None if image.mode in GREY_MODES else np.asarray(image.convert("RGB"))
             image = image.convert("L")
             if size is not None and image.size != (size, size):
                 image = image.resize((size, size), Image.BILINEAR)
-            return (np.asarray(image) > threshold).astype(np.uint8)
+            mask = (np.asarray(image) > threshold).astype(np.uint8)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise DataError(f"{path}: cannot read mask ({error})") from None
+    if rgb is not None:
+        _check_grey(path, rgb)
+    return mask
 
 
 def image_size_of(path: Path) -> tuple[int, int]:
@@ -60,6 +79,18 @@ def list_images(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise DataError(f"{folder}: folder not found")
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def by_stem(paths: list[Path]) -> dict[str, Path]:
+    """Files by name stem; two with one stem (x.jpg and x.png) is an error, since pairs are matched by stem and
+    one of the two would be silently dropped."""
+    found: dict[str, Path] = {}
+    for path in paths:
+        if path.stem in found:
+            raise DataError(f"{found[path.stem]} and {path.name}: two files with the name {path.stem!r} in "
+                            f"{path.parent}; keep one")
+        found[path.stem] = path
+    return found
 
 
 def cache_dir() -> Path:

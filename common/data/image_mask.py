@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .containers import DataError, SegmentationImages, concat
-from .image_files import cached_arrays, image_size_of, list_images, read_mask, read_rgb
+from .image_files import by_stem, cached_arrays, image_size_of, list_images, read_mask, read_rgb
 
 
 def data_set_folders(folder: str | Path) -> list[Path]:
@@ -26,9 +26,10 @@ def data_set_folders(folder: str | Path) -> list[Path]:
 
 
 def matched_pairs(folder: Path) -> list[tuple[Path, Path]]:
-    """(image, mask) pairs matched by file stem; an image without a mask (or the reverse) is an error."""
-    images = {p.stem: p for p in list_images(folder / "images")}
-    masks = {p.stem: p for p in list_images(folder / "masks")}
+    """(image, mask) pairs matched by file stem; an image without a mask (or the reverse), or two files of one
+    stem in a folder, is an error."""
+    images = by_stem(list_images(folder / "images"))
+    masks = by_stem(list_images(folder / "masks"))
     for stem in sorted(set(images) ^ set(masks)):
         if stem in images:
             raise DataError(f"{images[stem]}: no mask with the same name in {folder / 'masks'}")

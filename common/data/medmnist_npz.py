@@ -1,4 +1,8 @@
-"""MedMNIST-style ``.npz`` files: ``{train,val,test}_images`` (N, H, W[, C]) uint8 and ``*_labels`` (N, 1)."""
+"""MedMNIST-style ``.npz`` files: ``{train,val,test}_images`` (N, H, W[, C]) uint8 and ``*_labels`` (N, 1).
+
+A file may declare its classes in a ``class_names`` array (the files ``fedmed partition`` writes do), so a
+hospital that lacks a class still has the data set's class count.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +43,60 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
     return out_array[..., None] if mode == "L" else out_array
 
 
+def _ranges(values) -> str:
+    """Sorted integers as short runs: [0, 1, 2, 3, 99] -> '0..3, 99'."""
+    runs: list[list[int]] = []
+    for value in sorted(int(v) for v in values):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}" for a, b in runs)
+
+
+def _integer_labels(file: Path, split: str, labels: np.ndarray) -> np.ndarray:
+    """Labels as int64; float labels only when every one is a whole number (``astype`` would turn 2.7 into 2)."""
+    labels = labels.reshape(-1)
+    if labels.dtype.kind in "biu":
+        return labels.astype(np.int64)
+    if labels.dtype.kind != "f":
+        raise DataError(f"{file}: {split}_labels must be integer class indices, got dtype {labels.dtype}")
+    bad = np.flatnonzero(~np.isfinite(labels) | (labels != np.round(labels)))
+    if bad.size:
+        raise DataError(f"{file}: {split}_labels[{bad[0]}] is {labels[bad[0]]!s}, not a whole number "
+                        f"({bad.size} such label(s); labels must be integer class indices)")
+    return labels.astype(np.int64)
+
+
+def _declared_classes(file: Path, contents: dict[str, np.ndarray], num_classes: int) -> tuple[str, ...] | None:
+    """The ``class_names`` the file declares, checked against num-classes when both are given."""
+    if "class_names" not in contents:
+        return None
+    names = tuple(str(name) for name in contents["class_names"].reshape(-1))
+    if num_classes and num_classes != len(names):
+        raise DataError(f"{file}: declares {len(names)} classes in class_names, but num-classes={num_classes}")
+    return names
+
+
+def _inferred_class_count(file: Path, labels_all: list[np.ndarray]) -> int:
+    """With num-classes=0 and no declared classes the count is max label + 1, so every class 0..max must have a
+    sample: a stray label (99 among 0..3) would otherwise silently make a 100-class model."""
+    present = np.unique(np.concatenate(labels_all))
+    if present.size == 0:
+        raise DataError(f"{file}: no labels to take the class count from; set num-classes")
+    if present[0] < 0:
+        raise DataError(f"{file}: label {present[0]} is negative (labels are class indices 0, 1, ...)")
+    count = int(present[-1]) + 1
+    missing = np.setdiff1d(np.arange(count), present)
+    if missing.size:
+        raise DataError(
+            f"{file}: labels are {_ranges(present)}, so class(es) {_ranges(missing)} have no sample; num-classes=0 "
+            f"takes the class count ({count}) from the labels, which needs every class 0..{count - 1} present: "
+            "fix the labels or set num-classes"
+        )
+    return count
+
+
 def load_npz(path: str | Path, image_size: int, num_classes: int = 0) -> dict[str, LabelledImages]:
     """Every split present in the file, as LabelledImages (grey images get a channel axis)."""
     file = find_npz(path)
@@ -54,9 +112,11 @@ def load_npz(path: str | Path, image_size: int, num_classes: int = 0) -> dict[st
     for split in splits:
         if f"{split}_labels" not in contents:
             raise DataError(f"{file}: {split}_images has no {split}_labels")
-        labels_all.append(contents[f"{split}_labels"].reshape(-1))
-    classes = num_classes or int(max(int(lab.max()) for lab in labels_all if lab.size) + 1)
-    class_names = KNOWN_CLASS_NAMES.get(classes, tuple(f"class-{i}" for i in range(classes)))
+        labels_all.append(_integer_labels(file, split, contents[f"{split}_labels"]))
+    class_names = _declared_classes(file, contents, num_classes)
+    if class_names is None:
+        classes = num_classes or _inferred_class_count(file, labels_all)
+        class_names = KNOWN_CLASS_NAMES.get(classes, tuple(f"class-{i}" for i in range(classes)))
     result = {}
     for split, labels in zip(splits, labels_all):
         images = contents[f"{split}_images"]
@@ -70,14 +130,15 @@ def load_npz(path: str | Path, image_size: int, num_classes: int = 0) -> dict[st
         names = np.array([f"{file.name}:{split}[{i}]" if ids is None else f"{file.name}:{ids[i]}"
                           for i in range(len(labels))])
         try:
-            result[split] = LabelledImages(_resize(images, image_size), labels.astype(np.int64), class_names, names)
+            result[split] = LabelledImages(_resize(images, image_size), labels, class_names, names)
         except DataError as error:
             raise DataError(f"{file}: {error}") from None
     return result
 
 
 def write_npz(path: Path, splits: dict[str, LabelledImages]) -> None:
-    arrays = {}
+    """Write ``splits`` with their ``class_names``, so a part lacking some class still reads as the whole set."""
+    arrays = {"class_names": np.array(next(iter(splits.values())).class_names, dtype=str)}
     for split, data in splits.items():
         arrays[f"{split}_images"] = data.images
         arrays[f"{split}_labels"] = data.labels.reshape(-1, 1).astype(np.uint8)
