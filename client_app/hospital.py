@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from common.config import JobConfig, hospital_job_config
+from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import HospitalMethod, Payload
 from common.methods.registry import hospital_class
 from common.site import HospitalStateStore, Site, build_site
@@ -48,8 +49,13 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
     """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics)."""
     if kind == "query":
         info = hospital_method(run_config, node_config, payload).info()
-        return Payload(config={"name": info.name, "num-examples": info.num_examples,
-                               **{f"property.{k}": v for k, v in info.properties.items()}})
+        identity = {"name": info.name, "num-examples": info.num_examples,
+                    **{f"property.{k}": v for k, v in info.properties.items()}}
+        node = load_node_config(node_config)
+        if node.identity_key and NONCE_KEY in payload.config:  # the server checks who we are
+            identity[SIGNATURE_KEY] = sign_identity(node.identity_key, str(payload.config.get("run-name", "")),
+                                                    str(payload.config[NONCE_KEY]), info.name)
+        return Payload(config=identity)
     method = hospital_method(run_config, node_config, payload)
     if kind == "train":
         return method.timed_train(int(payload.config["server-round"]), payload)

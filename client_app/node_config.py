@@ -24,6 +24,9 @@ class NodeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     modalities: str = Field("", description="Brain task: the MRI modalities this hospital has, e.g. 'flair,t1ce'.")
     bit_width: int = Field(0, ge=0, le=32, description="QFedPolyp: this hospital's bit-width (0: from run config).")
+    identity_key: str = Field("", description="Deployment: the hospital's private key (the one given to "
+                                               "flower-supernode --auth-supernode-private-key); it signs the "
+                                               "hospital's name for servers that check hospital-keys.")
     warm_worker: bool = Field(False, description="Deployment: keep torch and the data loaded in a worker process "
                                                  "between messages (client_app/worker.py).")
 
@@ -38,6 +41,8 @@ class NodeConfig(Section):
     def _has_data(self) -> "NodeConfig":
         if not self.data_dir and self.partition_id is None:
             raise ValueError("a hospital needs data-dir (deployment) or partition-id (simulation)")
+        if self.partition_id is None and not self.hospital:
+            raise ValueError("a deployed hospital (data-dir, no partition-id) needs its name: hospital='...'")
         if (self.partition_id is not None and self.num_partitions is not None
                 and self.partition_id >= self.num_partitions):
             raise ValueError(f"partition-id {self.partition_id} is not below num-partitions {self.num_partitions}")
@@ -65,8 +70,10 @@ def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
     try:
         node = NodeConfig.model_validate(dict(raw))
     except ValidationError as error:
-        where = raw.get("hospital") or (f"hospital-{raw['partition-id']:02d}" if "partition-id" in raw else "this node")
+        where = raw.get("hospital") or (f"hospital-{raw['partition-id']}" if "partition-id" in raw else "this node")
         raise ConfigError(describe_validation_error(error, what=f"node config of {where}")) from None
+    if node.identity_key and not Path(node.identity_key).is_file():
+        raise ConfigError(f"node config of {node.name} key 'identity-key': {node.identity_key!r} is not a file")
     if node.data_dir and not Path(node.data_dir).exists():
         raise ConfigError(f"node config of {node.name} key 'data-dir': {node.data_dir!r} does not exist")
     return node

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -57,8 +58,38 @@ def payload_to_bytes(payload: Payload, header: dict[str, Any] | None = None) -> 
     return buffer.getvalue()
 
 
-def payload_from_bytes(data: bytes) -> tuple[Payload, dict[str, Any]]:
-    """The payload and header written by :func:`payload_to_bytes`."""
+class OversizedArchive(ValueError):
+    """An archive that would take more memory than allowed once decompressed (checked before it is)."""
+
+
+def check_archive_size(data: bytes, limit: int | None, what: str = "archive") -> None:
+    """Raise OversizedArchive (or ValueError for a damaged archive) unless every entry of the ``.npz``
+    ``data`` declares a size that adds up to at most ``limit`` bytes, and every array's header a shape that
+    fits its entry. Reads only the zip directory and the array headers: a few kB of deflated zeros cannot
+    expand to gigabytes before anything is checked."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+            declared = sum(entry.file_size for entry in entries)
+            if limit is not None and declared > limit:
+                raise OversizedArchive(f"{what}: {declared / 1e6:.1f} MB once decompressed, more than the "
+                                       f"{limit / 1e6:.1f} MB allowed")
+            for entry in entries:
+                with archive.open(entry) as handle:
+                    version = np.lib.format.read_magic(handle)
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read_header(handle)
+                if int(np.prod(shape, dtype=np.float64)) * dtype.itemsize > entry.file_size:
+                    raise OversizedArchive(f"{what}: entry {entry.filename!r} declares shape {shape} of {dtype}, "
+                                           f"more than its {entry.file_size} bytes")
+    except (zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(f"{what} is not a readable .npz archive ({error})") from None
+
+
+def payload_from_bytes(data: bytes, limit: int | None = None) -> tuple[Payload, dict[str, Any]]:
+    """The payload and header written by :func:`payload_to_bytes` (at most ``limit`` bytes once decoded)."""
+    check_archive_size(data, limit, "payload")
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
         meta = json.loads(archive[_HEADER].tobytes().decode())
         payload = Payload(arrays={group: {} for group in meta["groups"]}, config=dict(meta["config"]),

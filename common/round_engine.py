@@ -28,6 +28,14 @@ from common.methods.base import (
     unpack_json,
 )
 from common.methods.registry import server_class
+from common.screening import (
+    batchnorm_problem,
+    capped_shares,
+    metrics_problem,
+    norm_outliers,
+    sample_count_problem,
+    update_distance,
+)
 from common.tasks import get_task, task_class
 
 log = logging.getLogger("fedmed")
@@ -107,21 +115,9 @@ class RoundEngine:
 
         ``bytes_down`` is what was sent to each chosen hospital (measured by the transport).
         """
-        accepted: list[HospitalUpdate] = []
         refused: dict[str, str] = {}
         replies = sorted(replies, key=lambda r: r.hospital.name)  # the same result whatever order replies arrive in
-        for reply in replies:
-            name = reply.hospital.name
-            if reply.payload is None:
-                refused[name] = f"hospital reported an error: {reply.error}"
-                continue
-            update = HospitalUpdate(reply.hospital, reply.payload)
-            try:
-                self.method.check(update)
-            except RejectedUpdate as reason:
-                refused[name] = str(reason)
-                continue
-            accepted.append(update)
+        accepted = self.screen(replies, refused)
         for name, reason in refused.items():
             log.warning("round %d: refused the update of %s: %s", rnd, name, reason)
         answered = {r.hospital.name for r in replies}
@@ -146,7 +142,7 @@ class RoundEngine:
         record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
         record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
         record["hospital_metrics"] = {u.hospital.name: dict(u.payload.metrics) for u in accepted}
-        record["train"] = weighted_mean_metrics([(u.num_examples, dict(u.payload.metrics)) for u in accepted])
+        record["train"] = weighted_mean_metrics([(u.weight, dict(u.payload.metrics)) for u in accepted])
         record["train"].pop("num-examples", None)
         if rnd % self.cfg.evaluate_every == 0 or rnd == self.cfg.num_server_rounds:
             record["test"] = self.method.evaluate(self.test_data)
@@ -154,6 +150,50 @@ class RoundEngine:
         self.history.append(record)
         log.info("round %d/%d: %s", rnd, self.cfg.num_server_rounds, describe(record))
         return record
+
+    def screen(self, replies: list[RoundReply], refused: dict[str, str]) -> list[HospitalUpdate]:
+        """The replies that pass every check (the method's and ``common.screening``'s), each with its share of
+        the aggregate; the others go into ``refused`` with their reason. Nothing a reply holds can raise here."""
+        screened: list[tuple[HospitalUpdate, float | None]] = []
+        for reply in replies:
+            name = reply.hospital.name
+            if reply.payload is None:
+                refused[name] = f"hospital reported an error: {reply.error}"
+                continue
+            update = HospitalUpdate(reply.hospital, reply.payload)
+            try:
+                reason, distance = self.screen_one(update)
+            except Exception as error:  # a reply no check foresaw: refused, never the round's end
+                log.exception("unexpected error while checking the update of %s", name)
+                reason, distance = f"could not be checked ({type(error).__name__}: {error})", None
+            if reason:
+                refused[name] = reason
+            else:
+                screened.append((update, distance))
+        distances = {u.hospital.name: d for u, d in screened if d is not None}
+        refused.update(norm_outliers(distances, self.cfg.screening.update_norm_limit))
+        accepted = [u for u, _ in screened if u.hospital.name not in refused]
+        if accepted:
+            shares = capped_shares([u.num_examples for u in accepted], self.cfg.screening.max_hospital_weight)
+            for update, share in zip(accepted, shares):
+                update.share = float(share)
+        return accepted
+
+    def screen_one(self, update: HospitalUpdate) -> tuple[str | None, float | None]:
+        """One reply's reason to refuse (or None) and its update distance (for the round-wide norm rule)."""
+        metrics = update.payload.metrics
+        reason = metrics_problem(metrics)
+        if reason is None:
+            reason = sample_count_problem(metrics.get("num-examples"), update.hospital.num_examples)
+        if reason:
+            return reason, None
+        try:
+            self.method.check(update)
+        except RejectedUpdate as error:
+            return str(error), None
+        arrays, received = self.method.screened_arrays(update)
+        reason = batchnorm_problem(arrays)
+        return reason, None if reason else update_distance(arrays, received)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -27,7 +27,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from common.payload import NamedArrays, Payload
+from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size
 
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"
@@ -67,9 +67,16 @@ def pack_arrays(arrays: NamedArrays) -> Array:
     return Array(np.frombuffer(buffer.getvalue(), dtype=np.uint8))
 
 
-def unpack_arrays(array: Array, name: str) -> NamedArrays:
+def unpack_arrays(array: Array, name: str, limit: int | None = None) -> NamedArrays:
+    data = array.numpy().tobytes()
     try:
-        with np.load(io.BytesIO(array.numpy().tobytes()), allow_pickle=False) as archive:
+        check_archive_size(data, limit, f"record {name!r}")
+    except OversizedArchive as error:
+        raise MalformedPayload(str(error)) from None
+    except ValueError:
+        pass  # damaged: the reading below says how
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
             return {key: archive[key] for key in archive.files}
     except Exception as error:  # a truncated or corrupted archive
         raise MalformedPayload(f"record {name!r}: packed arrays cannot be read: {type(error).__name__}: {error}") \
@@ -89,15 +96,29 @@ def to_recorddict(payload: Payload, packed: bool = False) -> RecordDict:
     return content
 
 
-def from_recorddict(content: RecordDict) -> Payload:
+def declared_nbytes(array: Array) -> int:
+    """The bytes an Array declares (its shape and dtype) and the bytes it carries, whichever is larger."""
+    try:
+        declared = int(np.prod(array.shape, dtype=np.float64)) * np.dtype(array.dtype).itemsize
+    except (TypeError, ValueError):
+        declared = 0
+    return max(declared, len(array.data))
+
+
+def from_recorddict(content: RecordDict, limit: int | None = None) -> Payload:
     """The payload in a message's content (either layout); MalformedPayload for records of the wrong kind or
-    content."""
+    content, or for arrays that would take more than ``limit`` bytes (checked before any is decoded)."""
+    if limit is not None:
+        total = sum(declared_nbytes(a) for r in content.values() if isinstance(r, ArrayRecord) for a in r.values())
+        if total > limit:
+            raise MalformedPayload(f"its arrays take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB allowed "
+                                   "(screening.max-reply-mb)")
     payload = Payload()
     for name, record in content.items():
         if isinstance(record, ArrayRecord):
             group = MODEL_GROUP if name == MODEL_RECORD else name
             if set(record) == {PACKED_ARRAY}:
-                payload.arrays[group] = unpack_arrays(record[PACKED_ARRAY], name)
+                payload.arrays[group] = unpack_arrays(record[PACKED_ARRAY], name, limit)
                 continue
             try:
                 payload.arrays[group] = {key: array.numpy() for key, array in record.items()}

@@ -25,7 +25,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from common.config import ConfigError, JobConfig, load_job_config, server_set_keys
+from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, load_job_config, server_set_keys
+from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
@@ -112,6 +113,7 @@ class HospitalStrategy(Strategy):
         self._evaluated: list[HospitalInfo] = []
         self._round_started = 0.0
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
+        self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:
@@ -182,34 +184,64 @@ class HospitalStrategy(Strategy):
                         ", ".join(map(str, new)), self.job.round_timeout)
 
     def identity_queries(self, nodes: list[int]) -> list[Message]:
-        config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0)})
-        return [Message(RecordDict({"config": config}), message_type=MessageType.QUERY, dst_node_id=node)
-                for node in nodes]
+        """One query per node, each with a fresh nonce the hospital signs when ``hospital-keys`` is set."""
+        messages = []
+        for node in nodes:
+            nonce = new_nonce()
+            self._nonces.setdefault(node, []).append(nonce)  # a late reply to an earlier query still verifies
+            config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0), NONCE_KEY: nonce})
+            messages.append(Message(RecordDict({"config": config}), message_type=MessageType.QUERY, dst_node_id=node))
+        return messages
 
     def learn_identity(self, node: int, reply: Message) -> None:
-        """Record which hospital ``node`` is; a reply without a usable identity is logged and the node skipped."""
+        """Record which hospital ``node`` is; a reply without a usable identity, a claim the hospital cannot
+        sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
         if reply.has_error():
             log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
             self.unusable[node] = time.time()
             return
         try:
-            info = reply.content.config_records["hospital"]
-            name, count = info["name"], info["num-examples"]
-            if not isinstance(name, str) or not name or isinstance(count, bool) or not isinstance(count, int):
-                raise ValueError(f"name={name!r}, num-examples={count!r}")
-        except (KeyError, ValueError) as error:
+            hospital = self.identity_of(node, reply)
+        except ValueError as error:
             log.warning("node %d gave no usable identity (%s); it is not asked to train", node, error)
             self.unusable[node] = time.time()
             return
+        for old_node, old in list(self.hospitals.items()):
+            if old.name != hospital.name:
+                continue
+            if not self.job.hospital_keys:  # names are self-declared: the first connected node keeps it
+                log.warning("node %d claims to be %s, which node %d (still connected) is; refused, asked again "
+                            "next round (set hospital-keys to bind names to the hospitals' keys)",
+                            node, hospital.name, old_node)
+                return
+            log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)  # signed: a restart
+            del self.hospitals[old_node]
+        self.hospitals[node] = hospital
+        self._nonces.pop(node, None)
+        log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
+                 hospital.properties or "")
+
+    def identity_of(self, node: int, reply: Message) -> HospitalInfo:
+        """The hospital an identity reply describes, every field checked (ValueError says which is wrong)."""
+        try:
+            info = reply.content.config_records["hospital"]
+        except KeyError:
+            raise ValueError("no 'hospital' ConfigRecord") from None
+        name, count = info.get("name"), info.get("num-examples")
+        if not isinstance(name, str) or not SAFE_RUN_NAME.match(name) or len(name) > 120:
+            raise ValueError(f"name={name!r} is not a hospital name (letters, digits, '.', '_', '-')")
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"{name}: num-examples={count!r} is not a positive integer")
+        if self.job.hospital_keys:
+            signature = info.get(SIGNATURE_KEY)
+            problems = [identity_problem(self.job.hospital_keys, self.job.run_name, nonce, name, signature)
+                        for nonce in self._nonces.get(node, [])] or ["it was never asked who it is"]
+            if all(problems):
+                raise ValueError(problems[-1])
         properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}
         hospital = HospitalInfo(name, count, properties)
-        for old_node, old in list(self.hospitals.items()):
-            if old.name == hospital.name:  # a restarted SuperNode comes back under a new node id
-                log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)
-                del self.hospitals[old_node]
-        self.hospitals[node] = hospital
-        log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
-                 properties or "")
+        self.engine.method.check_hospital(hospital)
+        return hospital
 
     def hospital_messages(self, server_round: int, hospitals: list[HospitalInfo], config: ConfigRecord,
                           message_type: str) -> list[Message]:
@@ -255,10 +287,19 @@ class HospitalStrategy(Strategy):
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content), None, up))
+                round_replies.append(RoundReply(hospital, from_recorddict(message.content, self.reply_limit()), None,
+                                                up))
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
         return round_replies
+
+    def reply_limit(self) -> int:
+        """The most bytes a reply's arrays may take once decoded: ``screening.max-reply-mb``, or 4x the method's
+        whole state plus 64 MB (a hospital sends back at most its part of the global model and a few extras)."""
+        if self.job.screening.max_reply_mb > 0:
+            return int(self.job.screening.max_reply_mb * 1e6)
+        state = sum(a.nbytes for a in self.engine.method.global_arrays.values())
+        return 4 * state + 64_000_000
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -289,7 +330,7 @@ class HospitalStrategy(Strategy):
                 log.warning("round %d: %s could not evaluate: %s", server_round, hospital.name, message.error.reason)
                 continue
             try:
-                metrics = from_recorddict(message.content).metrics
+                metrics = from_recorddict(message.content, self.reply_limit()).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue

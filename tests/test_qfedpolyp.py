@@ -222,8 +222,8 @@ def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_coun
     engine = RoundEngine(polyp_job)
     server = engine.method
     names = ["hospital-00", "hospital-01", "hospital-02"]
-    infos = [HospitalInfo(n, 10) for n in names] + [HospitalInfo("hospital-03", 10, {"bit-width": 8}),
-                                                   HospitalInfo("hospital-04", 10, {"bit-width": 8})]
+    infos = ([HospitalInfo(n, count) for n, count in zip(names, (10, 30, 60))]
+             + [HospitalInfo("hospital-03", 10, {"bit-width": 8}), HospitalInfo("hospital-04", 10, {"bit-width": 8})])
     chosen = engine.select(1, infos)
     assert [server.downlink(1, h).config[BIT_WIDTH_KEY] for h in chosen] == [4, 8, 32, 8, 8]
     rng = np.random.default_rng(0)

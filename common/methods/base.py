@@ -40,6 +40,13 @@ class HospitalUpdate:
 
     hospital: HospitalInfo
     payload: Payload
+    share: float | None = None  #: its share of the aggregate, set by the round engine after screening
+
+    @property
+    def weight(self) -> float:
+        """What the update weighs in sample-weighted averages: its share once the round engine has set it
+        (``screening.max-hospital-weight`` caps it), else its sample count."""
+        return self.share if self.share is not None else float(self.num_examples)
 
     @property
     def num_examples(self) -> int:
@@ -72,6 +79,10 @@ class ServerMethod(ABC):
 
         self.global_arrays = model_arrays(self.task.build_model())
 
+    def check_hospital(self, hospital: HospitalInfo) -> None:
+        """Refuse (ValueError) a hospital whose declared properties the method cannot work with, when it
+        joins, so that nothing it declared can fail a round later (default: any is fine)."""
+
     def hospitals_available(self, rnd: int, hospitals: list[HospitalInfo]) -> None:
         """Told, before round ``rnd``'s hospitals are chosen, which hospitals are connected (default: ignored)."""
 
@@ -96,6 +107,12 @@ class ServerMethod(ABC):
     def expected_model(self, update: HospitalUpdate) -> NamedArrays:
         """The names, shapes and dtypes a hospital's model arrays must have (default: the global model's)."""
         return self.global_arrays
+
+    def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
+        """The arrays of a checked reply that the round's screening compares across hospitals, and what the
+        hospital received of them (``common.screening``: BatchNorm variances, the update-norm rule).
+        Default: the reply's model against the global model."""
+        return update.payload.arrays.get("model", {}), self.expected_model(update)
 
     @abstractmethod
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:

@@ -81,6 +81,10 @@ class ServerTraining(ServerMethod):
     def evaluate(self, test_data) -> dict[str, float]:
         return self.task.evaluate(self.evaluation_model(), test_data, self.device)
 
+    def check_hospital(self, hospital: HospitalInfo) -> None:
+        """Its declared modalities must be MRI modalities we know (DataError is a ValueError)."""
+        hospital_modalities(hospital)
+
     def check(self, update: HospitalUpdate) -> None:
         try:
             hospital_modalities(update.hospital)

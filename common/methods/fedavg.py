@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from common.arrays import model_arrays, weighted_average
+from common.screening import robust_average
 from common.tasks.base import ExtraLoss
 
 from .base import HospitalMethod, HospitalUpdate, Payload, ServerMethod
@@ -16,8 +17,14 @@ class FedAvgServer(ServerMethod):
     name = "fedavg"
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
-        self.global_arrays = weighted_average([u.payload.arrays["model"] for u in updates],
-                                              [u.num_examples for u in updates])
+        """The sample-weighted mean, or (``screening.robust-aggregate``) Flower's coordinate-wise median or
+        trimmed mean, which one hostile hospital among several cannot drag far."""
+        models = [u.payload.arrays["model"] for u in updates]
+        rule = self.cfg.screening.robust_aggregate
+        if rule == "mean":
+            self.global_arrays = weighted_average(models, [u.weight for u in updates])
+        else:
+            self.global_arrays = robust_average(models, rule, self.cfg.screening.trim_fraction)
         return {}
 
 

@@ -95,8 +95,8 @@ class FedMEPDServer(ServerTraining):
     # --- aggregation ------------------------------------------------------------------------------
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         sent = decoder_part(self.global_arrays)
-        total = sum(u.num_examples for u in updates)
-        shares = {u.hospital.name: u.num_examples / total for u in updates}
+        total = sum(u.weight for u in updates)
+        shares = {u.hospital.name: u.weight / total for u in updates}
         contributors = {}
         for modality in MODALITIES:
             having = [u.payload.arrays["model"] for u in updates if modality in hospital_modalities(u.hospital)]

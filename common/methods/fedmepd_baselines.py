@@ -29,7 +29,7 @@ class SharedEncoderFedAvgServer(ServerTraining):
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         self.global_arrays = weighted_average([u.payload.arrays["model"] for u in updates],
-                                              [u.num_examples for u in updates])
+                                              [u.weight for u in updates])
         return {"hospital-average": hospital_average(updates)}
 
 

@@ -159,7 +159,7 @@ class FedProInServer(ServerMethod):
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         models = [u.payload.arrays["model"] for u in updates]
         influences = [self.influence(u) for u in updates]
-        arrays = weighted_average(models, [u.num_examples for u in updates])
+        arrays = weighted_average(models, [u.weight for u in updates])
         if self.cfg.fedproin.aggregation == "nia":
             arrays["prototypes"] = normalised_influence_aggregation(
                 [m["prototypes"] for m in models], influences, self.global_arrays["prototypes"])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.arrays import ArraysMismatch, check_like, load_model_arrays, model_arrays
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays
 from common.models.prototype_net import squared_distances
 from common.models.representations import ClassifierFeatures, classifier_features, classifier_head, frozen_copy
 from common.round_engine import weighted_mean_metrics
@@ -69,6 +69,12 @@ class FedProtoServer(ServerMethod):
             raise RejectedUpdate(str(error)) from None
         if (group["count"] < 0).any():
             raise RejectedUpdate("prototype counts are negative")
+
+    def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
+        """The model and the class means, so a forged mean of 1e30 stands out like a forged weight."""
+        arrays, reference = super().screened_arrays(update)
+        means = {"prototypes.mean": update.payload.arrays[PROTOTYPES]["mean"]}
+        return {**arrays, **means}, {**reference, "prototypes.mean": self.prototypes}
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         means = np.stack([u.payload.arrays[PROTOTYPES]["mean"] for u in updates]).astype(np.float64)

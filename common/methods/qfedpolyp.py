@@ -60,9 +60,19 @@ class QFedPolypServer(ServerMethod):
         self._decoded: dict[str, NamedArrays] = {}  # accepted replies, rebuilt by check()
         self._downlink_cache: tuple[int, NamedArrays] | None = None
 
+    def check_hospital(self, hospital: HospitalInfo) -> None:
+        """A declared bit-width must be one the codec has (a hostile 33 would fail the downlink)."""
+        declared = hospital.properties.get("bit-width")
+        if declared:
+            check_bit_width(declared, f"hospital {hospital.name}: declared bit-width")
+
     def hospitals_available(self, rnd: int, hospitals: list[HospitalInfo]) -> None:
-        """Every hospital ever seen keeps its rank, so one that drops out does not shift the others' bit-widths."""
+        """Every hospital ever seen keeps its rank, so one that drops out does not shift the others' bit-widths.
+        Every connected hospital's bit-width is settled here, before any message goes out (ConfigError when
+        ``bit-widths`` lists too few)."""
         self.roster = sorted(set(self.roster) | {h.name for h in hospitals})
+        for hospital in hospitals:
+            assign_bit_width(hospital, self.roster, self.cfg.qfedpolyp.bit_width_list)
 
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         bits = assign_bit_width(hospital, self.roster, self.cfg.qfedpolyp.bit_width_list)
@@ -84,11 +94,15 @@ class QFedPolypServer(ServerMethod):
         except PayloadError as error:
             raise RejectedUpdate(f"packed model refused: {error}") from None
 
+    def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
+        """The model rebuilt from the codes (a forged quantisation step shows up here, not in the codes)."""
+        return self._decoded[update.hospital.name], self.global_arrays
+
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         """FedAvg (paper eq. 9) of the rebuilt models, weighted by sample count."""
         models = [self._decoded.pop(u.hospital.name) for u in updates]
         self._decoded.clear()
-        self.global_arrays = weighted_average(models, [u.num_examples for u in updates])
+        self.global_arrays = weighted_average(models, [u.weight for u in updates])
         return {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
 
 

@@ -1,0 +1,64 @@
+"""A hospital's name bound to its key: the identity reply is signed with the hospital's SuperNode key.
+
+A SuperNode proves to the SuperLink that it holds a registered key (``flwr supernode register``), but the
+ServerApp only sees node ids, and the hospital name in an identity reply is self-declared. So the server
+sends a fresh nonce with every identity query; the hospital signs ``run name | nonce | name`` with the
+private key it also gives ``flower-supernode --auth-supernode-private-key`` (node config ``identity-key``),
+and the server verifies the signature with that hospital's registered public key (run config
+``hospital-keys``: a folder of ``<hospital>.pub``, the files ``deploy/register_hospitals.sh`` registers).
+A node that cannot sign for the name it claims is refused. Keys are ECDSA P-384 in OpenSSH format
+(``deploy/make_hospital_keys.sh``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+NONCE_KEY = "identity-nonce"  #: query config: what the hospital signs
+SIGNATURE_KEY = "signature"  #: identity reply: the signature, bytes
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def signed_text(run_name: str, nonce: str, name: str) -> bytes:
+    return f"fedmed-identity|{run_name}|{nonce}|{name}".encode()
+
+
+def sign_identity(private_key_file: str | Path, run_name: str, nonce: str, name: str) -> bytes:
+    """The hospital's signature of its name for this query (ValueError naming the file if it is no key)."""
+    try:
+        key = load_ssh_private_key(Path(private_key_file).read_bytes(), password=None)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"node config key 'identity-key': cannot read private key {private_key_file} ({error})") \
+            from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"node config key 'identity-key': {private_key_file} is not an ECDSA key")
+    return key.sign(signed_text(run_name, nonce, name), ec.ECDSA(hashes.SHA384()))
+
+
+def identity_problem(keys_folder: str | Path, run_name: str, nonce: str, name: str, signature: object) -> str | None:
+    """Why the claim to be ``name`` is not proven (``None``: the signature verifies with ``<name>.pub``)."""
+    if not isinstance(signature, bytes) or not signature:
+        return f"it claims to be {name!r} but sent no signature (node config 'identity-key' unset?)"
+    key_file = Path(keys_folder) / f"{name}.pub"
+    if not key_file.is_file():
+        return f"no key is registered for {name!r} (expected {key_file})"
+    try:
+        key = load_ssh_public_key(key_file.read_bytes())
+    except (OSError, ValueError) as error:
+        return f"the registered key {key_file} cannot be read ({error})"
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        return f"the registered key {key_file} is not an ECDSA key"
+    try:
+        key.verify(signature, signed_text(run_name, nonce, name), ec.ECDSA(hashes.SHA384()))
+    except InvalidSignature:
+        return f"it claims to be {name!r} but its signature does not verify with {key_file}"
+    return None
