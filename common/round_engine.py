@@ -86,6 +86,7 @@ class RoundEngine:
             self.test_data = test_data
         self.method = method
         self.history: list[dict[str, Any]] = []
+        self.update_norms: dict[str, float] = {}
 
     @property
     def next_round(self) -> int:
@@ -127,7 +128,7 @@ class RoundEngine:
 
         record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
                                   "aggregated": [u.hospital.name for u in accepted], "missing": missing,
-                                  "refused": refused}
+                                  "refused": refused, "update-norm": dict(self.update_norms)}
         if len(accepted) >= self.cfg.min_train_hospitals:
             record["method"] = self.method.aggregate(rnd, accepted)
             record["method"].update(self.method.server_step(rnd))
@@ -171,6 +172,7 @@ class RoundEngine:
             else:
                 screened.append((update, distance))
         distances = {u.hospital.name: d for u, d in screened if d is not None}
+        self.update_norms = distances  # recorded with the round: what the norm rule judged by
         refused.update(norm_outliers(distances, self.cfg.screening.update_norm_limit))
         accepted = [u for u, _ in screened if u.hospital.name not in refused]
         if accepted:
@@ -203,8 +205,17 @@ class RoundEngine:
         return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Continue from a checkpoint's state; ValueError when its global model does not fit this run's (names,
+        shapes, dtypes), before anything is changed."""
+        method_state = {k.removeprefix("method/"): v for k, v in state.items() if k.startswith("method/")}
+        current = {k: v for k, v in self.method.state_dict().items() if k.startswith("global/")}
+        try:
+            check_like({k: v for k, v in method_state.items() if k.startswith("global/")}, current,
+                       "the checkpoint's global model")
+        except ArraysMismatch as error:
+            raise ValueError(f"{error} (the run config builds another model than the checkpoint's)") from None
         self.history = unpack_json(state["run/history"])
-        self.method.load_state_dict({k.removeprefix("method/"): v for k, v in state.items() if k.startswith("method/")})
+        self.method.load_state_dict(method_state)
 
 
 def describe(record: dict[str, Any]) -> str:

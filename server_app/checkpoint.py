@@ -6,6 +6,7 @@ unpickles anything. ``checkpoints/round-00007.npz`` holds the state after round 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import zipfile
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger("fedmed")
 _PATTERN = re.compile(r"round-(\d+)\.npz$")
 
 
@@ -59,10 +61,34 @@ def find_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
-def load_checkpoint(path: str | Path) -> dict[str, np.ndarray]:
-    file = find_checkpoint(path)
+def read_checkpoint(file: Path) -> dict[str, np.ndarray]:
+    """One checkpoint file's arrays, every float finite (CheckpointError naming the file otherwise)."""
     try:
         with np.load(file, allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
+            state = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
         raise CheckpointError(f"{file}: cannot read checkpoint ({error})") from None
+    for key, value in state.items():
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise CheckpointError(f"{file}: {key} holds NaN or Inf")
+    return state
+
+
+def load_checkpoint(path: str | Path) -> dict[str, np.ndarray]:
+    """A checkpoint file, or a run folder's latest readable checkpoint: a damaged latest one (a crash while
+    the disk filled, a copy cut short) falls back to the one before it, with a warning."""
+    path = Path(path)
+    if path.is_file():
+        return read_checkpoint(path)
+    candidates = list(reversed(list_checkpoints(path))) or [find_checkpoint(path)]
+    problems = []
+    for file in candidates:
+        try:
+            state = read_checkpoint(file)
+        except CheckpointError as error:
+            problems.append(str(error))
+            continue
+        if problems:
+            log.warning("%s; resuming from the checkpoint before it, %s", "; ".join(problems), file)
+        return state
+    raise CheckpointError("; ".join(problems))

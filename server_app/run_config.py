@@ -3,19 +3,33 @@ and a resumed run checked against the checkpoint it continues."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.config import ConfigError, JobConfig, load_job_config
+from common.config import ConfigError, JobConfig, flatten, load_job_config
 from common.methods.base import unpack_json
 
-from .checkpoint import checkpoint_dir, find_checkpoint, load_checkpoint
+from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint
 
-#: Keys that must equal the checkpoint's for a resumed run to continue the same experiment.
-MUST_MATCH_ON_RESUME = ("task", "strategy", "seed", "dataset", "data-dir", "partitioner", "fraction-train",
-                        "image-size")
+log = logging.getLogger("fedmed")
+
+
+def same_folder(cfg: JobConfig) -> bool:
+    """Whether the run resumes in the folder its checkpoint came from (checkpoint file or run folder)."""
+    source = Path(cfg.resume_from).resolve()
+    run_dir = source.parent.parent if source.is_file() else source
+    return run_dir == cfg.run_dir.resolve()
+
+#: Keys a resumed run may change; every other key (data, split, model, method) must equal the checkpoint's,
+#: or the run would continue another experiment than the one its history records.
+MAY_CHANGE_ON_RESUME = frozenset({"run-name", "num-server-rounds", "round-timeout", "resume-from", "results-dir",
+                                  "state-dir", "keep-checkpoints", "device", "evaluate-every", "message-arrays",
+                                  "overwrite-run", "hospital-keys", "min-available-hospitals"})
+RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots")
 
 
 def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:
@@ -26,17 +40,40 @@ def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:
     """
     checkpoint = None
     if cfg.resume_from:
-        checkpoint = load_checkpoint(cfg.resume_from)
-        previous = unpack_json(checkpoint["run/config"])
-        for key in MUST_MATCH_ON_RESUME:
-            if previous.get(key) != cfg.to_flat().get(key):
-                raise ConfigError(f"resume-from: key {key!r} was {previous.get(key)!r} in "
-                                  f"{find_checkpoint(cfg.resume_from)}, now {cfg.to_flat().get(key)!r}")
+        try:
+            checkpoint = load_checkpoint(cfg.resume_from)
+            previous = unpack_json(checkpoint["run/config"])
+        except (CheckpointError, KeyError, ValueError) as error:
+            raise ConfigError(f"resume-from: {error}") from None
+        previous, now = flatten(previous), cfg.to_flat()
+        changed = [key for key in sorted(previous)  # keys added to fedmed since the checkpoint are not compared
+                   if key not in MAY_CHANGE_ON_RESUME and previous[key] != now.get(key)]
+        if changed:
+            raise ConfigError("resume-from: " + "; ".join(
+                f"key {key!r} was {previous.get(key)!r} in {cfg.resume_from}, now {now.get(key)!r}" for key in changed)
+                + " (a resumed run must keep the data, split, model and method of the run it continues)")
         if not cfg.run_name:
             cfg = cfg.model_copy(update={"run_name": previous["run-name"]})
     if not cfg.run_name:
         cfg = cfg.model_copy(update={"run_name": f"{cfg.task}-{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"})
     return cfg, checkpoint
+
+
+def claim_run_folder(cfg: JobConfig, resuming: bool) -> None:
+    """A new run never writes over an earlier run's results: its folder must hold none, unless the run resumes
+    (it continues its own history there) or ``overwrite-run`` says to replace them (they are removed first, so
+    old checkpoints cannot be mistaken for the new run's)."""
+    found = [name for name in RESULT_FILES if (cfg.run_dir / name).exists()]
+    if not found or resuming:
+        return
+    if not cfg.overwrite_run:
+        raise ConfigError(f"run-name: {cfg.run_dir} already holds the results of a run ({', '.join(found)}); "
+                          "choose another run-name, resume it with resume-from, or set overwrite-run=true "
+                          "(fedmed simulate --overwrite) to replace them")
+    for name in found:
+        target = cfg.run_dir / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    log.warning("overwrite-run: removed %s from %s", ", ".join(found), cfg.run_dir)
 
 
 def check_writable(run_dir: Path) -> None:
@@ -56,5 +93,6 @@ def load_run_config(run_config: Mapping[str, Any]) -> tuple[JobConfig, dict[str,
     """Validate Flower's run config (paths included), resolve the run and check that its folder can be written;
     raises ConfigError."""
     cfg, checkpoint = resolve(load_job_config(run_config, check_paths=True))
+    claim_run_folder(cfg, resuming=checkpoint is not None and same_folder(cfg))
     check_writable(cfg.run_dir)
     return cfg, checkpoint

@@ -1,0 +1,93 @@
+"""A run's name, folder and checkpoints are safe: names stay inside results-dir, an earlier run is never
+overwritten by accident, and a resume continues the same experiment from a checkpoint that is whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.config import ConfigError, JobConfig, load_job_config
+from common.round_engine import RoundEngine
+from server_app.checkpoint import checkpoint_dir, save_checkpoint
+from server_app.run_config import load_run_config
+
+TINY = {"synthetic-samples": 40, "image-size": 8, "classifier": "small-cnn", "run-name": "r"}
+
+
+def finished_run(tmp_path, rounds=(1, 2), **extra) -> JobConfig:
+    """A run folder with checkpoints after ``rounds`` and a metrics file, as the ServerApp leaves it."""
+    cfg = load_job_config({**TINY, "results-dir": str(tmp_path), **extra})
+    engine = RoundEngine(cfg)
+    for rnd in rounds:
+        engine.history.append({"round": rnd})
+        save_checkpoint(cfg.run_dir, rnd, engine.state_dict())
+    (cfg.run_dir / "metrics.jsonl").write_text("{}\n")
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["../../../x", "a/b", "..", ".hidden", "x y", "/abs"])
+def test_run_names_that_leave_the_results_folder_are_refused(name):
+    with pytest.raises(ConfigError, match="run-name.*not a safe folder name"):
+        load_job_config({"run-name": name})
+
+
+@pytest.mark.parametrize("key,value", [("seed", -1), ("learning-rate", float("inf")),
+                                       ("round-timeout", float("inf")), ("learning-rate", float("nan"))])
+def test_impossible_numbers_are_refused_before_round_1(key, value):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_job_config({key: value})
+
+
+def test_an_earlier_runs_folder_is_not_overwritten_unless_asked(tmp_path):
+    cfg = finished_run(tmp_path)
+    with pytest.raises(ConfigError, match="already holds the results of a run .*metrics.jsonl.*overwrite-run=true"):
+        load_run_config({**TINY, "results-dir": str(tmp_path)})
+    assert (cfg.run_dir / "metrics.jsonl").exists()
+    load_run_config({**TINY, "results-dir": str(tmp_path), "overwrite-run": True})
+    assert not (cfg.run_dir / "metrics.jsonl").exists() and not any(checkpoint_dir(cfg.run_dir).iterdir())
+
+
+def test_a_resume_continues_in_its_own_folder_and_keeps_its_name(tmp_path):
+    cfg = finished_run(tmp_path)
+    resumed, checkpoint = load_run_config({**{k: v for k, v in TINY.items() if k != "run-name"},
+                                           "results-dir": str(tmp_path), "resume-from": str(cfg.run_dir),
+                                           "num-server-rounds": 9})
+    assert resumed.run_dir == cfg.run_dir and len(checkpoint["run/history"]) > 0
+
+
+@pytest.mark.parametrize("key,value", [("test-fraction", 0.3), ("classifier", "resnet18"), ("learning-rate", 0.5)])
+def test_a_resume_that_changes_the_data_model_or_method_is_refused_naming_the_key(tmp_path, key, value):
+    cfg = finished_run(tmp_path)
+    with pytest.raises(ConfigError, match=f"resume-from: key '{key}' was .* now {value!r}"):
+        load_run_config({**TINY, "results-dir": str(tmp_path), "resume-from": str(cfg.run_dir), key: value})
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_it(tmp_path, caplog):
+    cfg = finished_run(tmp_path)
+    latest = checkpoint_dir(cfg.run_dir) / "round-00002.npz"
+    latest.write_bytes(latest.read_bytes()[:200])  # a copy cut short
+    with caplog.at_level("WARNING", logger="fedmed"):
+        _, checkpoint = load_run_config({**TINY, "results-dir": str(tmp_path), "resume-from": str(cfg.run_dir)})
+    assert "round-00002.npz: cannot read checkpoint" in caplog.text and "round-00001.npz" in caplog.text
+    from common.methods.base import unpack_json
+
+    assert [r["round"] for r in unpack_json(checkpoint["run/history"])] == [1]
+
+
+def test_a_checkpoint_holding_nan_is_refused_naming_the_file_and_entry(tmp_path):
+    cfg = load_job_config({**TINY, "results-dir": str(tmp_path)})
+    engine = RoundEngine(cfg)
+    state = engine.state_dict()
+    name = next(k for k, v in state.items() if v.dtype.kind == "f")
+    state[name] = np.full_like(state[name], np.nan)
+    path = save_checkpoint(cfg.run_dir, 1, state)
+    with pytest.raises(ConfigError, match=f"resume-from: {path}: {name} holds NaN or Inf"):
+        load_run_config({**TINY, "run-name": "other", "results-dir": str(tmp_path), "resume-from": str(path)})
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
+    small = RoundEngine(load_job_config({**TINY, "results-dir": str(tmp_path)}))
+    other = RoundEngine(load_job_config({**TINY, "classifier": "resnet18", "resnet-width": 0.25}))
+    with pytest.raises(ValueError, match="the checkpoint's global model: missing"):
+        other.load_state_dict(small.state_dict())
+    assert other.history == []
