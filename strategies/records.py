@@ -45,7 +45,8 @@ def flat_metrics(value: Any, prefix: str = "") -> dict[str, int | float | list]:
 def round_metricrecord(record: dict[str, Any]) -> MetricRecord:
     """One round as a MetricRecord: the hospitals' weighted training metrics (``train.*``), the server's test
     metrics (``test.*``), the method's state (``method.*``, e.g. FedProIn's influence matrix per hospital),
-    bytes each way in all and per hospital, each hospital's update norm (``update-norm.*``), and how many hospitals were aggregated, refused or missing."""
+    bytes each way in all and per hospital, each hospital's update norm (``update-norm.*``), and how many
+    hospitals were aggregated, refused or missing."""
     flat = flat_metrics({key: record[key] for key in ("train", "test", "evaluate", "method", "update-norm")
                          if key in record})
     flat.update({"bytes-up": int(record["bytes_up"]), "bytes-down": int(record["bytes_down"]),
