@@ -306,3 +306,21 @@ def test_flowers_central_dp_wrapper_clips_our_updates(tmp_path, strategy_type):
     assert len(raw_updates) == 4 and min(raw_updates) > 4 * clip  # the hospitals' own updates are far larger
     assert all(0.2 * clip < step <= clip * (1 + 1e-5) for step in steps)  # the aggregate of clipped updates
     assert [r["aggregated"] for r in strategy.engine.history] == [["hospital-00", "hospital-01"]] * 2
+
+
+class ReversedGrid(FakeGrid):
+    """Replies come back in the reverse order, as when another hospital happens to finish first."""
+
+    def pull_messages(self, message_ids):
+        return list(reversed(list(super().pull_messages(message_ids))))
+
+
+def test_two_identical_runs_end_with_identical_models_whatever_order_replies_arrive_in(tmp_path):
+    finals = []
+    for grid_type in (FakeGrid, ReversedGrid):
+        config = run_config(tmp_path / grid_type.__name__, SMALL_CLASSIFICATION)
+        strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config=config)
+        finals.append(arrays_of(strategy.start(grid_type(simulated_hospitals(config, 3)), num_rounds=2).arrays))
+    assert finals[0].keys() == finals[1].keys()
+    for name, value in finals[0].items():
+        assert np.array_equal(value, finals[1][name]), name
