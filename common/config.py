@@ -295,6 +295,12 @@ class JobConfig(Section):
                 f"dataset={self.dataset!r} does not fit task={self.task!r}; "
                 f"use one of {', '.join(TASK_DATASETS[self.task])}"
             )
+        if self.task == "polyp-segmentation":
+            from common.models.unet2d import PolypUNet  # local: torch is not needed to read a config
+
+            if self.image_size % PolypUNet.SIZE_MULTIPLE:
+                raise ValueError(f"image-size={self.image_size}: the polyp U-Net halves an image three times, so "
+                                 f"its edge must be a multiple of {PolypUNet.SIZE_MULTIPLE} (e.g. 16, 32, 128)")
         if self.min_available_hospitals < self.min_train_hospitals:
             raise ValueError("min-available-hospitals must be at least min-train-hospitals")
         from common.methods.registry import method_tasks

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+log = logging.getLogger("fedmed")
 
 class HospitalStateStore:
     """What a hospital must remember between the rounds it takes part in, in its own state folder.
@@ -38,14 +41,26 @@ class HospitalStateStore:
         return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := self._PATTERN.match(p.name)))
 
     def load(self, before_round: int) -> dict[str, np.ndarray] | None:
-        earlier = [r for r in self.rounds() if r < before_round]
-        if not earlier:
-            return None
-        self.loaded_round = earlier[-1]
-        if self.folder is None:
-            return dict(self._memory[earlier[-1]])
-        with np.load(self.folder / f"state-r{earlier[-1]:05d}.npz", allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
+        """The newest state saved before ``before_round`` (None: none, the hospital starts from what it received).
+        A damaged file (a disk error, a copy cut short) is renamed ``*.damaged`` with a warning naming it, and
+        the one before it is used, so one bad file cannot fail every later round."""
+        for rnd in reversed([r for r in self.rounds() if r < before_round]):
+            if self.folder is None:
+                self.loaded_round = rnd
+                return dict(self._memory[rnd])
+            path = self.folder / f"state-r{rnd:05d}.npz"
+            try:
+                with np.load(path, allow_pickle=False) as archive:
+                    state = {key: archive[key] for key in archive.files}
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+                aside = path.with_name(path.name + ".damaged")
+                os.replace(path, aside)
+                log.warning("hospital state %s cannot be read (%s: %s); set aside as %s, using the state before it",
+                            path, type(error).__name__, error, aside.name)
+                continue
+            self.loaded_round = rnd
+            return state
+        return None
 
     def save(self, rnd: int, arrays: dict[str, np.ndarray]) -> None:
         if self.folder is None:

@@ -91,3 +91,30 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_pa
     with pytest.raises(ValueError, match="the checkpoint's global model: missing"):
         other.load_state_dict(small.state_dict())
     assert other.history == []
+
+
+def test_a_polyp_image_size_the_unet_cannot_take_is_refused_before_round_1():
+    with pytest.raises(ConfigError, match="image-size=20: the polyp U-Net halves an image three times"):
+        load_job_config({"task": "polyp-segmentation", "image-size": 20})
+
+
+def test_a_deployed_node_config_without_a_hospital_name_is_refused_naming_the_key(tmp_path):
+    from client_app.node_config import load_node_config
+
+    with pytest.raises(ConfigError, match="node config of this node.*needs its name: hospital='...'"):
+        load_node_config({"data-dir": str(tmp_path)})
+
+
+def test_a_damaged_hospital_state_file_is_set_aside_and_the_one_before_it_used(tmp_path, caplog):
+    from common.site import HospitalStateStore
+
+    store = HospitalStateStore(tmp_path)
+    store.save(1, {"w": np.ones(3)})
+    store.save(2, {"w": np.full(3, 2.0)})
+    (tmp_path / "state-r00002.npz").write_bytes(b"PK\x03\x04 not a whole archive")
+    with caplog.at_level("WARNING", logger="fedmed"):
+        state = store.load(before_round=3)
+    np.testing.assert_array_equal(state["w"], np.ones(3))
+    assert store.loaded_round == 1 and (tmp_path / "state-r00002.npz.damaged").exists()
+    assert f"hospital state {tmp_path / 'state-r00002.npz'} cannot be read" in caplog.text
+    assert store.rounds() == [1]

@@ -38,6 +38,9 @@ class PolypUNet(nn.Module):
     :meth:`probabilities`) for the paper's sigmoid output.
     """
 
+    #: Three 2x2 poolings: an image edge must be a multiple of this for the skips to line up.
+    SIZE_MULTIPLE = 8
+
     def __init__(self, in_channels: int = 3, out_channels: int = 1, widths: tuple[int, ...] = (32, 64, 128, 256)):
         super().__init__()
         w1, w2, w3, w4 = widths
