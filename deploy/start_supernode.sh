@@ -22,6 +22,7 @@ if [ "$tls_mode" = insecure ]; then
   security=(--insecure)
 else
   security=(--root-certificates "$ca" --auth-supernode-private-key "$key")
+  extra="identity-key='$key' $extra"  # signs the hospital's name for runs with hospital-keys
 fi
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 exec flower-supernode "${security[@]}" --superlink "$superlink" --host 127.0.0.1 --port "$port" \

@@ -64,7 +64,8 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
                 node = start_supernode(
                     home, f"{link_address}:{PORT}", 9094,
                     {"hospital": name, "data-dir": str(sites / name if name in HOSPITALS else sites / "hospital-00"),
-                     "state-dir": str(tmp_path / "state" / name), "device": "cpu"},
+                     "state-dir": str(tmp_path / "state" / name), "device": "cpu",
+                     **({"identity-key": str(tmp_path / "keys" / key)} if key else {})},
                     root_certificates=tls.ca_cert if tls_on else None,
                     auth_key=tmp_path / "keys" / key if key else None, netns=net.netns(name), name=name)
                 started.append(node)
@@ -79,7 +80,7 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
                 "strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
                 "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "min-available-hospitals": 3,
                 "min-train-hospitals": 2, "round-timeout": 60.0, "run-name": "consortium",
-                "results-dir": str(tmp_path / "results")})
+                "results-dir": str(tmp_path / "results"), "hospital-keys": str(tmp_path / "keys")})
             # after round 1: kill hospital-02 as round 2 starts; after 2: restart it (same key and state
             # folder); after 3: cut hospital-01's cable; after 4: restore it
             schedule = {1: "kill", 2: "restart", 3: "cut", 4: "restore"}
