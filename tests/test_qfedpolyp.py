@@ -218,6 +218,13 @@ def polyp_job():
                      qfedpolyp={"bit-widths": "4,8,32"})
 
 
+def test_too_few_bit_widths_stop_the_run_before_any_message_of_round_1(polyp_job):
+    job = polyp_job.model_copy(update={"qfedpolyp": polyp_job.qfedpolyp.model_copy(update={"bit_widths": "4,8"})})
+    engine = RoundEngine(job)
+    with pytest.raises(ConfigError, match="lists 2 bit-widths, but hospital-02 is hospital number 3"):
+        engine.select(1, [HospitalInfo(f"hospital-0{i}", 10) for i in range(3)])
+
+
 def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_count(polyp_job, caplog):
     engine = RoundEngine(polyp_job)
     server = engine.method
