@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from common.config import JobConfig, hospital_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
-from common.methods.base import HospitalMethod, Payload
+from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
 from common.methods.registry import hospital_class
 from common.site import HospitalStateStore, Site, build_site
 
@@ -60,5 +60,9 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
     if kind == "train":
         return method.timed_train(int(payload.config["server-round"]), payload)
     if kind == "evaluate":
-        return Payload(metrics=method.evaluate(int(payload.config.get("server-round", 0)), payload))
+        rnd = int(payload.config.get("server-round", 0))
+        if payload.config.get(CROSS_SITE_KEY):  # every model this hospital scores, as '<model>.<metric>'
+            return Payload(metrics={f"{model}.{key}": value for model, scores in method.cross_site(rnd, payload).items()
+                                    for key, value in scores.items()})
+        return Payload(metrics=method.evaluate(rnd, payload))
     raise ValueError(f"unknown message kind {kind!r}")

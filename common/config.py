@@ -257,6 +257,9 @@ class JobConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, description="Round checkpoints kept besides the latest.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     evaluate_every: int = Field(1, ge=1, description="Evaluate the global model on the test set every N rounds.")
+    cross_site_evaluation: bool = Field(False, description=(
+        "After the last round every hospital scores the final global model (and its own, for methods that "
+        "personalise) on its validation data: a hospitals x models table and heatmap in the run's results."))
     message_arrays: Literal["per-tensor", "packed"] = Field("per-tensor", description=(
         "How a message's arrays travel: one Flower Array per tensor (Flower's DP wrappers and tools read them), "
         "or each array group packed into one Array (far fewer objects through the SuperLink, so much faster "

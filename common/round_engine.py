@@ -202,6 +202,7 @@ class RoundEngine:
         state = {f"method/{k}": v for k, v in self.method.state_dict().items()}
         state["run/history"] = pack_json(self.history)
         state["run/config"] = pack_json(self.cfg.model_dump(mode="json", by_alias=True))
+        state["run/model-spec"] = pack_json(self.method.task.spec)  # classes and channels the model was built for
         return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:

@@ -18,6 +18,7 @@ from common.round_engine import RoundEngine
 from strategies import strategy_arguments
 
 from .checkpoint import save_checkpoint
+from .evaluation import write_cross_site
 from .results import render_summary, write_results
 from .run_config import load_run_config
 
@@ -80,3 +81,6 @@ def main(grid: Grid, context: Context) -> None:
     strategy.start(grid)
     write_results(cfg.run_dir, cfg.to_flat(), strategy.engine.history)
     log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), strategy.engine.history))
+    if strategy.cross_site is not None:
+        log.info("cross-site evaluation (%s):\n%s", cfg.run_dir / "cross_site.md",
+                 write_cross_site(cfg.run_dir, strategy.cross_site, cfg.task))

@@ -153,6 +153,7 @@ def plot_personalised(plt, series: dict[str, dict[str, list[tuple[int, float]]]]
 
 
 def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
     fig.savefig(partial, dpi=110)
     os.replace(partial, path)

@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, load_job_config, server_set_keys
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
-from common.methods.base import HospitalInfo
+from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
 
@@ -114,6 +114,7 @@ class HospitalStrategy(Strategy):
         self._round_started = 0.0
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
         self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
+        self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:
@@ -342,6 +343,36 @@ class HospitalStrategy(Strategy):
             self.engine.history[-1]["evaluate"] = aggregated
         return MetricRecord(aggregated)
 
+    def cross_site_evaluation(self, grid: Grid, timeout: float) -> dict[str, Any]:
+        """Every connected hospital scores the final models on its own validation data (Flower evaluate
+        messages; ``HospitalMethod.cross_site``): ``scores[hospital][model][metric]``, with the hospitals that
+        failed (and why) or did not answer within ``timeout`` named. Also kept as ``self.cross_site``."""
+        self.discover(grid)
+        hospitals = sorted(self.hospitals.values(), key=lambda h: h.name)
+        rnd = self.engine.next_round  # what the hospitals would receive next: the final models
+        self._evaluated = hospitals
+        messages = self.hospital_messages(rnd, hospitals, ConfigRecord({CROSS_SITE_KEY: True}), MessageType.EVALUATE)
+        scores: dict[str, dict[str, dict[str, float]]] = {}
+        failed: dict[str, str] = {}
+        for message in send_and_receive(grid, messages, timeout) if messages else []:
+            hospital = self.hospitals.get(message.metadata.src_node_id)
+            if hospital is None or hospital not in hospitals:
+                continue
+            try:
+                if message.has_error():
+                    raise MalformedPayload(message.error.reason)
+                metrics = from_recorddict(message.content, self.reply_limit()).metrics
+                scores[hospital.name] = models_of(metrics)
+            except (MalformedPayload, ValueError) as error:
+                failed[hospital.name] = str(error)
+        missing = [h.name for h in hospitals if h.name not in scores and h.name not in failed]
+        for name, reason in failed.items():
+            log.warning("cross-site evaluation: %s could not score the final models: %s", name, reason)
+        if missing:
+            log.warning("cross-site evaluation: no answer from %s within %.0f s", ", ".join(missing), timeout)
+        self.cross_site = {"after-round": rnd - 1, "scores": scores, "failed": failed, "missing": missing}
+        return self.cross_site
+
     def summary(self) -> None:
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
                  type(self).__name__, self.job.num_server_rounds, self.job.fraction_train,
@@ -402,11 +433,24 @@ class HospitalStrategy(Strategy):
             self._in_own_loop = False
         if not len(result.arrays):
             result.arrays = as_arrayrecord(self.engine.method.global_arrays)
+        if self.job.cross_site_evaluation:
+            self.cross_site_evaluation(grid, timeout)
         return result
 
 
 BASE_ARGUMENTS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes",
                   "min_available_nodes", "run_config", "settings", "on_round_end", "wait_for_nodes", "kwargs")
+
+
+def models_of(metrics: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """``{'global.dice': .8, 'own.dice': .9}`` -> ``{'global': {'dice': .8}, 'own': {'dice': .9}}`` (numbers only)."""
+    models: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        model, _, metric = key.partition(".")
+        if not metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"cross-site metric {key!r}={value!r} is not '<model>.<metric>' = a number")
+        models.setdefault(model, {})[metric] = float(value)
+    return models
 
 
 def strategy_arguments(strategy: type[HospitalStrategy], cfg: JobConfig) -> dict[str, Any]:

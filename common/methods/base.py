@@ -25,6 +25,10 @@ from common.site import Site
 from common.tasks import Task, get_task
 
 
+#: Evaluate-message config key: score the final models for the run's cross-site table (``HospitalMethod.cross_site``).
+CROSS_SITE_KEY = "cross-site"
+
+
 @dataclass(frozen=True)
 class HospitalInfo:
     """What a hospital tells the server about itself when the run starts."""
@@ -123,9 +127,13 @@ class ServerMethod(ABC):
         return {}
 
     # --- evaluation -------------------------------------------------------------------------------
-    def evaluation_model(self) -> torch.nn.Module:
+    def evaluation_model(self, hospital: str | None = None) -> torch.nn.Module:
+        """The global model (``hospital``: that hospital's own model, for methods whose server keeps one)."""
         from common.arrays import load_model_arrays
 
+        if hospital:
+            raise ValueError(f"strategy {self.name!r} keeps no hospital's own model at the server (personal models "
+                             "stay with the hospitals: see cross-site-evaluation)")
         model = self.task.build_model()
         load_model_arrays(model, self.global_arrays)
         return model
@@ -174,6 +182,11 @@ class HospitalMethod(ABC):
         """Metrics of the received model on this hospital's validation data."""
         model = self.task.model_from_payload(payload)
         return self.task.evaluate(model, self.site.val, self.site.device)
+
+    def cross_site(self, rnd: int, payload: Payload) -> dict[str, dict[str, float]]:
+        """This hospital's scores, on its own validation data, of the models a consortium reports at the end of
+        a run: the final global model, and (methods that personalise) the hospital's own final model."""
+        return {"global": self.evaluate(rnd, payload)}
 
 
 def pack_json(value: Any) -> np.ndarray:

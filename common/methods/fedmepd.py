@@ -218,3 +218,14 @@ class FedMEPDHospital(BrainHospital):
     def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
         model, _ = self.compose(rnd, payload)
         return self.task.evaluate(model, self.site.val, self.site.device)
+
+    def cross_site(self, rnd: int, payload: Payload) -> dict[str, dict[str, float]]:
+        """Its own model (personal filters, LACCA) and the global one alone: the received encoders and decoder."""
+        self.task.adopt_spec(payload.config)
+        torch.manual_seed(self.site.round_seed(0))
+        shared = self.task.build_model(self.modalities)
+        arrays = self.initial_arrays(shared)
+        arrays.update(payload.arrays["model"])
+        load_model_arrays(shared, arrays)
+        return {"global": self.task.evaluate(shared, self.site.val, self.site.device),
+                "own": self.evaluate(rnd, payload)}

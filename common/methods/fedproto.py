@@ -71,8 +71,11 @@ class FedProtoServer(ServerMethod):
             raise RejectedUpdate("prototype counts are negative")
 
     def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
-        """The model and the class means, so a forged mean of 1e30 stands out like a forged weight."""
-        arrays, reference = super().screened_arrays(update)
+        """The model, against the one the server last accepted from this hospital (FedProto never sends a
+        model down, so each hospital drifts from the initial one at its own pace), and the class means against
+        the global prototypes: a forged mean of 1e30 stands out like a forged weight."""
+        arrays = update.payload.arrays["model"]
+        reference = self.local_models.get(update.hospital.name, self.global_arrays)
         means = {"prototypes.mean": update.payload.arrays[PROTOTYPES]["mean"]}
         return {**arrays, **means}, {**reference, "prototypes.mean": self.prototypes}
 
@@ -88,15 +91,19 @@ class FedProtoServer(ServerMethod):
             self.local_models[update.hospital.name] = update.payload.arrays["model"]
         return {"hospitals-per-class": reported.tolist()}
 
+    def evaluation_model(self, hospital: str | None = None) -> torch.nn.Module:
+        """A hospital's own network with the global prototypes: FedProto has no global network."""
+        if hospital not in self.local_models:
+            raise ValueError(f"FedProto has a model per hospital only; choose one of {sorted(self.local_models)}"
+                             + (f" ({hospital!r} has none)" if hospital else ""))
+        model = self.task.build_model()
+        load_model_arrays(model, self.local_models[hospital])
+        return NearestPrototypeClassifier(model, self.prototypes, self.present)
+
     def evaluate(self, test_data) -> dict[str, float]:
         """Mean over hospitals of their own model's test metrics (nearest global prototype)."""
-        results = []
-        for arrays in self.local_models.values():
-            model = self.task.build_model()
-            load_model_arrays(model, arrays)
-            results.append((1.0, self.task.evaluate(NearestPrototypeClassifier(model, self.prototypes, self.present),
-                                                    test_data)))
-        return weighted_mean_metrics(results)
+        return weighted_mean_metrics([(1.0, self.task.evaluate(self.evaluation_model(hospital), test_data))
+                                      for hospital in self.local_models])
 
     def state_dict(self) -> dict[str, np.ndarray]:
         state = super().state_dict()
@@ -118,13 +125,28 @@ class FedProtoServer(ServerMethod):
 
 
 class FedProtoHospital(FedAvgHospital):
-    def train(self, rnd: int, payload: Payload) -> Payload:
+    def own_model(self, rnd: int, payload: Payload) -> torch.nn.Module:
+        """The network this hospital kept after its last round before ``rnd`` (the first time: the server's
+        initial model, same seed)."""
         self.task.adopt_spec(payload.config)
-        torch.manual_seed(self.cfg.seed)  # the server's initial model, for a hospital's first round
+        torch.manual_seed(self.cfg.seed)
         model = self.task.build_model()
         own = self.site.state.load(before_round=rnd)
         if own is not None:
             load_model_arrays(model, own)
+        return model
+
+    def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
+        """Its own network, classifying by the nearest received global prototype (the server's evaluation)."""
+        group = payload.arrays[PROTOTYPES]
+        classifier = NearestPrototypeClassifier(self.own_model(rnd, payload), group["mean"], group["present"])
+        return self.task.evaluate(classifier, self.site.val, self.site.device)
+
+    def cross_site(self, rnd: int, payload: Payload) -> dict[str, dict[str, float]]:
+        return {"own": self.evaluate(rnd, payload)}  # FedProto has no global network, only prototypes
+
+    def train(self, rnd: int, payload: Payload) -> Payload:
+        model = self.own_model(rnd, payload)
         group = payload.arrays[PROTOTYPES]
         device = self.site.device
         prototypes = torch.from_numpy(group["mean"]).to(device)

@@ -1,0 +1,118 @@
+"""A run's models scored at every hospital at the end of the run (cross-site evaluation), and on a labelled
+folder the run never saw (``fedmed evaluate``), on generated data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Error, Message, MessageType
+
+from common.config import ConfigError, load_job_config
+from common.data.containers import DataError, SegmentationImages, concat
+from common.data.export import write_site
+from common.data.sources import generate
+from common.inprocess import run_rounds, simulated_sites
+from server_app.app import save_round
+from server_app.evaluation import evaluate_run, render_evaluation, write_cross_site
+from strategies import FedAvgStrategy, FedMEPDStrategy, FedProtoStrategy
+
+from .fake_grid import FakeGrid, simulated_hospitals
+from .test_strategies import SMALL_BRAIN, SMALL_CLASSIFICATION, SMALL_POLYP, run_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_every_hospital_scores_the_final_model_and_the_silent_and_failing_are_named(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION, **{"cross-site-evaluation": True})
+    nodes = simulated_hospitals(config, 4)
+
+    def failing_evaluation(message: Message) -> Message | None:
+        if message.metadata.message_type == MessageType.EVALUATE:
+            return Message(Error(code=1, reason="hospital-02: val/x.png cannot be read"), reply_to=message)
+        return nodes[103](message)
+
+    def silent_evaluation(message: Message) -> Message | None:
+        return None if message.metadata.message_type == MessageType.EVALUATE else nodes[104](message)
+
+    strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
+    strategy.start(FakeGrid({101: nodes[101], 102: nodes[102], 103: failing_evaluation, 104: silent_evaluation}),
+                   num_rounds=2, timeout=2.0)
+    record = strategy.cross_site
+    assert record["after-round"] == 2 and sorted(record["scores"]) == ["hospital-00", "hospital-01"]
+    assert set(record["scores"]["hospital-00"]) == {"global"}
+    assert 0.0 <= record["scores"]["hospital-00"]["global"]["accuracy"] <= 1.0
+    assert "val/x.png cannot be read" in record["failed"]["hospital-02"] and record["missing"] == ["hospital-03"]
+
+    text = write_cross_site(tmp_path / "run", record, "classification")
+    assert "| hospital-00 |" in text and "No answer: hospital-03" in text and "hospital-02 (" in text
+    assert json.loads((tmp_path / "run" / "cross_site.json").read_text())["missing"] == ["hospital-03"]
+    assert (tmp_path / "run" / "plots" / "cross_site.png").stat().st_size > 1000
+
+
+def test_personalised_methods_score_each_hospitals_own_model_too(tmp_path):
+    brain = run_config(tmp_path / "brain", SMALL_BRAIN, **{"cross-site-evaluation": True})
+    strategy = FedMEPDStrategy(min_train_nodes=2, run_config=brain)
+    strategy.start(FakeGrid(simulated_hospitals(brain, 2)), num_rounds=1)
+    scores = strategy.cross_site["scores"]
+    assert sorted(scores) == ["hospital-00", "hospital-01"]
+    assert all(set(by_model) == {"global", "own"} and "dice_mean" in by_model["own"] for by_model in scores.values())
+
+    proto = run_config(tmp_path / "proto", SMALL_CLASSIFICATION, **{"cross-site-evaluation": True})
+    strategy = FedProtoStrategy(min_train_nodes=2, run_config=proto)
+    strategy.start(FakeGrid(simulated_hospitals(proto, 2)), num_rounds=2)
+    assert all(set(by_model) == {"own"} for by_model in strategy.cross_site["scores"].values())
+
+
+def finished_run(tmp_path, job: dict, rounds: int = 2):
+    cfg = load_job_config({**job, "num-server-rounds": rounds, "results-dir": str(tmp_path / "results"),
+                           "run-name": "done"})
+    run_rounds(cfg, simulated_sites(cfg, 2), on_round_end=save_round)
+    return cfg
+
+
+def test_fedmed_evaluate_scores_the_global_model_on_a_new_folder(tmp_path):
+    cfg = finished_run(tmp_path, {**SMALL_CLASSIFICATION, "strategy": "fedavg"})
+    new_site = tmp_path / "external"
+    unseen = generate("classification", 60, cfg.image_size, seed=999)
+    write_site(cfg, unseen, new_site, "test")
+    result = evaluate_run(cfg.run_dir, new_site)
+    assert result["model"] == "global model" and result["after-round"] == 2 and result["dataset"] == "npz"
+    assert result["overall"]["num-examples"] == 60 and -1.0 <= result["overall"]["mcc"] <= 1.0
+    assert {"accuracy", "f1_weighted", "mcc"} <= set(result["overall"])
+    assert "| all |" in render_evaluation(result)
+    earlier = evaluate_run(cfg.run_dir, new_site, round_number=1)
+    assert earlier["after-round"] == 1
+    with pytest.raises(ConfigError, match="--round 9: .*round-00009.npz does not exist"):
+        evaluate_run(cfg.run_dir, new_site, round_number=9)
+
+
+def test_a_folder_whose_classes_do_not_fit_the_run_is_refused_naming_them(tmp_path):
+    cfg = finished_run(tmp_path, {**SMALL_CLASSIFICATION, "strategy": "fedavg"}, rounds=1)
+    other = tmp_path / "other-classes"
+    write_site(cfg, generate("classification", 40, cfg.image_size, seed=5, num_classes=3), other, "test")
+    with pytest.raises(DataError, match="its class-names is 'solid,ring,striped', but .* was trained with "
+                                        "'solid,ring,striped,dotted'"):
+        evaluate_run(cfg.run_dir, other)
+
+
+def test_fedmed_evaluate_scores_a_fedproto_hospitals_own_model_and_per_source_polyp_scores(tmp_path):
+    cfg = finished_run(tmp_path / "proto", {**SMALL_CLASSIFICATION, "strategy": "fedproto"}, rounds=1)
+    folder = tmp_path / "external"
+    write_site(cfg, generate("classification", 40, cfg.image_size, seed=3), folder, "test")
+    result = evaluate_run(cfg.run_dir, folder, hospital="hospital-01")
+    assert result["model"] == "hospital-01's own model" and "accuracy" in result["overall"]
+    with pytest.raises(ValueError, match="FedProto has a model per hospital only; choose one of"):
+        evaluate_run(cfg.run_dir, folder)
+
+    polyp = finished_run(tmp_path / "polyp", {**SMALL_POLYP, "strategy": "fedavg"}, rounds=1)
+    frames = tmp_path / "frames"
+    parts = []
+    for source, seed in (("clinic-a", 1), ("clinic-b", 2)):
+        made = generate("polyp-segmentation", 6, polyp.image_size, seed=seed)
+        parts.append(SegmentationImages(made.images, made.masks, made.names, np.full(len(made), source)))
+    write_site(polyp, concat(parts), frames, "test")  # frames/clinic-a/{images,masks}, frames/clinic-b/...
+    scores = evaluate_run(polyp.run_dir, frames)
+    assert {"dice", "iou"} <= set(scores["overall"]) and scores["overall"]["num-examples"] == 12
+    assert sorted(scores["sources"]) == ["clinic-a", "clinic-b"] and np.isfinite(scores["sources"]["clinic-a"]["dice"])
