@@ -24,7 +24,6 @@ from common.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the
 from common.site import Site
 from common.tasks import Task, get_task
 
-
 #: Evaluate-message config key: score the final models for the run's cross-site table (``HospitalMethod.cross_site``).
 CROSS_SITE_KEY = "cross-site"
 
