@@ -84,6 +84,18 @@ class QFedPolypSection(Section):
     downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals "
                                                     "(32: plain floats).")
     qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training.")
+    quantise: Literal["weights", "update"] = Field("weights", description=(
+        "What a hospital sends at its bit-width: its trained weights (the paper's), or its round's update "
+        "(trained minus received weights, far narrower per tensor); BatchNorm statistics then go as floats."))
+    error_feedback: bool = Field(False, description=(
+        "quantise='update': a hospital adds what quantisation lost last time to its next update "
+        "(kept in its state folder)."))
+
+    @model_validator(mode="after")
+    def _feedback_needs_updates(self) -> "QFedPolypSection":
+        if self.error_feedback and self.quantise != "update":
+            raise ValueError("qfedpolyp.error-feedback=true needs qfedpolyp.quantise='update'")
+        return self
 
     @field_validator("bit_widths", mode="before")
     @classmethod

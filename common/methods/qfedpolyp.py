@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from common.arrays import NamedArrays, load_model_arrays, model_arrays, weighted_average
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays, weighted_average
 from common.config import ConfigError
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 from common.quantization.fake_quant import quantization_aware
@@ -29,8 +30,20 @@ from .base import (
     unpack_json,
 )
 
-PACKED = "packed-model"  #: the array group holding an encoded model, both ways
+PACKED = "packed-model"  #: the array group holding an encoded model (or update), both ways
+STATISTICS = "statistics"  #: update mode: BatchNorm running statistics as plain floats (a quantised change of a
+#: variance could make it negative; they are a fraction of a percent of the bytes)
 BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital
+
+
+def is_statistic(name: str) -> bool:
+    return name.endswith(("running_mean", "running_var"))
+
+
+def split_statistics(arrays: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
+    """(weights, BatchNorm running statistics) of a model's arrays."""
+    return ({k: v for k, v in arrays.items() if not is_statistic(k)},
+            {k: v for k, v in arrays.items() if is_statistic(k)})
 
 
 def assign_bit_width(hospital: HospitalInfo, roster: list[str], widths: list[int]) -> int:
@@ -57,8 +70,8 @@ class QFedPolypServer(ServerMethod):
         super().__init__(cfg, task)
         self.roster: list[str] = []
         self.assigned: dict[str, int] = {}  # this round's uplink bit-width per hospital
-        self._decoded: dict[str, NamedArrays] = {}  # accepted replies, rebuilt by check()
-        self._downlink_cache: tuple[int, NamedArrays] | None = None
+        self._decoded: dict[str, NamedArrays] = {}  # accepted replies as whole models, rebuilt by check()
+        self._downlink: tuple[int, NamedArrays, NamedArrays] | None = None  # round, encoded, what hospitals decode
 
     def check_hospital(self, hospital: HospitalInfo) -> None:
         """A declared bit-width must be one the codec has (a hostile 33 would fail the downlink)."""
@@ -74,35 +87,68 @@ class QFedPolypServer(ServerMethod):
         for hospital in hospitals:
             assign_bit_width(hospital, self.roster, self.cfg.qfedpolyp.bit_width_list)
 
+    def encoded_global(self, rnd: int) -> tuple[NamedArrays, NamedArrays]:
+        """This round's downlink (encoded once per round at ``downlink-bit-width``) and the model hospitals
+        rebuild from it, bit for bit: what their updates are measured from."""
+        if self._downlink is None or self._downlink[0] != rnd:
+            encoded = encode_model(self.global_arrays, self.cfg.qfedpolyp.downlink_bit_width)
+            self._downlink = (rnd, encoded, decode_model(encoded, reference=self.global_arrays))
+        return self._downlink[1], self._downlink[2]
+
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         bits = assign_bit_width(hospital, self.roster, self.cfg.qfedpolyp.bit_width_list)
         self.assigned[hospital.name] = bits
-        if self._downlink_cache is None or self._downlink_cache[0] != rnd:  # one encoding per round
-            self._downlink_cache = (rnd, encode_model(self.global_arrays, self.cfg.qfedpolyp.downlink_bit_width))
-        return Payload(arrays={PACKED: self._downlink_cache[1]}, config={**self.round_config(rnd), BIT_WIDTH_KEY: bits})
+        encoded, _ = self.encoded_global(rnd)
+        return Payload(arrays={PACKED: encoded}, config={**self.round_config(rnd), BIT_WIDTH_KEY: bits})
 
     def check(self, update: HospitalUpdate) -> None:
-        """Rebuild the reply from its codes; refuse it unless tag, lengths, names, shapes and values fit."""
+        """Rebuild the reply from its codes; refuse it unless tag, content, lengths, names, shapes and values fit."""
         name = update.hospital.name
         if update.num_examples <= 0:
             raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
         if PACKED not in update.payload.arrays:
             raise RejectedUpdate(f"reply carries no '{PACKED}' arrays")
         try:
-            self._decoded[name] = decode_model(update.payload.arrays[PACKED], reference=self.global_arrays,
-                                               expected_bits=self.assigned.get(name))
-        except PayloadError as error:
+            if self.cfg.qfedpolyp.quantise == "weights":
+                self._decoded[name] = decode_model(update.payload.arrays[PACKED], reference=self.global_arrays,
+                                                   expected_bits=self.assigned.get(name), expected_content="weights")
+            else:
+                self._decoded[name] = self.rebuild_from_update(update)
+        except (PayloadError, ArraysMismatch) as error:
             raise RejectedUpdate(f"packed model refused: {error}") from None
 
+    def rebuild_from_update(self, update: HospitalUpdate) -> NamedArrays:
+        """The hospital's model: what it received plus its decoded update, with its BatchNorm statistics."""
+        received = self.received_by_hospitals()
+        weights, statistics = split_statistics(received)
+        change = decode_model(update.payload.arrays[PACKED], reference=weights,
+                              expected_bits=self.assigned.get(update.hospital.name), expected_content="update")
+        sent_statistics = update.payload.arrays.get(STATISTICS, {})
+        check_like(sent_statistics, statistics, f"'{STATISTICS}' of {update.hospital.name}")
+        rebuilt = {k: (v.astype(np.float64) + change[k]).astype(v.dtype) for k, v in weights.items()}
+        return {k: rebuilt[k] if k in rebuilt else sent_statistics[k] for k in received}
+
+    def received_by_hospitals(self) -> NamedArrays:
+        """The model this round's hospitals rebuilt from the downlink (the global model at 32 bits)."""
+        return self._downlink[2] if self._downlink is not None else self.global_arrays
+
     def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
-        """The model rebuilt from the codes (a forged quantisation step shows up here, not in the codes)."""
-        return self._decoded[update.hospital.name], self.global_arrays
+        """The model rebuilt from the codes (a forged quantisation step shows up here, not in the codes), against
+        what the hospital received."""
+        return self._decoded[update.hospital.name], self.received_by_hospitals()
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
-        """FedAvg (paper eq. 9) of the rebuilt models, weighted by sample count."""
+        """FedAvg (paper eq. 9) of the rebuilt models, weighted by sample count. With updates, the weighted mean
+        update is added to the server's own global model, so the downlink's quantisation error is not lost
+        but sent again next round."""
         models = [self._decoded.pop(u.hospital.name) for u in updates]
         self._decoded.clear()
-        self.global_arrays = weighted_average(models, [u.weight for u in updates])
+        average = weighted_average(models, [u.weight for u in updates])
+        if self.cfg.qfedpolyp.quantise == "update":
+            received = self.received_by_hospitals()
+            average = {k: (self.global_arrays[k].astype(np.float64) + average[k] - received[k]).astype(v.dtype)
+                       if not is_statistic(k) else average[k] for k, v in self.global_arrays.items()}
+        self.global_arrays = average
         return {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
 
 
@@ -122,20 +168,41 @@ class QFedPolypHospital(HospitalMethod):
         self.task.adopt_spec(payload.config)
         model = self.task.build_model()
         arrays = decode_model(payload.arrays[PACKED], reference=model_arrays(model),
-                              expected_bits=self.cfg.qfedpolyp.downlink_bit_width)
+                              expected_bits=self.cfg.qfedpolyp.downlink_bit_width, expected_content="weights")
         load_model_arrays(model, arrays)
         return model
 
     def train(self, rnd: int, payload: Payload) -> Payload:
         bits = check_bit_width(payload.config.get(BIT_WIDTH_KEY), f"round config key {BIT_WIDTH_KEY!r}")
         model = self.received_model(payload)
+        start = model_arrays(model)
         self.task.check_data(self.site.train, f"hospital {self.site.name}")
         received = self.task.evaluate(model, self.site.val, self.site.device)
         with quantization_aware(model, bits if self.cfg.qfedpolyp.qat else 32):
             stats = self.task.fit(model, self.site.train, self.site.device, self.site.round_seed(rnd))
         metrics = {"num-examples": len(self.site.train), "bit-width": bits, **stats}
         metrics.update({f"val-{k}": v for k, v in received.items() if k != "num-examples"})
-        return Payload(arrays={PACKED: encode_model(model_arrays(model), bits)}, metrics=metrics)
+        if self.cfg.qfedpolyp.quantise == "weights":
+            return Payload(arrays={PACKED: encode_model(model_arrays(model), bits)}, metrics=metrics)
+        return Payload(arrays=self.encoded_update(rnd, start, model_arrays(model), bits), metrics=metrics)
+
+    def encoded_update(self, rnd: int, start: NamedArrays, trained: NamedArrays, bits: int) -> dict[str, NamedArrays]:
+        """The round's update at ``bits`` bits and the BatchNorm statistics as floats. With error feedback, what
+        quantisation lost last time is added first and what it loses now is kept in the state folder, so a
+        restarted SuperNode or a resumed run carries on with exactly the same residual."""
+        weights, statistics = split_statistics(trained)
+        change = {k: v.astype(np.float64) - start[k] for k, v in weights.items()}
+        feedback = self.cfg.qfedpolyp.error_feedback
+        residual = (self.site.state.load(before_round=rnd) or {}) if feedback else {}
+        for name, value in residual.items():
+            if name in change and value.shape == change[name].shape:
+                change[name] += value
+        change = {k: v.astype(weights[k].dtype) for k, v in change.items()}
+        encoded = encode_model(change, bits, content="update")
+        if feedback:
+            sent = decode_model(encoded, reference=change)
+            self.site.state.save(rnd, {k: (v.astype(np.float64) - sent[k]).astype(v.dtype) for k, v in change.items()})
+        return {PACKED: encoded, STATISTICS: statistics}
 
     def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
         return self.task.evaluate(self.received_model(payload), self.site.val, self.site.device)

@@ -11,7 +11,8 @@ weights: their bytes travel unchanged at every b.
 
 An encoded model is three named arrays, so it travels like any other array group:
 
-``header`` (uint8)   compact JSON: format, version, the bit-width tag, and every tensor's name, shape, dtype
+``header`` (uint8)   compact JSON: format, version, the bit-width tag, the content (``weights`` or a round's
+                     ``update``), and every tensor's name, shape, dtype
 ``ranges`` (float64) ``(k, 2)``: min and step of each quantised tensor, in header order
 ``data``   (uint8)   every tensor's bytes (packed codes, or raw values) one after another, each tensor
                      starting on a byte boundary
@@ -34,6 +35,7 @@ from common.arrays import ArraysMismatch, NamedArrays, check_like
 FORMAT = "fedmed-packed-model"
 VERSION = 1
 VALID_BIT_WIDTHS = (*range(2, 17), 32)
+CONTENTS = ("weights", "update")  #: what an encoded model holds: a model's weights, or a round's change of them
 #: dtypes a header may name (anything else is refused before NumPy is asked to interpret it)
 ALLOWED_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
                   "uint8", "uint16", "uint32", "uint64", "bool")
@@ -98,9 +100,12 @@ def dequantise(codes: np.ndarray, low: float, step: float, dtype: np.dtype) -> n
 
 
 # --- whole models ---------------------------------------------------------------------------------
-def encode_model(arrays: Mapping[str, np.ndarray], bits: int) -> NamedArrays:
-    """Named arrays (a state dict) as ``{"header", "ranges", "data"}`` at ``bits`` bits per float value."""
+def encode_model(arrays: Mapping[str, np.ndarray], bits: int, content: str = "weights") -> NamedArrays:
+    """Named arrays (a state dict, or ``content='update'``: a round's change of one) as
+    ``{"header", "ranges", "data"}`` at ``bits`` bits per float value; ``content`` is tagged in the header."""
     bits = check_bit_width(bits)
+    if content not in CONTENTS:
+        raise PayloadError(f"content {content!r} is not one of {CONTENTS}")
     tensors, ranges, chunks = [], [], []
     for name, value in arrays.items():
         value = np.asarray(value)
@@ -115,7 +120,7 @@ def encode_model(arrays: Mapping[str, np.ndarray], bits: int) -> NamedArrays:
             chunks.append(pack_codes(codes, bits))
         else:
             chunks.append(np.frombuffer(np.ascontiguousarray(value).tobytes(), dtype=np.uint8))
-    header = {"format": FORMAT, "version": VERSION, "bits": bits, "tensors": tensors}
+    header = {"format": FORMAT, "version": VERSION, "bits": bits, "content": content, "tensors": tensors}
     return {
         "header": np.frombuffer(json.dumps(header, separators=(",", ":")).encode(), dtype=np.uint8).copy(),
         "ranges": np.asarray(ranges, dtype=np.float64).reshape(-1, 2),
@@ -141,6 +146,8 @@ def read_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
         check_bit_width(header.get("bits"), "bit-width tag")
     except ValueError as error:
         raise PayloadError(str(error)) from None
+    if header.setdefault("content", "weights") not in CONTENTS:  # payloads written before the tag: weights
+        raise PayloadError(f"header's content {header['content']!r} is not one of {CONTENTS}")
     tensors = header.get("tensors")
     if not isinstance(tensors, list) or not all(_well_formed(entry) for entry in tensors):
         raise PayloadError("header's tensor list is malformed (want [name, shape, dtype] entries)")
@@ -157,17 +164,19 @@ def _well_formed(entry: Any) -> bool:
 
 
 def decode_model(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None,
-                 expected_bits: int | None = None) -> NamedArrays:
+                 expected_bits: int | None = None, expected_content: str | None = None) -> NamedArrays:
     """The named arrays an encoded model stands for.
 
-    ``expected_bits``: the tag the sender was told to use; ``reference``: arrays with the names,
-    shapes and dtypes the result must have (the receiver's model). Anything that does not match is
-    a :class:`PayloadError`.
+    ``expected_bits``: the tag the sender was told to use; ``expected_content``: weights or an update;
+    ``reference``: arrays with the names, shapes and dtypes the result must have (the receiver's model).
+    Anything that does not match is a :class:`PayloadError`.
     """
     header = read_header(encoded)
     bits = header["bits"]
     if expected_bits is not None and bits != expected_bits:
         raise PayloadError(f"bit-width tag is {bits}, but {expected_bits} was assigned")
+    if expected_content is not None and header["content"] != expected_content:
+        raise PayloadError(f"payload is tagged {header['content']!r}, expected {expected_content!r}")
     ranges, data = encoded["ranges"], encoded["data"]
     quantised = [entry for entry in header["tensors"] if is_quantised(np.dtype(entry[2]), bits)]
     if ranges.dtype != np.float64 or ranges.shape != (len(quantised), 2):
