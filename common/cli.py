@@ -5,17 +5,23 @@
     fedmed partition --run-config "dataset='ham10000' data-dir='../shared/data/ham10000'" --hospitals 5 --out sites
     fedmed export-int8 --run results/<run-name> --out polyp-int8.pt    # QFedPolyp's INT8 deployment model
     fedmed segment --model polyp-int8.pt --images new-frames/ --out masks/
+
+Ctrl-C, SIGTERM or --timeout stop a simulation or the demo and every process it started (exit code 130, 143
+or 124; partial results stay in the run folder); a run that did not complete exits 1, a refused config 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import tomllib
 
@@ -42,47 +48,184 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     return {k: (str(Path(v).resolve()) if is_path(k) and isinstance(v, str) and v else v) for k, v in values.items()}
 
 
+class RunStopped(BaseException):
+    """SIGINT or SIGTERM while a run was on (a BaseException, like KeyboardInterrupt: nothing swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: Exit codes: 128 + the signal, as a shell reports it, and timeout(1)'s for --timeout.
+EXIT_STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+EXIT_TIMEOUT = 124
+STOP_GRACE = 5.0  # seconds the Flower processes have after SIGTERM before SIGKILL
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise RunStopped(signum)
+
+
+@contextlib.contextmanager
+def signals(handler) -> Iterator[None]:
+    """Handle SIGTERM, SIGHUP and SIGINT with ``handler`` inside the block (signals a shell made this program
+    ignore, such as SIGINT in a background job or SIGHUP under nohup, stay ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _still_stopping(signum, frame) -> None:
+    print("fedmed: still stopping the run's processes, a few seconds more", file=sys.stderr, flush=True)
+
+
+def resumed_run_dir(resume_from: str, results_dir: str) -> Path:
+    """Where a resumed run without its own run-name writes: the checkpoint's run name under results-dir
+    (the ServerApp takes the name from the checkpoint). A checkpoint lies in <run>/checkpoints/round-NNNNN.npz;
+    resume-from names that file or the run folder."""
+    source = Path(resume_from)
+    folder = source.parent.parent if source.is_file() else source
+    name = folder.name
+    try:
+        import numpy as np
+
+        from server_app.checkpoint import find_checkpoint
+
+        with np.load(find_checkpoint(source), allow_pickle=False) as archive:
+            name = json.loads(archive["run/config"].tobytes().decode())["run-name"] or name
+    except Exception:  # unreadable here: the ServerApp says why; the folder's name is the best guess
+        pass
+    return Path(results_dir) / name
+
+
+def run_problem(history: list[dict[str, Any]], num_rounds: int) -> str | None:
+    """Why a run Flower calls completed did not do its job (None when it did): no round, no round that
+    aggregated any hospital, rounds missing, or hospitals failing until the end."""
+    if not history:
+        return "no round was recorded"
+    empty = [r["round"] for r in history if not r.get("aggregated")]
+    if len(empty) == len(history):
+        return f"no round aggregated any hospital's update (rounds {history[0]['round']}-{history[-1]['round']})"
+    if history[-1]["round"] < num_rounds:
+        return f"only {history[-1]['round']} of {num_rounds} rounds were recorded"
+    if empty and empty[-1] == history[-1]["round"]:
+        first = empty[-1]
+        while first - 1 in empty:
+            first -= 1
+        return f"rounds {first}-{empty[-1]} (the last) aggregated no hospital's update"
+    return None
+
+
 def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], home: Path,
              timeout: float) -> int:
-    """Run the app in Flower's simulation engine on a private local SuperLink; print the results."""
+    """Run the app in Flower's simulation engine on a private local SuperLink; print the results.
+
+    Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
+    130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
     from common.config import load_job_config
-    from common.launch import FlowerHome, free_port, run_log, start_superlink, submit_run, wait_for_run
     from server_app.results import read_history, render_summary
 
     defaults = {"results-dir": "results", "state-dir": "state"}
     run_config = absolute_paths({**defaults, **overrides})
     cfg = load_job_config(run_config, check_paths=True)  # fail here, before anything starts
-    if not cfg.run_name:
+    needed = max(cfg.min_available_hospitals, cfg.min_train_hospitals)
+    if hospitals < needed:
+        print(f"fedmed: --hospitals {hospitals} is too few for this run config: min-available-hospitals="
+              f"{cfg.min_available_hospitals} and min-train-hospitals={cfg.min_train_hospitals} need at least "
+              f"{needed} hospitals (lower them in --run-config or simulate more hospitals); nothing was started",
+              file=sys.stderr)
+        return 2
+    if cfg.run_name:
+        run_dir = Path(run_config["results-dir"]) / cfg.run_name
+    elif cfg.resume_from:  # the ServerApp keeps the checkpoint's name, so the hospitals find their saved state
+        run_dir = resumed_run_dir(cfg.resume_from, run_config["results-dir"])
+    else:
         run_config["run-name"] = f"{cfg.task}-{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(run_config["results-dir"]) / run_config["run-name"]
+        run_dir = Path(run_config["results-dir"]) / run_config["run-name"]
+
+    from common.launch import (
+        FlowerHome,
+        flwr,
+        free_port,
+        run_log,
+        running_processes,
+        start_superlink,
+        stop_all,
+        submit_run,
+        wait_for_run,
+    )
+
+    deadline = time.monotonic() + timeout  # --timeout counts from here, start-up included
+    others = running_processes()  # started by whoever called this (tests): not ours to stop
     flower_home = FlowerHome(home.resolve())
-    superlink = start_superlink(flower_home, free_port(), simulation=True)
+    run_id: int | None = None
     printed = 0
+
+    def progress(_status: str = "") -> None:
+        nonlocal printed
+        if (run_dir / "metrics.jsonl").exists():
+            history = read_history(run_dir)
+            for record in history[printed:]:
+                from common.round_engine import describe
+
+                print(f"round {record['round']}: {describe(record)}", flush=True)
+            printed = len(history)
+
     try:
-        run_id = submit_run(flower_home, "local", run_config, {"num-supernodes": hospitals, **engine})
-        print(f"run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
+        with signals(_raise_stopped):
+            try:
+                start_superlink(flower_home, free_port(), simulation=True)
+                run_id = submit_run(flower_home, "local", run_config, {"num-supernodes": hospitals, **engine})
+                print(f"run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
+                left = max(1.0, deadline - time.monotonic())
+                status = wait_for_run(flower_home, "local", run_id, left, on_poll=progress)
+            except RunStopped as stopped:
+                why, code = f"stopped ({stopped})", EXIT_STOPPED[stopped.signum]
+            except TimeoutError:
+                why, code = f"stopped after --timeout {timeout:g}s", EXIT_TIMEOUT
+            else:
+                why, code = "", None
+            if code is not None:
+                with signals(_still_stopping):  # a second Ctrl-C must not cut the clean-up short
+                    if run_id is not None:
+                        try:  # best effort: the processes go below whatever the SuperLink answers
+                            flwr(flower_home, "stop", str(run_id), "local", timeout=15)
+                        except Exception:
+                            pass
+                    stop_all(STOP_GRACE, keep=others)
+                run = f"run {run_id}" if run_id is not None else "the run (not submitted yet)"
+                results = (f"partial results in {run_dir}" if run_dir.exists() else
+                           f"no results were written (they would be in {run_dir})")
+                print(f"fedmed: {run} {why}; its processes were ended; {results}", file=sys.stderr, flush=True)
+                return code
 
-        def progress(_status: str) -> None:
-            nonlocal printed
-            if (run_dir / "metrics.jsonl").exists():
-                history = read_history(run_dir)
-                for record in history[printed:]:
-                    from common.round_engine import describe
-
-                    print(f"round {record['round']}: {describe(record)}", flush=True)
-                printed = len(history)
-
-        status = wait_for_run(flower_home, "local", run_id, timeout, on_poll=progress)
-        progress(status)
-        if status != "finished:completed":
-            print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
-            print(f"run {run_id} ended with status {status}", file=sys.stderr)
-            return 1
-        print(render_summary(json.loads((run_dir / "config.json").read_text()), read_history(run_dir)))
-        print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
-        return 0
+            progress()
+            if status != "finished:completed":
+                print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
+                print(f"fedmed: run {run_id} ended with status {status}; partial results in {run_dir}",
+                      file=sys.stderr)
+                return 1
+            history = read_history(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+            problem = run_problem(history, cfg.num_server_rounds)
+            if problem:  # e.g. a dead Ray actor fails every hospital: Flower still calls the run completed
+                print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
+                print(f"fedmed: run {run_id} failed: {problem}; see {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+                return 1
+            print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
+            print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
+            return 0
     finally:
-        superlink.stop()
+        with signals(_still_stopping):
+            stop_all(STOP_GRACE, keep=others)
 
 
 def int8_command(args: argparse.Namespace) -> int:
@@ -118,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--hospitals", type=int, default=3, help="number of simulated hospitals (SuperNodes)")
     sim.add_argument("--run-config", default="", help="overrides, e.g. \"strategy='fedprox' num-server-rounds=10\"")
     sim.add_argument("--federation-config", default="", help="e.g. \"client-resources-num-gpus=0.5\"")
+    sim.add_argument("--overwrite", action="store_true",
+                     help="replace an existing run folder of the same name (run config overwrite-run=true)")
 
     part = sub.add_parser("partition", help="write per-hospital data folders (and the server's test set)")
     part.add_argument("--run-config", default="", help="the job's data keys: dataset, data-dir, partitioner, ...")
@@ -138,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for p in (demo, sim):
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
-        p.add_argument("--timeout", type=float, default=6 * 3600)
+        p.add_argument("--timeout", type=float, default=6 * 3600,
+                       help="seconds the whole run may take; then it is stopped (exit code 124)")
 
     args = parser.parse_args(argv)
     from common.config import ConfigError
@@ -147,8 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return simulate(args.hospitals, {"num-server-rounds": args.rounds}, {}, args.home, args.timeout)
         if args.command == "simulate":
-            return simulate(args.hospitals, parse_overrides(args.run_config), parse_overrides(args.federation_config),
-                            args.home, args.timeout)
+            overrides = parse_overrides(args.run_config)
+            if args.overwrite:
+                overrides["overwrite-run"] = True
+            return simulate(args.hospitals, overrides, parse_overrides(args.federation_config), args.home,
+                            args.timeout)
         if args.command == "partition":
             from common.config import load_job_config
             from common.data.export import export_partitions
@@ -162,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"fedmed: {error}", file=sys.stderr)
         return 2
+    except RunStopped as stopped:  # after the run's processes were ended (simulate's finally)
+        print(f"fedmed: stopped ({stopped})", file=sys.stderr)
+        return EXIT_STOPPED[stopped.signum]
     return 1
 
 

@@ -1,24 +1,33 @@
 """Starting and stopping Flower processes and runs: used by the ``fedmed`` CLI, the deploy scripts'
 tests and the benchmarks.
 
-Every process starts in its own session, so stopping it (by PID) also stops what it spawned
-(SuperExec, ClientApp processes, Ray). All of them share one ``FLWR_HOME`` whose ``config.toml``
-names the SuperLink connections; ``flwr run`` reports success even when a run fails, so
-:func:`wait_for_run` polls the run's status until it is finished.
+Every process starts in its own session and carries a launch mark in its environment
+(``FEDMED_LAUNCH_ID``, inherited by all it spawns). Stopping it collects its whole process tree
+first (SuperExec, ``flwr-simulation``, Ray's GCS, raylet and workers, ClientApp processes: some of
+them start sessions of their own), then everything still carrying its mark (orphans reparented to
+init), sends them SIGTERM and, after a grace period, SIGKILL. Processes still running when the
+launching program exits are stopped by an ``atexit`` hook, and a program that starts Flower
+processes turns SIGTERM/SIGHUP into ``SystemExit`` (unless it set its own handlers), so ``timeout``
+or a closed terminal unwinds its ``finally`` blocks too. All processes share one ``FLWR_HOME``
+whose ``config.toml`` names the SuperLink connections; ``flwr run`` reports success even when a
+run fails, so :func:`wait_for_run` polls the run's status until it is finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 BIN = Path(sys.executable).parent
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +86,152 @@ def _log_tail_of(process: subprocess.Popen) -> str:
     return f"; the end of its log {log_path}:\n{tail_of(log_path, 30)}" if log_path else ""
 
 
+# --- process trees -------------------------------------------------------------------------------
+#: Environment variable every process started here carries (and passes on to what it spawns).
+LAUNCH_MARK = "FEDMED_LAUNCH_ID"
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One line of ``/proc/<pid>/stat``: enough to walk trees and to tell a PID from its reuse."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    start: int  # clock ticks after boot: a reused PID has another
+    state: str  # "Z": a zombie, already dead
+
+
+def _stat(pid: int) -> ProcessInfo | None:
+    try:
+        data = (PROC / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()  # the command name may hold spaces and parentheses
+    return ProcessInfo(pid, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]), fields[0].decode())
+
+
+def process_table() -> dict[int, ProcessInfo]:
+    """Every process on this machine ({} where there is no /proc)."""
+    table = {}
+    try:
+        entries = [int(e.name) for e in os.scandir(PROC) if e.name.isdigit()]
+    except OSError:
+        return {}
+    for pid in entries:
+        info = _stat(pid)
+        if info is not None:
+            table[pid] = info
+    return table
+
+
+def process_tree(roots: Iterable[int], table: Mapping[int, ProcessInfo] | None = None) -> dict[int, ProcessInfo]:
+    """The processes ``roots`` and all their descendants, and the members of their sessions and process
+    groups (a root started with its own session names both), as they are now."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    roots = [pid for pid in roots if pid in table]
+    found: dict[int, ProcessInfo] = {}
+    todo = list(roots)
+    todo += [i.pid for i in table.values() if any(i.sid == r or i.pgid == r for r in roots) and i.pid > 1]
+    while todo:
+        pid = todo.pop()
+        if pid in found or pid not in table or pid == os.getpid():
+            continue
+        found[pid] = table[pid]
+        todo += children.get(pid, [])
+    return found
+
+
+def marked_processes(marks: Iterable[str], table: Mapping[int, ProcessInfo] | None = None) -> dict[int, ProcessInfo]:
+    """Processes whose environment carries one of these launch marks (see :data:`LAUNCH_MARK`)."""
+    wanted = {f"{LAUNCH_MARK}={mark}".encode() for mark in marks}
+    if not wanted:
+        return {}
+    table = process_table() if table is None else table
+    found = {}
+    for pid, info in table.items():
+        if pid == os.getpid() or info.state == "Z":
+            continue
+        try:
+            environ = (PROC / str(pid) / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if wanted.intersection(environ.split(b"\0")):
+            found[pid] = info
+    return found
+
+
+def _alive(procs: Mapping[int, ProcessInfo]) -> dict[int, ProcessInfo]:
+    """Those of ``procs`` still running: same PID and start time, not a zombie."""
+    alive = {}
+    for pid, info in procs.items():
+        now = _stat(pid)
+        if now is not None and now.start == info.start and now.state != "Z":
+            alive[pid] = info
+    return alive
+
+
+def _signal(procs: Mapping[int, ProcessInfo], signum: int) -> None:
+    for pid in _alive(procs):
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _collect(roots: Iterable[int], marks: Iterable[str]) -> dict[int, ProcessInfo]:
+    table = process_table()
+    return {**process_tree(roots, table), **marked_processes(marks, table)}
+
+
+def terminate_tree(roots: Iterable[int], marks: Iterable[str] = (), grace: float = 10.0, kill_wait: float = 10.0,
+                   reap: Iterable[subprocess.Popen] = (), poll: float = 0.2, at_once: bool = False) -> list[int]:
+    """Stop ``roots``, all their descendants and every process carrying one of ``marks``: SIGTERM, then SIGKILL
+    to whatever still runs after ``grace`` seconds (``at_once``: SIGKILL only). The tree is collected before the
+    first signal (a parent's death hands its children to init) and again while waiting (for processes started
+    meanwhile). ``reap``: our own children among them, waited for so that none is left a zombie. Returns the
+    PIDs still alive ``kill_wait`` seconds after SIGKILL (none, unless a process hangs in the kernel)."""
+    roots, marks, reap = list(roots), list(marks), list(reap)
+    steps = [(signal.SIGKILL, kill_wait)] if at_once else [(signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)]
+    if not PROC.is_dir():  # no /proc (not Linux): each root's session is all we can reach
+        for signum, seconds in steps:
+            for pid in roots:
+                try:
+                    os.killpg(pid, signum)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + seconds
+            while any(p.poll() is None for p in reap) and time.monotonic() < deadline:
+                time.sleep(poll)
+        return [p.pid for p in reap if p.poll() is None]
+    targets = _collect(roots, marks)
+    signalled: dict[int, ProcessInfo] = {}
+    for signum, seconds in steps:
+        deadline = time.monotonic() + seconds
+        while True:
+            fresh = {pid: info for pid, info in _alive(targets).items() if signalled.get(pid) != info}
+            _signal(fresh, signum)
+            signalled.update(fresh)
+            for process in reap:
+                process.poll()
+            if not _alive(targets) or time.monotonic() >= deadline:
+                break
+            time.sleep(poll)
+            # descendants started since, and processes that escaped (reparented, new sessions)
+            targets.update(_collect(list(_alive(targets)), marks))  # (a reaped root's PID may be reused)
+        signalled = {}
+        if not _alive(targets):
+            break
+    for process in reap:
+        process.poll()
+    return sorted(_alive(targets))
+
+
 @dataclass
 class ManagedProcess:
     """A started Flower process; ``stop()`` ends it and everything it spawned."""
@@ -84,6 +239,7 @@ class ManagedProcess:
     name: str
     process: subprocess.Popen
     log_path: Path
+    mark: str = ""  # its LAUNCH_MARK value: inherited by all it spawns
 
     @property
     def pid(self) -> int:
@@ -92,45 +248,99 @@ class ManagedProcess:
     def running(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace: float = 10.0) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # leftovers in the session (ClientApp processes, Ray workers) go too
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.process.poll() is None:
-            self.process.wait(timeout=5)
+    def stop(self, grace: float = 10.0) -> list[int]:
+        """SIGTERM to it and to all it spawned, SIGKILL to what is left after ``grace`` seconds; returns the
+        PIDs that outlived even SIGKILL (normally none)."""
+        return self._end(grace=grace, at_once=False)
 
     def kill(self) -> None:
-        """End it at once (SIGKILL to its session), as a crash or a pulled plug would: nothing is flushed."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait(timeout=10)
+        """End it at once (SIGKILL to it and all it spawned), as a crash or a pulled plug would: nothing is
+        flushed."""
+        self._end(grace=0.0, at_once=True)
+
+    def _end(self, grace: float, at_once: bool) -> list[int]:
+        # Once reaped, its PID may belong to someone else: then only the mark finds what it left behind.
+        roots = [self.pid] if self.process.poll() is None else []
+        left = terminate_tree(roots, [self.mark] if self.mark else [], grace=grace, reap=[self.process],
+                              at_once=at_once)
+        if self.process.poll() is None:
+            self.process.wait(timeout=5)
+        _forget(self)
+        return left
 
     def log_tail(self, lines: int = 40) -> str:
         return tail_of(self.log_path, lines)
+
+
+#: Processes started here and not stopped yet, in the order they started: stopped at exit.
+_LIVE: list[ManagedProcess] = []
+#: Marks of processes being started (interrupted between fork and registration: found by their mark).
+_PENDING: set[str] = set()
+
+
+def _forget(process: ManagedProcess) -> None:
+    for i, live in enumerate(_LIVE):
+        if live is process:
+            del _LIVE[i]
+            return
+
+
+def running_processes() -> list[ManagedProcess]:
+    """Processes started by :func:`start_process` in this program and not stopped yet, the newest first."""
+    return _LIVE[::-1]
+
+
+def stop_all(grace: float = 5.0, keep: Iterable[ManagedProcess] = ()) -> None:
+    """Stop every process started here and not stopped yet (but those in ``keep``), with everything it spawned,
+    newest first: the SuperNodes before their SuperLink."""
+    keep = list(keep)
+    for process in running_processes():
+        if any(process is kept for kept in keep):
+            continue
+        try:
+            process.stop(grace)
+        except Exception as error:  # at exit: carry on with the others
+            print(f"could not stop {process.name} (pid {process.pid}): {error}", file=sys.stderr)
+            _forget(process)
+    if _PENDING:
+        terminate_tree([], list(_PENDING), grace=grace)
+        _PENDING.clear()
+
+
+atexit.register(stop_all)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_termination() -> None:
+    """SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` so that ``finally`` blocks and the ``atexit`` hook
+    stop the Flower processes (their default action would end this program and leave them running). Handlers
+    a program set itself are kept; only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _exit_on_signal)
 
 
 def start_process(name: str, args: list[str], home: Path, log_dir: Path, env: Mapping[str, str] | None = None,
                   cwd: Path | None = None) -> ManagedProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    handle = log_path.open("ab")
-    process = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=dict(env or flower_env(home)),
-                               cwd=cwd, start_new_session=True)
-    handle.close()
+    exit_on_termination()
+    mark = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    env = {**dict(env or flower_env(home)), LAUNCH_MARK: mark}
+    _PENDING.add(mark)  # a signal between fork and the line below still leaves a mark stop_all finds
+    with log_path.open("ab") as handle:
+        process = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                   start_new_session=True)
     process.log_path = log_path  # read back by wait_for_port's error message
-    return ManagedProcess(name, process, log_path)
+    managed = ManagedProcess(name, process, log_path, mark)
+    _LIVE.append(managed)
+    _PENDING.discard(mark)
+    return managed
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Helpers for tests that start real Flower processes; each process is stopped by PID afterwards."""
+"""Helpers for tests that start real Flower processes; each process is stopped afterwards, with its whole process
+tree (by PID, and by the launch mark its descendants inherit: see common.launch)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ def stopped_at_exit(*processes: ManagedProcess) -> Iterator[list[ManagedProcess]
     try:
         yield started
     finally:
-        for process in reversed(started):
-            process.stop()
+        left = {}
+        for process in reversed(started):  # each with all it spawned (SuperExec, Ray, ClientApp processes)
+            if outlived := process.stop():
+                left[process.name] = outlived
         assert not any(p.running() for p in started)
+        assert not left, f"processes outlived SIGKILL: {left}"
 
 
 @contextlib.contextmanager

@@ -27,7 +27,16 @@ from pathlib import Path
 
 from common.config import JobConfig
 from common.data.export import export_partitions
-from common.launch import FlowerHome, free_port, run_log, start_superlink, start_supernode, submit_run, wait_for_run
+from common.launch import (
+    FlowerHome,
+    exit_on_termination,
+    free_port,
+    run_log,
+    start_superlink,
+    start_supernode,
+    submit_run,
+    wait_for_run,
+)
 from server_app.results import read_history
 
 HERE = Path(__file__).resolve().parent
@@ -151,6 +160,9 @@ def main() -> None:
                         help="Arrays per message for the per-Array cost (echo app; none: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
     args = parser.parse_args()
+    # SIGTERM (timeout, a scheduler) or SIGHUP unwind the finally blocks, which stop each SuperLink and SuperNode
+    # with everything they spawned (common.launch also stops leftovers at exit)
+    exit_on_termination()
 
     measured: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fedmed-overhead-") as tmp:
