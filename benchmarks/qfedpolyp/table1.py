@@ -50,22 +50,44 @@ PROTOCOL = {"task": "polyp-segmentation", "strategy": "qfedpolyp", "dataset": "i
             "seed": 42, "learning_rate": 1e-3, "test_fraction": 0.2, "val_fraction": 0.1, "keep_checkpoints": 1}
 NUM_HOSPITALS = 5
 #: The paper's setting (128x128, E = 5, 150 rounds), and a CPU preset that keeps everything else but
-#: shrinks images, epochs and rounds to fit two cores (about an hour for the six configurations).
+#: shrinks images, epochs and rounds to fit two cores (about an hour for the six configurations); cpu-short
+#: (16x16, E = 1, 10 rounds, ~4 minutes a configuration) compares the beyond-the-paper rows side by side.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"image_size": 128, "local_epochs": 5, "num_server_rounds": 150, "batch_size": 16, "device": "auto"},
     "cpu": {"image_size": 32, "local_epochs": 3, "num_server_rounds": 20, "batch_size": 16, "device": "cpu"},
+    "cpu-short": {"image_size": 16, "local_epochs": 1, "num_server_rounds": 10, "batch_size": 16, "device": "cpu"},
 }
 #: Table rows: the paper's configurations and two below 4 bits (the CPU preset leaves out 2 bits for time).
 CONFIGS = {"paper": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3",
                      "2,2,2,2,2"],
-           "cpu": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3"]}
+           "cpu": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3"],
+           #: beyond the paper (issue 16): updates instead of weights, error feedback, a quantised downlink
+           "cpu-short": ["32,32,32,32,32", "4,4,4,4,4", "4,4,4,4,4/update", "4,4,4,4,4/update+ef",
+                         "2,2,2,2,2/update", "2,2,2,2,2/update+ef", "8,8,8,8,8/update+ef/down8",
+                         "4,4,4,4,4/update+ef/down4"]}
 SOURCES = {"kvasir_seg_256": "Kvasir-SEG", "cvc_clinicdb_256": "CVC-ClinicDB"}
 CONVERGENCE_TOLERANCE = 0.01
 
 
+def parse_config(config: str) -> dict[str, Any]:
+    """``'4,4,4,4,4/update+ef/down4'`` -> the qfedpolyp settings: uplink bit-widths, then optionally
+    ``update`` (send the round's update) with ``+ef`` (error feedback), and ``down<b>`` (downlink bit-width)."""
+    widths, *options = config.split("/")
+    settings: dict[str, Any] = {"bit_widths": widths}
+    for option in options:
+        if option in ("update", "update+ef"):
+            settings.update(quantise="update", error_feedback=option.endswith("+ef"))
+        elif option.startswith("down") and option[4:].isdigit():
+            settings["downlink_bit_width"] = int(option[4:])
+        else:
+            raise SystemExit(f"configuration {config!r}: unknown option {option!r} (update, update+ef, down<b>)")
+    return settings
+
+
 def job_config(base: dict[str, Any], config: str, out: Path) -> JobConfig:
-    cfg = JobConfig(**{**base, "run_name": config.replace(",", "-"), "results_dir": str(out / "runs")})
-    return cfg.model_copy(update={"qfedpolyp": cfg.qfedpolyp.model_copy(update={"bit_widths": config})})
+    name = config.replace(",", "-").replace("/", "_").replace("+", "-")
+    cfg = JobConfig(**{**base, "run_name": name, "results_dir": str(out / "runs")})
+    return cfg.model_copy(update={"qfedpolyp": cfg.qfedpolyp.model_copy(update=parse_config(config))})
 
 
 def run_config(cfg: JobConfig) -> list[dict[str, Any]]:
@@ -93,7 +115,7 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     from flwr.supercore.task_identity import TaskIdentity
 
     from common.methods.base import Payload
-    from common.methods.qfedpolyp import PACKED
+    from common.methods.qfedpolyp import PACKED, STATISTICS, split_statistics
     from common.quantization.codec import encode_model
     from common.wire import message_nbytes, to_recorddict
     from server_app.checkpoint import load_checkpoint
@@ -106,8 +128,16 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     last = history[-1]
     sizes = {}
     for hospital, bits in last["method"]["bit-widths"].items():
-        payload = Payload(arrays={PACKED: encode_model(model, bits)}, metrics=last["hospital_metrics"][hospital])
+        if cfg.qfedpolyp.quantise == "update":  # an update's codes take what the weights' take, plus statistics
+            weights, statistics = split_statistics(model)
+            arrays = {PACKED: encode_model(weights, bits, content="update"), STATISTICS: statistics}
+        else:
+            arrays = {PACKED: encode_model(model, bits)}
+        payload = Payload(arrays=arrays, metrics=last["hospital_metrics"][hospital])
         sizes[hospital] = message_nbytes(Message(to_recorddict(payload), dst_node_id=1, message_type=MessageType.TRAIN))
+    down = Payload(arrays={PACKED: encode_model(model, cfg.qfedpolyp.downlink_bit_width)})
+    down_message = Message(to_recorddict(down), dst_node_id=1, message_type=MessageType.TRAIN)
+    sizes["downlink, each"] = message_nbytes(down_message)  # model only: the round config adds ~1 kB
     return sizes
 
 
@@ -120,12 +150,14 @@ def convergence_round(history: list[dict[str, Any]], key: str) -> int:
 def summarise(config: str, cfg: JobConfig, history: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     final = next(r["test"] for r in reversed(history) if "test" in r)
     up = uplink_message_bytes(cfg, history)
+    down_each = up.pop("downlink, each")
     counted = history[-1]["bytes_up"]  # Payload.nbytes() of the real replies, summed
-    if abs(sum(up.values()) - counted) > 0.01 * counted:
+    if abs(sum(up.values()) - counted) > 0.01 * counted + 20_000 * len(up):  # Flower's per-Array framing
         raise RuntimeError(f"{config}: message bytes {sum(up.values())} differ from the run's count {counted}")
     last_dice = [r["test"]["dice"] for r in history if "test" in r][-5:]
-    row: dict[str, Any] = {"config": config, "bits": [int(b) for b in config.split(",")], "rounds": len(history),
-                           "uplink_bytes": int(sum(up.values())), "uplink_bytes_per_hospital": up,
+    row: dict[str, Any] = {"config": config, "bits": [int(b) for b in config.split("/")[0].split(",")],
+                           "rounds": len(history), "uplink_bytes": int(sum(up.values())),
+                           "downlink_bytes": int(down_each * len(up)), "uplink_bytes_per_hospital": up,
                            "dice": final["dice"], "iou": final["iou"], "dice_last5": float(np.mean(last_dice)),
                            "minutes": seconds / 60}
     for source in SOURCES:
@@ -136,11 +168,11 @@ def summarise(config: str, cfg: JobConfig, history: list[dict[str, Any]], second
 
 
 def render(rows: list[dict[str, Any]], title: str, command: str, setting: str) -> str:
-    baseline = next((r for r in rows if set(r["bits"]) == {32}), None)
+    baseline = next((r for r in rows if r["config"] == "32,32,32,32,32"), None)
     head = ["Bit-widths (5 hospitals)"]
     for name in SOURCES.values():
         head += [f"{name} DSC", f"{name} IoU", f"{name} conv. round"]
-    head += ["All DSC", "Uplink MB/round", "vs 32-bit"]
+    head += ["All DSC", "Uplink MB/round", "vs 32-bit", "Both ways MB/round", "vs 32-bit"]
     lines = [f"# {title}", "", setting, "", f"Command: `{command}`", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -148,11 +180,16 @@ def render(rows: list[dict[str, Any]], title: str, command: str, setting: str) -
         for source in SOURCES:
             cells += [f"{row[source]['dice']:.3f}", f"{row[source]['iou']:.3f}", str(row[source]["converged"])]
         ratio = f"{baseline['uplink_bytes'] / row['uplink_bytes']:.2f}x smaller" if baseline else "no 32-bit row"
-        cells += [f"{row['dice']:.3f}", f"{row['uplink_bytes'] / 1e6:.2f}", ratio]
+        both = row["uplink_bytes"] + row.get("downlink_bytes", 0)
+        both_ratio = (f"{(baseline['uplink_bytes'] + baseline.get('downlink_bytes', 0)) / both:.2f}x smaller"
+                      if baseline else "no 32-bit row")
+        cells += [f"{row['dice']:.3f}", f"{row['uplink_bytes'] / 1e6:.2f}", ratio, f"{both / 1e6:.2f}", both_ratio]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Round of convergence: first round whose test Dice on that data set is within "
               f"{CONVERGENCE_TOLERANCE} of the best it reached. Uplink: serialised reply messages of all five "
-              "hospitals in one round.", ""]
+              "hospitals in one round; both ways: with the five downlink messages. `/update`: hospitals send their "
+              "round's update (`qfedpolyp.quantise='update'`), `+ef` with error feedback, `/down<b>`: the "
+              "downlink at b bits.", ""]
     if baseline:
         lines += goals(rows, baseline)
     lines += ["## Run details", "", "| configuration | rounds | mean test Dice, last 5 rounds | minutes |",
@@ -177,6 +214,18 @@ def goals(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> list[str]:
         lines.append(f"| 8-bit Dice within 0.015 of 32-bit (final round) | {eight['dice']:.3f} vs "
                      f"{baseline['dice']:.3f} (32-bit minus 8-bit: {gap:+.3f}; mean of last 5 rounds: {gap5:+.3f}) | "
                      f"{'yes' if gap <= 0.015 else 'no'} |")
+    for config, target, both_ways in (("2,2,2,2,2/update+ef", 15.0, False), ("4,4,4,4,4/update+ef/down4", 7.5, True),
+                                      ("8,8,8,8,8/update+ef/down8", 3.9, True)):
+        if config not in by_config:
+            continue
+        row = by_config[config]
+        traffic = (lambda r: r["uplink_bytes"] + r["downlink_bytes"]) if both_ways else (lambda r: r["uplink_bytes"])
+        ratio = traffic(baseline) / traffic(row)
+        gap5 = baseline["dice_last5"] - row["dice_last5"]
+        what = "traffic both ways" if both_ways else "uplink"
+        lines.append(f"| ({config}): {what} >= {target}x smaller than 32 bits, Dice (mean of last 5 rounds) within "
+                     f"0.015 of 32-bit | {ratio:.2f}x; {row['dice_last5']:.3f} vs {baseline['dice_last5']:.3f} "
+                     f"({gap5:+.3f}) | {'yes' if ratio >= target and gap5 <= 0.015 else 'no'} |")
     return lines + [""]
 
 
@@ -204,7 +253,8 @@ def plot(rows: list[dict[str, Any]], histories: dict[str, list[dict[str, Any]]],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--configs", nargs="+", help="bit-width lists, e.g. 8,8,8,16,16 (default: the preset's)")
+    parser.add_argument("--configs", nargs="+", help="bit-width lists, e.g. 8,8,8,16,16 or 2,2,2,2,2/update+ef/down8 "
+                                                      "(default: the preset's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job field, e.g. --set num_server_rounds=1")
     parser.add_argument("--out", type=Path, help="default: results/qfedpolyp-<preset> (run folders)")
