@@ -5,6 +5,7 @@
     fedmed partition --run-config "dataset='ham10000' data-dir='../shared/data/ham10000'" --hospitals 5 --out sites
     fedmed export-int8 --run results/<run-name> --out polyp-int8.pt    # QFedPolyp's INT8 deployment model
     fedmed segment --model polyp-int8.pt --images new-frames/ --out masks/
+    fedmed evaluate --run results/<run-name> --data external-site/   # a run's model on a labelled folder
 
 Ctrl-C, SIGTERM or --timeout stop a simulation or the demo and every process it started (exit code 130, 143
 or 124; partial results stay in the run folder); a run that did not complete exits 1, a refused config 2.
@@ -248,6 +249,24 @@ def int8_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate_command(args: argparse.Namespace) -> int:
+    """``evaluate``: the run's model on a labelled folder, printed and written as JSON and markdown."""
+    from server_app.evaluation import evaluate_run, render_evaluation, write_evaluation
+
+    try:
+        result = evaluate_run(args.run, args.data, round_number=args.round, int8_model=args.model,
+                              modalities=args.modalities, hospital=args.hospital, dataset=args.dataset)
+    except (ValueError, OSError) as error:  # a folder, checkpoint or model that does not fit: one line
+        print(f"fedmed evaluate: {error}", file=sys.stderr)
+        return 2
+    name = "-".join(part for part in (Path(args.data).name, args.hospital, "int8" if args.model else "",
+                                      f"round-{args.round}" if args.round else "") if part)
+    json_path, md_path = write_evaluation(result, args.out or Path(args.run) / "evaluations" / name)
+    print(render_evaluation(result))
+    print(f"written to {md_path} and {json_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,6 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
     segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
 
+    evaluation = sub.add_parser("evaluate", help="score a run's model on a labelled folder it never saw")
+    evaluation.add_argument("--run", type=Path, required=True, help="run folder (or one of its checkpoint files)")
+    evaluation.add_argument("--data", type=Path, required=True,
+                            help="labelled folder: HAM10000 layout, npz, images/ + masks/, or BraTS case folders")
+    evaluation.add_argument("--round", type=int, default=None, help="the checkpoint after this round (default: last)")
+    evaluation.add_argument("--model", type=Path, default=None, help="an INT8 model from `fedmed export-int8`")
+    evaluation.add_argument("--modalities", default="", help="brain task: the MRI modalities to give the model")
+    evaluation.add_argument("--hospital", default="", help="FedProto: this hospital's own model")
+    evaluation.add_argument("--dataset", default="", help="the folder's format when it cannot be told from its layout")
+    evaluation.add_argument("--out", type=Path, default=None,
+                            help="file name without suffix (default: <run>/evaluations/<data folder>)")
+
     for p in (demo, sim):
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
         p.add_argument("--timeout", type=float, default=6 * 3600,
@@ -288,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     from common.config import ConfigError
+    from common.data.containers import DataError
 
     try:
         if args.command == "demo":
@@ -308,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("export-int8", "segment"):
             return int8_command(args)
-    except ConfigError as error:
+        if args.command == "evaluate":
+            return evaluate_command(args)
+    except (ConfigError, DataError) as error:
         print(f"fedmed: {error}", file=sys.stderr)
         return 2
     except RunStopped as stopped:  # after the run's processes were ended (simulate's finally)

@@ -116,3 +116,18 @@ def test_fedmed_evaluate_scores_a_fedproto_hospitals_own_model_and_per_source_po
     scores = evaluate_run(polyp.run_dir, frames)
     assert {"dice", "iou"} <= set(scores["overall"]) and scores["overall"]["num-examples"] == 12
     assert sorted(scores["sources"]) == ["clinic-a", "clinic-b"] and np.isfinite(scores["sources"]["clinic-a"]["dice"])
+
+
+def test_the_evaluate_command_prints_and_writes_the_table_and_names_a_bad_folder(tmp_path, capsys):
+    from common.cli import main
+
+    cfg = finished_run(tmp_path, {**SMALL_CLASSIFICATION, "strategy": "fedavg"}, rounds=1)
+    folder = tmp_path / "site-x"
+    write_site(cfg, generate("classification", 40, cfg.image_size, seed=7), folder, "test")
+    assert main(["evaluate", "--run", str(cfg.run_dir), "--data", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    assert "global model of" in printed and "| all |" in printed
+    written = json.loads((cfg.run_dir / "evaluations" / "site-x.json").read_text())
+    assert written["overall"]["num-examples"] == 40 and (cfg.run_dir / "evaluations" / "site-x.md").exists()
+    assert main(["evaluate", "--run", str(cfg.run_dir), "--data", str(tmp_path / "nowhere")]) == 2
+    assert "--data: " in capsys.readouterr().err

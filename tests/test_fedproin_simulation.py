@@ -1,7 +1,10 @@
 """FedProIn through Flower's simulation engine: two rounds complete, the influence matrices reach
-the round metrics, and every hospital that trained kept its prototypes in its state folder."""
+the round metrics, every hospital that trained kept its prototypes in its state folder, and every
+hospital scored the final model in the cross-site evaluation."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -17,7 +20,8 @@ pytestmark = pytest.mark.integration
 def test_two_round_fedproin_simulation(tmp_path):
     results, state = tmp_path / "results", tmp_path / "state"
     job = {**TINY_JOB, "strategy": "fedproin", "classifier": "small-cnn", "num-server-rounds": 2,
-           "fraction-train": 0.7, "run-name": "fedproin", "results-dir": str(results), "state-dir": str(state)}
+           "fraction-train": 0.7, "run-name": "fedproin", "results-dir": str(results), "state-dir": str(state),
+           "cross-site-evaluation": True}
     with simulation_superlink(tmp_path) as home:
         run_to_completion(home, job, {"num-supernodes": 3})
 
@@ -35,3 +39,7 @@ def test_two_round_fedproin_simulation(tmp_path):
         assert list((state / hospital / "fedproin").glob("state-r*.npz")), hospital
     checkpoint = load_checkpoint(results / "fedproin")
     assert checkpoint["method/global/prototypes"].shape[:2] == (4, 2)
+    cross_site = json.loads((results / "fedproin" / "cross_site.json").read_text())
+    assert sorted(cross_site["scores"]) == ["hospital-00", "hospital-01", "hospital-02"] and not cross_site["missing"]
+    assert all(0.0 <= s["global"]["accuracy"] <= 1.0 for s in cross_site["scores"].values())
+    assert (results / "fedproin" / "plots" / "cross_site.png").exists()
