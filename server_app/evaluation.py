@@ -77,7 +77,8 @@ def plot_cross_site(record: dict[str, Any], headline: str, path: Path) -> Path |
     for i in range(len(hospitals)):
         for j in range(len(models)):
             text = "" if math.isnan(values[i, j]) else f"{values[i, j]:.3f}"
-            ax.text(j, i, text or "no answer", ha="center", va="center", color="white" if text else "grey")
+            absent = "failed" if hospitals[i] in record["failed"] else "no answer"
+            ax.text(j, i, text or absent, ha="center", va="center", color="white" if text else "grey")
     fig.colorbar(image, ax=ax, label=headline)
     ax.set_title(f"cross-site {headline} after round {record['after-round']}")
     fig.tight_layout()
