@@ -222,6 +222,8 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
                 print(f"fedmed: run {run_id} failed: {problem}; see {run_dir / 'metrics.jsonl'}", file=sys.stderr)
                 return 1
             print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
+            if (run_dir / "cross_site.md").exists():
+                print((run_dir / "cross_site.md").read_text())
             print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
             return 0
     finally:
