@@ -118,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The table and its JSON; a rerun of some cases (``--only``) replaces just their rows."""
+    suffix = "_quick" if args.quick else ""
+    earlier = RESULTS / f"screening_honest_norms{suffix}.json"
+    if args.only and earlier.exists():
+        fresh = {r["case"]: r for r in rows}
+        rows = [fresh.pop(r["case"], r) for r in json.loads(earlier.read_text())] + list(fresh.values())
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -127,16 +133,15 @@ def write_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     command = "python -m benchmarks.screening.honest_norms" + (" --quick" if args.quick else "")
     lines = [f"# Honest hospitals' update distances ({'generated data' if args.quick else 'real data'})", "",
              f"`{command}` on {cpu}, {args.threads} threads.", "",
-             "Ratio of a hospital's update distance (L2 distance of its reply from the model it received) to the "
-             "median of the other hospitals' in the same round; the update-norm rule refuses above "
-             "`screening.update-norm-limit` (default 10).", "",
+             "Ratio of a hospital's update distance (L2 distance of its reply from the model it received; FedProto: "
+             "from the model it sent last time) to the median of the other hospitals' in the same round; the "
+             "update-norm rule refuses above `screening.update-norm-limit` (default 10).", "",
              "| case | hospitals | rounds | updates | largest ratio | 95th pct | median | minutes |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['case']} | {r['hospitals']} | {r['rounds']} | {r['updates']} | {r['largest']:.2f} | "
               f"{r['p95']:.2f} | {r['median']:.2f} | {r['minutes']:.1f} |" for r in rows]
-    suffix = "_quick" if args.quick else ""
     (RESULTS / f"screening_honest_norms{suffix}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"screening_honest_norms{suffix}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    earlier.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
