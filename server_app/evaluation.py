@@ -112,7 +112,7 @@ def folder_format(task: str, folder: Path) -> str:
 def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8_model: Path | None = None,
                  modalities: str = "", hospital: str = "", dataset: str = "") -> dict[str, Any]:
     """Scores of a run's model on the labelled ``data``: ``{"model", "data", "checkpoint", "overall", "sources"}``."""
-    from common.data.brain_sources import with_modalities
+    from common.data.brain_sources import load_folder_cases
     from common.data.brats import parse_modalities
     from common.methods.base import unpack_json
     from common.methods.registry import server_class
@@ -132,12 +132,12 @@ def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8
     eval_cfg = cfg.model_copy(update={"dataset": dataset or folder_format(cfg.task, data), "test_dir": str(data),
                                       "data_dir": ""})
     task_type = task_class(cfg.task)
-    cases = task_type.load_test(eval_cfg)
-    if modalities:
+    if modalities:  # only those sequences are read: the folder need not hold the others
         if cfg.task != "brain-tumour-segmentation":
             raise ConfigError("--modalities is for the brain tumour task")
-        chosen = parse_modalities(modalities, "--modalities")
-        cases = [with_modalities(case, chosen) for case in cases]
+        cases = load_folder_cases(eval_cfg, data, parse_modalities(modalities, "--modalities"))
+    else:
+        cases = task_type.load_test(eval_cfg)
     spec = task_type.describe(cases)
     run_spec = unpack_json(state["run/model-spec"]) if "run/model-spec" in state else {}
     for key in ("class-names", "in-channels", "num-classes"):

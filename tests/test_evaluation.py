@@ -131,3 +131,23 @@ def test_the_evaluate_command_prints_and_writes_the_table_and_names_a_bad_folder
     assert written["overall"]["num-examples"] == 40 and (cfg.run_dir / "evaluations" / "site-x.md").exists()
     assert main(["evaluate", "--run", str(cfg.run_dir), "--data", str(tmp_path / "nowhere")]) == 2
     assert "--data: " in capsys.readouterr().err
+
+
+def test_fedmed_evaluate_scores_a_brain_model_on_case_folders_with_only_some_modalities(tmp_path):
+    import nibabel as nib
+
+    from common.data.brain_sources import _generated
+
+    brain = finished_run(tmp_path, {**SMALL_BRAIN, "strategy": "fedmepd"}, rounds=1)
+    folder = tmp_path / "brats-site"
+    for case in list(_generated(2, 24, seed=123).values()):
+        case_dir = folder / case.name
+        case_dir.mkdir(parents=True)
+        for index, modality in enumerate(("flair", "t1ce")):  # this site has two sequences only
+            nib.save(nib.Nifti1Image(case.image[index], np.eye(4)),
+                     case_dir / f"{case.name}_{modality}.nii.gz")
+        seg = np.where(case.label == 3, 4, case.label).astype(np.uint8)
+        nib.save(nib.Nifti1Image(seg, np.eye(4)), case_dir / f"{case.name}_seg.nii.gz")
+    result = evaluate_run(brain.run_dir, folder, modalities="flair,t1ce")
+    assert result["dataset"] == "brats" and result["overall"]["num-examples"] == 2
+    assert 0.0 <= result["overall"]["dice_mean"] <= 1.0 and "dice_WT" in result["overall"]
