@@ -351,7 +351,8 @@ def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     nan.payload.arrays["model"][name] = np.full_like(nan.payload.arrays["model"][name], np.nan)
     del missing.payload.arrays["model"][next(k for k in missing.payload.arrays["model"]
                                              if k.startswith("encoders.flair."))]
-    liar = RoundReply(HospitalInfo("hospital-liar", 2, {"modalities": "flair,pet"}), good.payload)
+    liar = RoundReply(HospitalInfo("hospital-liar", int(good.payload.metrics["num-examples"]),
+                                   {"modalities": "flair,pet"}), good.payload)
     record = engine.complete_round(1, [r.hospital for r in replies + [liar]], replies + [liar], 0.0)
     assert record["aggregated"] == ["hospital-00"]
     assert "NaN" in record["refused"]["hospital-01"] and "encoders.flair." in record["refused"]["hospital-02"]
