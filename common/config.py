@@ -83,7 +83,8 @@ class QFedPolypSection(Section):
                                              "A hospital's node config 'bit-width' wins over this list.")
     downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals "
                                                     "(32: plain floats).")
-    qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training.")
+    qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training "
+                                        "(quantise='weights'; updates are quantised after full-precision training).")
     quantise: Literal["weights", "update"] = Field("weights", description=(
         "What a hospital sends at its bit-width: its trained weights (the paper's), or its round's update "
         "(trained minus received weights, far narrower per tensor); BatchNorm statistics then go as floats."))

@@ -126,3 +126,21 @@ def test_hospitals_rebuild_a_quantised_downlink_exactly_as_the_server_does():
 def test_error_feedback_needs_update_quantisation():
     with pytest.raises(ConfigError, match="error-feedback=true needs qfedpolyp.quantise='update'"):
         load_job_config({**JOB, "qfedpolyp.quantise": "weights", "qfedpolyp.error-feedback": True})
+
+
+def test_update_mode_trains_in_full_precision(monkeypatch):
+    import common.methods.qfedpolyp as qfedpolyp
+
+    seen = []
+    real = qfedpolyp.quantization_aware
+
+    def recording(model, bits):
+        seen.append(bits)
+        return real(model, bits)
+
+    monkeypatch.setattr(qfedpolyp, "quantization_aware", recording)
+    for quantise, expected in (("update", 32), ("weights", 4)):
+        cfg = job(**{"qfedpolyp.bit-widths": "4", "qfedpolyp.quantise": quantise})
+        engine = RoundEngine(cfg)
+        one_round(cfg, simulated_sites(cfg, 2)[:1], engine)
+        assert seen[-1] == expected, quantise

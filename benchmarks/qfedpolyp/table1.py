@@ -63,7 +63,7 @@ CONFIGS = {"paper": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,
            "cpu": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3"],
            #: beyond the paper (issue 16): updates instead of weights, error feedback, a quantised downlink
            "cpu-short": ["32,32,32,32,32", "4,4,4,4,4", "4,4,4,4,4/update", "4,4,4,4,4/update+ef",
-                         "2,2,2,2,2/update", "2,2,2,2,2/update+ef", "8,8,8,8,8/update+ef/down8",
+                         "3,3,3,3,3/update+ef", "2,2,2,2,2/update", "2,2,2,2,2/update+ef", "8,8,8,8,8/update+ef/down8",
                          "4,4,4,4,4/update+ef/down4"]}
 SOURCES = {"kvasir_seg_256": "Kvasir-SEG", "cvc_clinicdb_256": "CVC-ClinicDB"}
 CONVERGENCE_TOLERANCE = 0.01

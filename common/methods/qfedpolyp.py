@@ -178,11 +178,13 @@ class QFedPolypHospital(HospitalMethod):
         start = model_arrays(model)
         self.task.check_data(self.site.train, f"hospital {self.site.name}")
         received = self.task.evaluate(model, self.site.val, self.site.device)
-        with quantization_aware(model, bits if self.cfg.qfedpolyp.qat else 32):
+        # QAT trains the weights the paper sends at b bits; an update is quantised after full-precision training
+        weights_sent = self.cfg.qfedpolyp.quantise == "weights"
+        with quantization_aware(model, bits if self.cfg.qfedpolyp.qat and weights_sent else 32):
             stats = self.task.fit(model, self.site.train, self.site.device, self.site.round_seed(rnd))
         metrics = {"num-examples": len(self.site.train), "bit-width": bits, **stats}
         metrics.update({f"val-{k}": v for k, v in received.items() if k != "num-examples"})
-        if self.cfg.qfedpolyp.quantise == "weights":
+        if weights_sent:
             return Payload(arrays={PACKED: encode_model(model_arrays(model), bits)}, metrics=metrics)
         return Payload(arrays=self.encoded_update(rnd, start, model_arrays(model), bits), metrics=metrics)
 
