@@ -3,6 +3,8 @@ output stays close to the float one, and the `fedmed export-int8` / `fedmed segm
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,8 @@ from torch.ao.nn import intrinsic, quantized
 
 from common.cli import main as fedmed
 from common.config import JobConfig
+from common.data.export import write_site
+from common.data.sources import generate
 from common.data.synthetic import make_polyps
 from common.models.unet2d import PolypUNet
 from common.quantization.int8 import ShuffleUpsample, int8_model, load_deployment, save_deployment
@@ -88,6 +92,17 @@ def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     for name, size in sizes.items():
         with Image.open(tmp_path / "masks" / f"{name}.png") as mask:
             assert mask.size == size and set(np.unique(np.asarray(mask))) <= {0, 255}
+
+    labelled = tmp_path / "labelled"  # `fedmed evaluate` scores the INT8 model against the float one
+    write_site(cfg, generate("polyp-segmentation", 8, 32, seed=5), labelled, "test")
+    assert fedmed(["evaluate", "--run", str(tmp_path / "run"), "--data", str(labelled), "--model", str(model_file),
+                   "--out", str(tmp_path / "int8-scores")]) == 0
+    assert fedmed(["evaluate", "--run", str(tmp_path / "run"), "--data", str(labelled),
+                   "--out", str(tmp_path / "float-scores")]) == 0
+    int8, floats = (json.loads((tmp_path / f"{n}-scores.json").read_text()) for n in ("int8", "float"))
+    assert int8["model"] == "INT8 polyp-int8.pt" and int8["overall"]["num-examples"] == 8
+    assert abs(int8["overall"]["dice"] - floats["overall"]["dice"]) < 0.2
+    capsys.readouterr()
 
     assert fedmed(["segment", "--model", str(tmp_path / "missing.pt"), "--images", str(frames), "--out",
                    str(tmp_path / "x")]) == 2
