@@ -53,7 +53,8 @@ class HospitalUpdate:
 
     @property
     def num_examples(self) -> int:
-        """The reported sample count; 0 (refused by ``check``) when it is not a finite number."""
+        """The reported sample count (0 when it is not a finite number); the round engine refuses a reply whose
+        count is not positive or exceeds what the hospital declared (``common.screening``) before ``check``."""
         value = self.payload.metrics.get("num-examples", 0)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             return 0
@@ -97,9 +98,8 @@ class ServerMethod(ABC):
         return {"server-round": rnd, "run-name": self.cfg.run_name, **self.task.model_spec()}
 
     def check(self, update: HospitalUpdate) -> None:
-        """Refuse a malformed reply (raise :class:`RejectedUpdate` with the reason)."""
-        if update.num_examples <= 0:
-            raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
+        """Refuse a malformed reply (raise :class:`RejectedUpdate` with the reason); the sample count and metrics
+        were screened already."""
         if "model" not in update.payload.arrays:
             raise RejectedUpdate("reply carries no 'model' arrays")
         try:

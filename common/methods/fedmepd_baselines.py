@@ -50,8 +50,6 @@ class LocalServer(ServerTraining):
         return Payload(config=self.round_config(rnd))  # the round number and model spec only
 
     def check(self, update: HospitalUpdate) -> None:
-        if update.num_examples <= 0:
-            raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
         try:
             hospital_modalities(update.hospital)
         except ValueError as error:

@@ -104,8 +104,6 @@ class QFedPolypServer(ServerMethod):
     def check(self, update: HospitalUpdate) -> None:
         """Rebuild the reply from its codes; refuse it unless tag, content, lengths, names, shapes and values fit."""
         name = update.hospital.name
-        if update.num_examples <= 0:
-            raise RejectedUpdate(f"num-examples={update.payload.metrics.get('num-examples')!r} is not positive")
         if PACKED not in update.payload.arrays:
             raise RejectedUpdate(f"reply carries no '{PACKED}' arrays")
         try:
