@@ -277,9 +277,10 @@ class HospitalStrategy(Strategy):
     def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:
         """Replies by hospital: from unknown nodes ignored, errors and undecodable ones kept with their reason."""
         round_replies = []
+        chosen, limit = {h.name for h in self._chosen}, self.reply_limit()
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
-            if hospital is None or hospital not in self._chosen:
+            if hospital is None or hospital.name not in chosen:
                 log.warning("round %d: reply from node %d, which was not asked to train, ignored", server_round,
                             message.metadata.src_node_id)
                 continue
@@ -288,8 +289,7 @@ class HospitalStrategy(Strategy):
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content, self.reply_limit()), None,
-                                                up))
+                round_replies.append(RoundReply(hospital, from_recorddict(message.content, limit), None, up))
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
         return round_replies
