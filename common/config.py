@@ -242,6 +242,9 @@ class JobConfig(Section):
     min_train_hospitals: int = Field(2, ge=1, description="A round needs at least this many replies.")
     min_available_hospitals: int = Field(2, ge=1, description="Wait for this many hospitals before round 1.")
     round_timeout: float = Field(600.0, gt=0.0, description="Seconds to wait for hospital replies per round.")
+    messages_in_flight: int = Field(0, ge=0, description=(
+        "Most messages pending at once; the next goes out as a reply comes in. 0: all at once in a deployment, "
+        "32 in Flower's simulation engine, whose state slows with every pending message (strategies/base.py)."))
     seed: int = Field(42, ge=0, le=2**32 - 1)
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(1e-3, gt=0.0)

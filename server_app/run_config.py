@@ -28,7 +28,8 @@ def same_folder(cfg: JobConfig) -> bool:
 #: or the run would continue another experiment than the one its history records.
 MAY_CHANGE_ON_RESUME = frozenset({"run-name", "num-server-rounds", "round-timeout", "resume-from", "results-dir",
                                   "state-dir", "keep-checkpoints", "device", "evaluate-every", "message-arrays",
-                                  "overwrite-run", "hospital-keys", "min-available-hospitals"})
+                                  "overwrite-run", "hospital-keys", "min-available-hospitals",
+                                  "messages-in-flight"})
 RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots")
 
 

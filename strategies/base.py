@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.superlink.grid import InMemoryGrid
 
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, load_job_config, server_set_keys
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
@@ -39,27 +40,59 @@ RoundCallback = Callable[[RoundEngine, dict[str, Any]], None]
 EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
 
 
-def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None) -> list[Message]:
+def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None,
+                    queued: list[Message] | None = None, in_flight: int = 0) -> list[Message]:
     """Replies to the ``pending`` message ids until all (or ``enough``) are in or ``timeout`` passes.
 
     Flower's ``Grid.send_and_receive`` sleeps 3 s between polls, which adds 1.5 s on average to
     every round trip; here the first polls come every 0.25 s, slowing to 2 s for long trainings.
-    ``pending`` loses the ids that were answered.
+    ``queued`` messages are pushed as room frees up, at most ``in_flight`` pending at once (0: all
+    at once), see :func:`messages_in_flight`. ``pending`` loses the ids that were answered and
+    ``queued`` the messages that were pushed.
     """
+    queued = queued if queued is not None else []
     replies: list[Message] = []
     started = time.time()
-    while pending and time.time() - started < timeout and (enough is None or len(replies) < enough):
-        arrived = list(grid.pull_messages(set(pending)))
+    while (pending or queued) and time.time() - started < timeout and (enough is None or len(replies) < enough):
+        room = len(queued) if in_flight <= 0 else in_flight - len(pending)
+        if queued and room > 0:
+            pending |= {mid for mid in grid.push_messages(queued[:room]) if mid}
+            del queued[:room]
+        arrived = list(grid.pull_messages(set(pending))) if pending else []
         replies.extend(arrived)
         pending -= {m.metadata.reply_to_message_id for m in arrived}
+        if queued and len(pending) < in_flight:
+            continue  # room for more at once
         if pending:
-            time.sleep(min(2.0, 0.25 + (time.time() - started) / 60))
+            time.sleep(0.1 if queued else min(2.0, 0.25 + (time.time() - started) / 60))
     return replies
 
 
-def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-    """Push messages and collect replies until all are in or ``timeout`` passes."""
-    return collect_replies(grid, {mid for mid in grid.push_messages(messages) if mid}, timeout)
+def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_flight: int = 0) -> list[Message]:
+    """Push messages (at most ``in_flight`` pending at once; 0: all) and collect replies until all are in or
+    ``timeout`` passes."""
+    queued = list(messages)
+    replies = collect_replies(grid, set(), timeout, queued=queued, in_flight=in_flight)
+    if queued:
+        log.warning("%d message(s) were not sent within %.0f s (messages-in-flight=%d)", len(queued), timeout,
+                    in_flight)
+    return replies
+
+
+#: Messages pending at once in Flower's simulation engine. Its in-memory SuperLink state looks through every
+#: pending message for each virtual node ten times a second (``vce_api.add_messages_to_queue``), so with all
+#: of 1000 hospitals' messages pending a round costs ~1 s per hospital; a window keeps it ~0.1 s
+#: (benchmarks/results/overhead.md). Ray runs one virtual hospital per CPU, so a few dozen keep it busy.
+SIMULATION_IN_FLIGHT = 32
+
+
+def messages_in_flight(job: JobConfig, grid: Grid) -> int:
+    """How many messages may be pending at once: ``messages-in-flight``, or where that is 0, all of them in a
+    deployment (every hospital works in parallel on its own machine) and :data:`SIMULATION_IN_FLIGHT` in
+    Flower's simulation engine (its ``InMemoryGrid``)."""
+    if job.messages_in_flight > 0:
+        return job.messages_in_flight
+    return SIMULATION_IN_FLIGHT if isinstance(grid, InMemoryGrid) else 0
 
 
 def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **settings: Any) -> JobConfig:
@@ -171,9 +204,11 @@ class HospitalStrategy(Strategy):
         new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
         give_up = time.time() + self.job.round_timeout
         asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
+        in_flight = messages_in_flight(self.job, grid)
         while new and time.time() < give_up:
-            asked |= {mid for mid in grid.push_messages(self.identity_queries(new)) if mid}
-            for reply in collect_replies(grid, asked, min(self.QUERY_PATIENCE, give_up - time.time()), len(new)):
+            windows = -(-len(new) // in_flight) if in_flight else 1  # a query's patience starts when it is sent
+            patience = min(self.QUERY_PATIENCE * windows, give_up - time.time())
+            for reply in collect_replies(grid, asked, patience, len(new), self.identity_queries(new), in_flight):
                 node = reply.metadata.src_node_id
                 if node in new:
                     new.remove(node)
@@ -354,7 +389,7 @@ class HospitalStrategy(Strategy):
         messages = self.hospital_messages(rnd, hospitals, ConfigRecord({CROSS_SITE_KEY: True}), MessageType.EVALUATE)
         scores: dict[str, dict[str, dict[str, float]]] = {}
         failed: dict[str, str] = {}
-        for message in send_and_receive(grid, messages, timeout) if messages else []:
+        for message in send_and_receive(grid, messages, timeout, messages_in_flight(self.job, grid)):
             hospital = self.hospitals.get(message.metadata.src_node_id)
             if hospital is None or hospital not in hospitals:
                 continue
@@ -408,17 +443,18 @@ class HospitalStrategy(Strategy):
             if central is not None:
                 result.evaluate_metrics_serverapp[0] = central
         self._in_own_loop = True
+        in_flight = messages_in_flight(self.job, grid)
         try:
             for rnd in range(self.engine.next_round, num_rounds + 1):
                 arrays = as_arrayrecord(self.engine.method.global_arrays)
                 messages = list(self.configure_train(rnd, arrays, train_config, grid))
-                replies = send_and_receive(grid, messages, timeout) if messages else []
+                replies = send_and_receive(grid, messages, timeout, in_flight)
                 arrays, metrics = self.aggregate_train(rnd, replies)
                 result.arrays = arrays
                 result.train_metrics_clientapp[rnd] = metrics
                 evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
                 if evaluation:
-                    evaluated = self.aggregate_evaluate(rnd, send_and_receive(grid, evaluation, timeout))
+                    evaluated = self.aggregate_evaluate(rnd, send_and_receive(grid, evaluation, timeout, in_flight))
                     if evaluated is not None:
                         result.evaluate_metrics_clientapp[rnd] = evaluated
                 record = self.engine.history[-1]

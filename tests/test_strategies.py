@@ -324,3 +324,49 @@ def test_two_identical_runs_end_with_identical_models_whatever_order_replies_arr
     assert finals[0].keys() == finals[1].keys()
     for name, value in finals[0].items():
         assert np.array_equal(value, finals[1][name]), name
+
+
+class CountingGrid(FakeGrid):
+    """Counts how many pushed messages are still unanswered at once (their replies not yet pulled)."""
+
+    def __init__(self, nodes):
+        super().__init__(nodes)
+        self.pending: set[str] = set()
+        self.most_pending = 0
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        self.pending |= set(ids)
+        self.most_pending = max(self.most_pending, len(self.pending))
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        self.pending -= {m.metadata.reply_to_message_id for m in replies}
+        return replies
+
+
+def test_messages_in_flight_keeps_at_most_that_many_pending_and_changes_nothing_else(tmp_path):
+    finals, most = [], []
+    for in_flight in (0, 2):
+        config = {**run_config(tmp_path / str(in_flight), SMALL_CLASSIFICATION), "messages-in-flight": in_flight}
+        strategy = FedAvgStrategy(min_train_nodes=5, min_available_nodes=5, run_config=config)
+        grid = CountingGrid(simulated_hospitals(config, 5))
+        finals.append(arrays_of(strategy.start(grid, num_rounds=2).arrays))
+        most.append(grid.most_pending)
+        assert [r["aggregated"] for r in strategy.engine.history] == [[f"hospital-{i:02d}" for i in range(5)]] * 2
+    assert most == [5, 2]  # identity queries and training messages alike
+    for name, value in finals[0].items():
+        assert np.array_equal(value, finals[1][name]), name
+
+
+def test_simulation_engine_gets_a_window_and_a_deployment_all_messages_at_once():
+    from flwr.superlink.grid import InMemoryGrid
+
+    from strategies.base import SIMULATION_IN_FLIGHT, messages_in_flight
+
+    job = JobConfig()
+    simulation = InMemoryGrid.__new__(InMemoryGrid)  # only its type matters here
+    assert messages_in_flight(job, simulation) == SIMULATION_IN_FLIGHT
+    assert messages_in_flight(job, FakeGrid({})) == 0
+    assert messages_in_flight(job.model_copy(update={"messages_in_flight": 7}), simulation) == 7
