@@ -14,6 +14,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.config import ConfigError, JobConfig, Section, describe_validation_error
 
+#: A deployed hospital works in its warm worker unless its node config says ``warm-worker=false``.
+WARM_WORKER_BY_DEFAULT = True
+
 
 class NodeConfig(Section):
     partition_id: int | None = Field(None, ge=0)
@@ -27,8 +30,9 @@ class NodeConfig(Section):
     identity_key: str = Field("", description="Deployment: the hospital's private key (the one given to "
                                                "flower-supernode --auth-supernode-private-key); it signs the "
                                                "hospital's name for servers that check hospital-keys.")
-    warm_worker: bool = Field(False, description="Deployment: keep torch and the data loaded in a worker process "
-                                                 "between messages (client_app/worker.py).")
+    warm_worker: bool = Field(WARM_WORKER_BY_DEFAULT, description=(
+        "Deployment: keep torch and the data loaded in a worker process between messages (client_app/worker.py); "
+        "false: do all the work in each message's own ClientApp process."))
 
     @field_validator("bit_width")
     @classmethod

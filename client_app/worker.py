@@ -5,7 +5,9 @@ loading the hospital's data set there would cost seconds per round (minutes for 
 so that process stays light: it hands the message to this worker over a private Unix socket and
 returns the worker's answer. The first message starts the worker; it exits when the SuperNode's
 SuperExec (the ClientApp's parent) is gone or after ``IDLE_EXIT`` seconds without a message.
-A failure inside the worker comes back as the reason of an error reply, like one in-process.
+A failure inside the worker comes back as the reason of an error reply, like one in-process. Every
+request carries an id that the reply must echo, so a reply can only ever answer the message it was
+computed for (a stale answer, e.g. to a message of a run stopped meanwhile, is refused, not passed on).
 
     python -m client_app.worker SOCKET WATCHED_PID     # started by ask_worker, not by hand
 """
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -80,8 +83,9 @@ def ask_worker(kind: str, payload: Payload, run_config: Mapping[str, Any], node_
     A worker started here lives as long as ``watch_pid`` (default: this process's parent, the SuperExec).
     """
     path = socket_path(node_config)
+    request_id = uuid.uuid4().hex  # echoed by the worker: a reply to any other request is refused
     request = payload_to_bytes(payload, {"kind": kind, "run-config": dict(run_config),
-                                         "node-config": dict(node_config)})
+                                         "node-config": dict(node_config), "request": request_id})
     connection = _connect(path) or _start(path, node_config, watch_pid or os.getppid())
     with connection:
         connection.settimeout(None)  # training takes as long as it takes; the server has the round timeout
@@ -91,6 +95,9 @@ def ask_worker(kind: str, payload: Payload, run_config: Mapping[str, Any], node_
         except (OSError, ConnectionError) as error:
             raise WorkerFailed(f"the hospital's worker stopped while answering ({error}); "
                                f"see {_log_path(path, node_config)}") from None
+    if header.get("request") != request_id:
+        raise WorkerFailed(f"the hospital's worker answered request {header.get('request')!r}, not this "
+                           f"{kind} message's {request_id!r}; reply refused, see {_log_path(path, node_config)}")
     if header.get("error"):
         raise WorkerFailed(header["error"])
     return reply
@@ -160,6 +167,7 @@ def serve(path: Path, watched_pid: int) -> None:
                 continue
             with connection:
                 connection.settimeout(None)
+                header: dict[str, Any] = {}
                 try:
                     payload, header = payload_from_bytes(_receive(connection))
                     reply, error = answer(header["kind"], payload, header["run-config"], header["node-config"]), None
@@ -167,7 +175,7 @@ def serve(path: Path, watched_pid: int) -> None:
                     log.error("%s", traceback.format_exc())
                     reply, error = Payload(), f"{type(failure).__name__}: {failure}"
                 try:
-                    _send(connection, payload_to_bytes(reply, {"error": error}))
+                    _send(connection, payload_to_bytes(reply, {"error": error, "request": header.get("request")}))
                 except OSError as failure:  # the ClientApp is gone (its SuperNode stopped): nothing to answer
                     log.warning("reply not delivered: %s", failure)
             last = time.time()

@@ -418,8 +418,8 @@ def start_superlink(home: FlowerHome, port: int, *, simulation: bool, host: str 
 def start_supernode(home: FlowerHome, superlink: str, port: int, node_config: Mapping[str, Any], *,
                     host: str = "127.0.0.1", root_certificates: Path | None = None, auth_key: Path | None = None,
                     log_dir: Path | None = None, name: str | None = None, netns: str | None = None,
-                    extra: list[str] | None = None) -> ManagedProcess:
-    """Start one hospital's SuperNode connected to ``superlink`` ("host:port")."""
+                    extra: list[str] | None = None, env: Mapping[str, str] | None = None) -> ManagedProcess:
+    """Start one hospital's SuperNode connected to ``superlink`` ("host:port"); ``env`` adds to its environment."""
     args = [str(BIN / "flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
             "--node-config", format_config(node_config)]
     if root_certificates is None:
@@ -431,8 +431,8 @@ def start_supernode(home: FlowerHome, superlink: str, port: int, node_config: Ma
     args += extra or []
     if netns:
         args = ["ip", "netns", "exec", netns, *args]
-    return start_process(name or f"supernode-{port}", args, home.path, log_dir or home.path / "logs", home.env,
-                         cwd=PROJECT_ROOT)
+    return start_process(name or f"supernode-{port}", args, home.path, log_dir or home.path / "logs",
+                         {**home.env, **dict(env or {})}, cwd=PROJECT_ROOT)
 
 
 def format_config(values: Mapping[str, Any]) -> str:

@@ -2,8 +2,9 @@
 
 ``config.json`` (the resolved config), ``metrics.jsonl`` (one JSON record per round: hospitals
 chosen, aggregated, missing and refused, bytes each way per hospital, training and test
-metrics), ``summary.md`` (a markdown table) and ``plots/*.png`` (metrics and traffic over
-rounds; for FedMEPD the share of personal decoder filters per layer and hospital). All are
+metrics, seconds, and ``identity-seconds`` spent finding new hospitals before it), ``summary.md``
+(a markdown table) and ``plots/*.png`` (metrics and traffic over rounds; for FedMEPD the share of
+personal decoder filters per layer and hospital). All are
 rewritten from the full history after every round, atomically, so a resumed run continues the
 same files.
 """

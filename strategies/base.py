@@ -145,6 +145,7 @@ class HospitalStrategy(Strategy):
         self._chosen: list[HospitalInfo] = []
         self._evaluated: list[HospitalInfo] = []
         self._round_started = 0.0
+        self._identity_seconds = 0.0
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
         self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
@@ -301,8 +302,10 @@ class HospitalStrategy(Strategy):
         so a wrapper's changes (e.g. DP noise) are what hospitals receive."""
         if len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
+        asked_from = time.time()
         self.discover(grid)
         self._round_started = time.time()
+        self._identity_seconds = self._round_started - asked_from
         self._chosen = self.engine.select(server_round, list(self.hospitals.values()))
         self._bytes_down = {}
         messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN)
@@ -341,6 +344,7 @@ class HospitalStrategy(Strategy):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
                                             self._round_started, self._bytes_down)
+        record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
         if self.on_round_end is not None and not self._in_own_loop:
             self.on_round_end(self.engine, record)
         return as_arrayrecord(self.engine.method.global_arrays), round_metricrecord(record)

@@ -80,3 +80,36 @@ def test_worker_answers_like_the_process_itself_and_stops_with_its_superexec(tmp
         time.sleep(0.2)
     assert worker_pids(path) == worker_pids(broken_path) == [] and not path.exists()
     assert "listening" in (tmp_path / "state" / "worker.log").read_text()
+
+
+def test_a_reply_to_another_request_is_refused_not_passed_on(tmp_path):
+    """Whatever answers on the worker's socket, a reply whose request id is not this message's is refused."""
+    import socket
+    import threading
+
+    from client_app.worker import _receive, _send
+
+    node = {"hospital": f"stale-{tmp_path.name}", "state-dir": str(tmp_path / "state"), "warm-worker": True}
+    path = socket_path(node)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+
+    def stale_worker(request_ids: list[str | None]) -> None:
+        for request_id in request_ids:
+            connection, _ = listener.accept()
+            with connection:
+                _, header = payload_from_bytes(_receive(connection))
+                answer = Payload(config={"name": "stale"})
+                _send(connection, payload_to_bytes(answer, {"error": None, "request": request_id or header["request"]}))
+
+    server = threading.Thread(target=stale_worker, args=(["an-earlier-request", None],))
+    server.start()
+    try:
+        with pytest.raises(WorkerFailed, match="answered request 'an-earlier-request'"):
+            ask_worker("query", Payload(), JOB, node)
+        assert ask_worker("query", Payload(), JOB, node).config == {"name": "stale"}  # its own id: taken
+    finally:
+        server.join(timeout=10)
+        listener.close()
+        path.unlink(missing_ok=True)

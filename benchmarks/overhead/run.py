@@ -6,9 +6,9 @@ runs one virtual hospital at a time). Both apps train the same ~25k-parameter CN
 generated data, so the difference is orchestration: fedmed sends one message per hospital per
 round (the hospital evaluates the received model inside its training reply) and polls for replies
 every 0.25 s at first instead of every 3 s; both send the model in Flower's records, one ``Array``
-per tensor. ``fedmed-worker`` also keeps torch and the data loaded in each hospital's warm worker
-(node config ``warm-worker=true``); ``fedmed-packed`` sends each array group as one Array
-(``message-arrays='packed'``).
+per tensor. fedmed keeps torch and the data loaded in each hospital's warm worker (``fedmed-no-worker``:
+node config ``warm-worker=false``, the work in each message's own ClientApp process); ``fedmed-packed``
+sends each array group as one Array (``message-arrays='packed'``).
 
     python -m benchmarks.overhead.run                       # loopback deployment + simulation
     python -m benchmarks.overhead.run --deployment 2 4 --simulation 2 10 50 100 --rounds 6
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from common.launch import (
     FlowerHome,
     exit_on_termination,
     free_port,
+    marked_processes,
     run_log,
     start_superlink,
     start_supernode,
@@ -39,13 +41,19 @@ from common.launch import (
 )
 from server_app.results import read_history
 
+from .memory import PeakMemory, role_of
+from .profile import summarise_profile
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 SAMPLES_PER_HOSPITAL = 80
-#: stock Flower FedAvg; fedmed as shipped; fedmed with each SuperNode's ``warm-worker=true``; fedmed with
-#: ``message-arrays='packed'`` (each array group one Flower Array)
-APPS = ("stock", "fedmed", "fedmed-worker", "fedmed-packed")
+#: stock Flower FedAvg; fedmed as shipped (each hospital's warm worker); fedmed with ``warm-worker=false`` (all work
+#: in each message's fresh ClientApp process); fedmed with ``message-arrays='packed'`` (each array group one Array)
+APPS = ("stock", "fedmed", "fedmed-no-worker", "fedmed-packed", "fedmed-superexec-poll")
+#: ``fedmed-superexec-poll``: the SuperNodes' SuperExec looks for new tasks every 0.1 s instead of Flower's 1 s
+SUPEREXEC_POLL = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 IMAGE_SIZE = 16
+LARGE_MODEL_SAMPLES = 40  # per hospital: the large-model rows measure traffic and memory, not learning
 
 
 def fedmed_job(hospitals: int, rounds: int, results: Path, **extra) -> dict:
@@ -59,8 +67,10 @@ def fedmed_rounds(run_dir: Path, parallel: bool) -> list[dict]:
     rows = []
     for record in read_history(run_dir):
         compute = [m.get("hospital-seconds", 0.0) for m in record["hospital_metrics"].values()]
+        starts = [m.get("clientapp-start-seconds", 0.0) for m in record["hospital_metrics"].values()]
         busy = max(compute) if parallel else sum(compute)
-        rows.append({"round": record["round"], "seconds": record["seconds"], "hospital-seconds": busy})
+        rows.append({"round": record["round"], "seconds": record["seconds"], "hospital-seconds": busy,
+                     "clientapp-start-seconds": max(starts, default=0.0)})
     return rows
 
 
@@ -77,7 +87,7 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
             export_partitions(cfg, hospitals, sites)
             configs = [{"hospital": f"hospital-{i:02d}", "data-dir": str(sites / f"hospital-{i:02d}"),
                         "state-dir": str(work / "state" / f"h{i}"), "device": "cpu",
-                        "warm-worker": app == "fedmed-worker"} for i in range(hospitals)]
+                        "warm-worker": app != "fedmed-no-worker"} for i in range(hospitals)]
             layout = "packed" if app == "fedmed-packed" else "per-tensor"
             run_config = fedmed_job(hospitals, rounds, work / "results", dataset="npz",
                                     **{"test-dir": str(sites / "test"), "message-arrays": layout})
@@ -88,8 +98,9 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
             run_config = {"num-server-rounds": rounds, "timings-file": str(timings), "min-nodes": hospitals,
                           "samples-per-hospital": SAMPLES_PER_HOSPITAL, "image-size": IMAGE_SIZE}
             app_dir = HERE / "stock_app"
+        env = SUPEREXEC_POLL if app == "fedmed-superexec-poll" else None
         for config in configs:
-            nodes.append(start_supernode(home, f"127.0.0.1:{port}", free_port(), config))
+            nodes.append(start_supernode(home, f"127.0.0.1:{port}", free_port(), config, env=env))
         run_id = submit_run(home, "bench", run_config, app_dir=app_dir)
         status = wait_for_run(home, "bench", run_id, timeout=3600)
         if status != "finished:completed":
@@ -102,19 +113,75 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
     return json.loads(timings.read_text())
 
 
-def run_simulation(hospitals: int, rounds: int, work: Path) -> list[dict]:
+def run_simulation(hospitals: int, rounds: int, work: Path, profile: Path | None = None) -> dict:
+    """A simulation of ``hospitals`` virtual hospitals: its rounds, the seconds spent finding the hospitals, the
+    peak memory of its processes and, with ``profile``, py-spy's samples of round 2 onwards written there."""
     home = FlowerHome(work / "home")
     link = start_superlink(home, free_port(), simulation=True)
+    results = work / "results" / "overhead"
     try:
         job = fedmed_job(hospitals, rounds, work / "results", **{"synthetic-samples": SAMPLES_PER_HOSPITAL * hospitals,
                                                                  "state-dir": str(work / "state")})
-        run_id = submit_run(home, "local", job, {"num-supernodes": hospitals})
-        status = wait_for_run(home, "local", run_id, timeout=3600)
+        with PeakMemory([link]) as peak:
+            run_id = submit_run(home, "local", job, {"num-supernodes": hospitals})
+            if profile is not None:
+                record_profile(link, results, profile)
+            status = wait_for_run(home, "local", run_id, timeout=3600)
         if status != "finished:completed":
             raise RuntimeError(f"simulation ended {status}:\n{run_log(home, 'local', run_id)[-3000:]}")
     finally:
         link.stop()
-    return fedmed_rounds(work / "results" / "overhead", parallel=False)
+    history = read_history(results)
+    return {"rows": fedmed_rounds(results, parallel=False), "identity_s": history[0].get("identity-seconds", 0.0),
+            "peak_mb": peak.total, "peak_mb_by_role": peak.by_role}
+
+
+def record_profile(link, results: Path, out: Path, seconds: float = 60.0) -> None:
+    """py-spy's stack samples of the simulation process and its Ray actors, from the end of round 1 on."""
+    deadline = time.time() + 3600
+    while not (results / "metrics.jsonl").exists() or not (results / "metrics.jsonl").read_text().strip():
+        if time.time() > deadline:
+            return
+        time.sleep(1.0)
+    simulation = [pid for pid in marked_processes([link.mark]) if role_of(pid) == "simulation"]
+    if not simulation:
+        print("no flwr-simulation process to profile", flush=True)
+        return
+    subprocess.run(["py-spy", "record", "--pid", str(simulation[0]), "--subprocesses", "--nonblocking",
+                    "--format", "raw", "--rate", "20", "--duration", str(int(seconds)), "--output", str(out)],
+                   check=False, capture_output=True)
+
+
+def run_large_model(width: float, rounds: int, work: Path, hospitals: int = 2) -> dict:
+    """A loopback deployment training a ResNet-18 of ``width`` (1.0: the standard 11 M parameters, 45 MB; 1.5:
+    100 MB) on 32x32 generated images: round seconds and the peak memory of each process kind."""
+    home = FlowerHome(work / "home")
+    port = free_port()
+    link = start_superlink(home, port, simulation=False, connection="bench")
+    sites = work / "sites"
+    cfg = JobConfig(synthetic_samples=LARGE_MODEL_SAMPLES * hospitals, image_size=32, min_partition_size=5,
+                    test_fraction=0.1)
+    export_partitions(cfg, hospitals, sites)
+    nodes = [start_supernode(home, f"127.0.0.1:{port}", free_port(),
+                             {"hospital": f"hospital-{i:02d}", "data-dir": str(sites / f"hospital-{i:02d}"),
+                              "state-dir": str(work / "state" / f"h{i}"), "device": "cpu"})
+             for i in range(hospitals)]
+    job = fedmed_job(hospitals, rounds, work / "results", dataset="npz", classifier="resnet18",
+                     **{"resnet-width": width, "image-size": 32, "batch-size": 16, "test-dir": str(sites / "test")})
+    try:
+        with PeakMemory([link, *nodes]) as peak:
+            run_id = submit_run(home, "bench", job, app_dir=HERE.parent.parent)
+            status = wait_for_run(home, "bench", run_id, timeout=3600)
+        if status != "finished:completed":
+            raise RuntimeError(f"large-model run ended {status}:\n{run_log(home, 'bench', run_id)[-3000:]}")
+    finally:
+        for process in [*nodes, link]:
+            process.stop()
+    history = read_history(work / "results" / "overhead")
+    model_mb = statistics.median(t["down"] for r in history for t in r["traffic"].values()) / 1e6
+    return {"width": width, "model_mb": model_mb, "hospitals": hospitals,
+            **summarise(fedmed_rounds(work / "results" / "overhead", parallel=True)),
+            "peak_mb_by_role": peak.by_role, "peak_mb": peak.total}
 
 
 def run_array_costs(counts: list[int], work: Path, in_memory: bool) -> list[dict]:
@@ -147,7 +214,8 @@ def summarise(rows: list[dict]) -> dict:
     return {"rounds": len(rows),
             "round_s": statistics.median(r["seconds"] for r in steady),
             "compute_s": statistics.median(r["hospital-seconds"] for r in steady),
-            "overhead_s": statistics.median(r["seconds"] - r["hospital-seconds"] for r in steady)}
+            "overhead_s": statistics.median(r["seconds"] - r["hospital-seconds"] for r in steady),
+            "clientapp_start_s": statistics.median(r.get("clientapp-start-seconds", 0.0) for r in steady)}
 
 
 def main() -> None:
@@ -155,6 +223,10 @@ def main() -> None:
     parser.add_argument("--deployment", type=int, nargs="*", default=[2, 4], help="hospital counts on loopback")
     parser.add_argument("--simulation", type=int, nargs="*", default=[2, 10, 50, 100], help="virtual hospital counts")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--large-models", type=float, nargs="*", default=[], metavar="WIDTH",
+                        help="ResNet-18 widths for the large-model rows (loopback, 2 hospitals), e.g. 0.25 1 1.5")
+    parser.add_argument("--profile", type=int, metavar="HOSPITALS",
+                        help="profile (py-spy) the simulation of this many hospitals from round 2 on")
     parser.add_argument("--apps", nargs="+", choices=APPS, default=list(APPS), help="deployment apps to run")
     parser.add_argument("--arrays", type=int, nargs="*", default=[1, 20, 120],
                         help="Arrays per message for the per-Array cost (echo app; none: skip)")
@@ -175,9 +247,17 @@ def main() -> None:
                       flush=True)
                 write_report(args, measured)  # after every measurement: an interrupted run keeps what it measured
         for hospitals in args.simulation:
-            rows = run_simulation(hospitals, args.rounds, Path(tmp) / f"sim-{hospitals}")
-            measured[f"simulation/fedmed/{hospitals}"] = {**summarise(rows), "per_round": rows}
-            print(f"simulation {hospitals} hospitals: {summarise(rows)}", flush=True)
+            profile = Path(tmp) / f"profile-{hospitals}.txt" if hospitals == args.profile else None
+            run = run_simulation(hospitals, args.rounds, Path(tmp) / f"sim-{hospitals}", profile)
+            rows = run.pop("rows")
+            measured[f"simulation/fedmed/{hospitals}"] = {**summarise(rows), **run, "per_round": rows}
+            if profile is not None and profile.exists():
+                measured["profile"] = {"hospitals": hospitals, **summarise_profile(profile)}
+            print(f"simulation {hospitals} hospitals: {summarise(rows)}, {run}", flush=True)
+            write_report(args, measured)
+        for width in args.large_models:
+            measured[f"large-model/{width:g}"] = run_large_model(width, args.rounds, Path(tmp) / f"large-{width:g}")
+            print(f"large model {width:g}: {measured[f'large-model/{width:g}']}", flush=True)
             write_report(args, measured)
         if args.arrays:
             measured["arrays"] = []
@@ -209,8 +289,12 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
              "BatchNorm's step counters stay local; stock: 21), except `fedmed-packed` (`message-arrays='packed'`: "
              "one Array per array group).", "",
              "## Loopback deployment (one SuperLink, one SuperNode per hospital)", "",
-             "| hospitals | app | round s | hospitals' compute s | overhead s | overhead / stock overhead |",
-             "|---|---|---|---|---|---|"]
+             "Overhead = round - the slowest hospital's compute; of it, the time from the start of the message's "
+             "fresh `flwr-clientapp` process to our handler (Python, Flower, installing the app from its FAB), "
+             "and the rest: Flower's polls (SuperNode 3 s when idle, SuperExec 1 s, reply 0.5 s, ServerApp 0.25 s+) "
+             "and the transfers.", "",
+             "| hospitals | app | round s | hospitals' compute s | overhead s | of it ClientApp start s | "
+             "overhead / stock overhead |", "|---|---|---|---|---|---|---|"]
     for hospitals in args.deployment:
         stock = measured.get(f"deployment/stock/{hospitals}")
         for app in APPS:
@@ -218,16 +302,41 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
             if row is None:
                 continue
             ratio = f"{row['overhead_s'] / stock['overhead_s']:.2f}" if stock else "-"
+            start = f"{row['clientapp_start_s']:.1f}" if row.get("clientapp_start_s") else "-"
             lines.append(f"| {hospitals} | {app} | {row['round_s']:.1f} | {row['compute_s']:.1f} | "
-                         f"{row['overhead_s']:.1f} | {ratio} |")
+                         f"{row['overhead_s']:.1f} | {start} | {ratio} |")
     lines += ["", "## Flower simulation engine (virtual hospitals, one at a time on this machine)", "",
-              "| hospitals | round s | hospitals' compute s | overhead s | overhead per hospital s |",
-              "|---|---|---|---|---|"]
-    for hospitals in args.simulation:
-        ours = measured.get(f"simulation/fedmed/{hospitals}")
-        if ours is not None:
-            lines.append(f"| {hospitals} | {ours['round_s']:.1f} | {ours['compute_s']:.1f} | "
-                         f"{ours['overhead_s']:.1f} | {ours['overhead_s'] / hospitals:.2f} |")
+              "Every hospital trains every round. Identities: seconds to learn which hospital each virtual node "
+              "is, before round 1. Peak memory: the proportional set size of all the run's processes (SuperLink, "
+              "simulation process with the ServerApp, Ray and its actors), sampled every second.", "",
+              "| hospitals | identities s | round s | hospitals' compute s | overhead s | round s per hospital | "
+              "peak memory MB | MB per hospital |", "|---|---|---|---|---|---|---|---|"]
+    simulated = [(h, measured[f"simulation/fedmed/{h}"]) for h in args.simulation
+                 if f"simulation/fedmed/{h}" in measured]
+    for hospitals, ours in simulated:
+        peak = ours.get("peak_mb", 0.0)
+        lines.append(f"| {hospitals} | {ours.get('identity_s', 0.0):.1f} | {ours['round_s']:.1f} | "
+                     f"{ours['compute_s']:.1f} | {ours['overhead_s']:.1f} | {ours['round_s'] / hospitals:.3f} | "
+                     f"{peak:.0f} | {peak / hospitals:.1f} |")
+    if len(simulated) > 1:
+        plot_per_hospital(simulated, args.out.with_name(args.out.stem + "_simulation.png"))
+        lines += ["", f"![seconds per hospital]({args.out.stem}_simulation.png)"]
+    if measured.get("profile"):
+        lines += ["", profile_table(measured["profile"])]
+    large = [measured[f"large-model/{w:g}"] for w in args.large_models if f"large-model/{w:g}" in measured]
+    if large:
+        lines += ["", "## Large models (loopback deployment, 2 hospitals, ResNet-18 of growing width)", "",
+                  "Peak memory (PSS, MB) of each process kind over the whole run; the SuperNode column adds up the "
+                  "SuperNodes, their SuperExecs and ClientApp processes (all hospitals). Round: median over rounds 2..",
+                  "", "| ResNet-18 width | model MB | round s | overhead s | SuperLink MB | ServerApp MB | "
+                  "ServerApp / model | hospitals' processes MB |", "|---|---|---|---|---|---|---|---|"]
+        for row in large:
+            roles = row["peak_mb_by_role"]
+            hospital_side = sum(roles.get(k, 0.0) for k in ("supernode", "superexec", "clientapp", "warm worker"))
+            server = roles.get("serverapp", 0.0)
+            lines.append(f"| {row['width']:g} | {row['model_mb']:.1f} | {row['round_s']:.1f} | "
+                         f"{row['overhead_s']:.1f} | {roles.get('superlink', 0.0):.0f} | {server:.0f} | "
+                         f"{server / row['model_mb']:.1f} | {hospital_side:.0f} |")
     if measured.get("arrays"):
         lines += ["", "## What one Flower Array costs (loopback, one SuperNode, an echoing ClientApp)", "",
                   "Messages of K Arrays holding 25k float32 values in all, to the SuperNode and back; medians of 4. "
@@ -238,6 +347,41 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
         lines += [f"| {r['superlink_state']} | {r['arrays']} | {r['push_s']:.3f} | {r['round_trip_s']:.2f} | "
                   f"{r['handler_s']:.4f} |" for r in measured["arrays"]]
     args.out.write_text("\n".join(lines) + "\n")
+
+
+def plot_per_hospital(simulated: list[tuple[int, dict]], target: Path) -> None:
+    """Round seconds and overhead seconds per hospital against the number of hospitals (flat: linear scaling)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = [h for h, _ in simulated]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(counts, [m["round_s"] / h for h, m in simulated], marker="o", label="round")
+    ax.plot(counts, [m["overhead_s"] / h for h, m in simulated], marker="s", label="overhead (round - compute)")
+    ax.set_xscale("log")
+    ax.set_xlabel("virtual hospitals")
+    ax.set_ylabel("seconds per hospital")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+
+
+def profile_table(profile: dict) -> str:
+    lines = [f"## Where the time of a round goes ({profile['hospitals']} virtual hospitals, py-spy, "
+             f"{profile['samples']} samples of round 2 on)", "",
+             "Share of the busy samples in each process kind; in each, the functions most often on the stack "
+             "(inclusive, leaving out those on nearly every stack) and at its top (self).", "",
+             "| process | share of samples | on the stack | at the top |", "|---|---|---|---|"]
+    for kind in profile["processes"]:
+        top = ", ".join(f"`{name}` {share:.0%}" for name, share in kind["top"])
+        own = ", ".join(f"`{name}` {share:.0%}" for name, share in kind["self"])
+        lines.append(f"| {kind['process']} | {kind['share']:.0%} | {top} | {own} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
