@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -80,10 +81,11 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_fli
 
 
 #: Messages pending at once in Flower's simulation engine. Its in-memory SuperLink state looks through every
-#: pending message for each virtual node ten times a second (``vce_api.add_messages_to_queue``), so with all
-#: of 1000 hospitals' messages pending a round costs ~1 s per hospital; a window keeps it ~0.1 s
-#: (benchmarks/results/overhead.md). Ray runs one virtual hospital per CPU, so a few dozen keep it busy.
-SIMULATION_IN_FLIGHT = 32
+#: pending message for each virtual node ten times a second (``vce_api.add_messages_to_queue``), holding the
+#: GIL: with all of 1000 hospitals' messages pending a round took 908 s, with 32 at once 267 s (the sweep still
+#: half of the simulation process's time, benchmarks/results/overhead.md). Ray runs one virtual hospital per
+#: two CPUs by default, so a few per CPU keep every actor busy.
+SIMULATION_IN_FLIGHT = max(8, 2 * (os.cpu_count() or 1))
 
 
 def messages_in_flight(job: JobConfig, grid: Grid) -> int:

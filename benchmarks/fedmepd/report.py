@@ -51,12 +51,14 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
     hospitals = first["hospitals"]
     config = first["config"]
     heads = [f"{h} ({modality_label(m)})" for h, m in hospitals.items()]
-    text = [f"# FedMEPD and its baselines on BraTS ({title})", "", f"`{command}`", "",
+    volumes = ("generated volumes of " + f"{config['brain.synthetic-size']}^3" if config["dataset"] == "synthetic"
+               else f"volumes downsampled {config['brain.downsample']}x")
+    text = [f"# FedMEPD and its baselines ({title})", "", f"`{command}`", "",
             f"{len(first['test-cases'])} test cases ({', '.join(first['test-cases'])}), the server trains on its own "
             f"full-modality cases, hospitals: " + "; ".join(f"{h} {modality_label(m)} ({', '.join(first['cases'][h])})"
                                                          for h, m in hospitals.items()) + ".",
-            f"{config['num-server-rounds']} rounds, crops {config['brain.crop-size']}^3 of volumes downsampled "
-            f"{config['brain.downsample']}x, channels {config['brain.widths']}, lr {config['learning-rate']}, "
+            f"{config['num-server-rounds']} rounds, crops {config['brain.crop-size']}^3 of {volumes}, "
+            f"channels {config['brain.widths']}, lr {config['learning-rate']}, "
             f"batch {config['batch-size']}, {config['brain.crops-per-case']} crops per case per epoch; "
             f"seeds {', '.join(map(str, seeds))}.", "",
             "## Mean Dice of WT, TC and ET (%), each hospital's final model on its own modalities", "",
@@ -66,7 +68,7 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
         row += [cell([hospital_mean(r, "dice_mean") for r in records]),
                 cell([r["server"].get("dice_mean") for r in records])]
         text.append(f"| {name} | " + " | ".join(row) + " |")
-    text += ["", "## Per region: Dice (%) and HD95 (voxels of the downsampled volume)", "",
+    text += ["", "## Per region: Dice (%) and HD95 (voxels)", "",
              "| method | hospitals WT | TC | ET | HD95 | server WT | TC | ET | HD95 |", "|---" * 9 + "|"]
     for name, records in runs.items():
         row = [cell([hospital_mean(r, f"dice_{k}") for r in records]) for k in ("WT", "TC", "ET")]

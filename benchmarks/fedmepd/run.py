@@ -1,6 +1,8 @@
-"""FedMEPD against its baselines on real BraTS cases, in the layout of the paper's table, in one process.
+"""FedMEPD against its baselines on real BraTS cases (or generated ones), in the layout of the paper's table,
+in one process.
 
     python -m benchmarks.fedmepd.run --preset cpu                  # two cores, about an hour
+    python -m benchmarks.fedmepd.run --preset generated-cpu --seeds 0 1 2   # 8 hospitals, generated volumes
     python -m benchmarks.fedmepd.run --preset paper                # for a GPU (and a full BraTS folder)
     python -m benchmarks.fedmepd.run --preset paper --one-step     # build the paper's model, take one step
 
@@ -10,6 +12,8 @@ the same split, rounds, crops and learning rate. The 8 cases of ``../shared/data
 held-out test set, 2 to the server and 1 to each of 4 hospitals. A hospital's final score is that of
 the model it holds after the last round (``common.inprocess.evaluate_hospitals``) on the test cases
 restricted to its modalities; the server's is the global model's on the full-modality test cases.
+``generated-cpu`` has 36 generated volumes: 8 test cases, 4 for the server, 3 for each of the paper's
+8 hospital kinds, so that a hospital's personal filters are scored on cases it never trained on.
 Each finished run is written to ``<out>/runs/<method>-seed<s>.json`` and skipped when the script is
 started again; the report (``report.md``, ``rounds.png``) is rebuilt at the end. Long runs belong
 under the shared CPU lock: ``flock /tmp/fedmed-cpu.lock python -m benchmarks.fedmepd.run ...``.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -50,15 +55,33 @@ PRESETS: dict[str, dict[str, Any]] = {
             "evaluate-every": 5, "brain.widths": "8,16,32,64", "brain.crop-size": 32, "brain.downsample": 3,
             "brain.crops-per-case": 4, "fedmepd.warmup-rounds": 2, "fedmepd.patience": 3,
             "fedmepd.anchor-momentum": 0.9},
+    # Generated volumes (common/data/synthetic_brats.py: each tumour region visible in some modalities only),
+    # enough of them for the paper's 8 hospital kinds with 3 training cases each, the server's 4 and 8 unseen
+    # test cases; 24^3 volumes, 16^3 crops and widths 4-8-16-32, so that a run takes minutes on two cores.
+    "generated-cpu": {"dataset": "synthetic", "brain.synthetic-cases": 36, "brain.synthetic-size": 24,
+                      "test-fraction": 8 / 36, "brain.server-fraction": 4 / 36,
+                      "num-server-rounds": 15, "batch-size": 4, "learning-rate": 0.01, "weight-decay": 1e-5,
+                      "evaluate-every": 5, "brain.widths": "4,8,16,32", "brain.crop-size": 16, "brain.downsample": 1,
+                      "brain.crops-per-case": 4, "fedmepd.warmup-rounds": 2, "fedmepd.patience": 2,
+                      "fedmepd.num-anchors": 2, "fedmepd.anchor-momentum": 0.5},
 }
+#: Simulated hospitals per preset (the 8 real cases leave one for each of 4 hospitals).
+HOSPITALS = {"cpu": 4, "paper": 4, "generated-cpu": 8}
 PROTOCOL = {"task": "brain-tumour-segmentation", "dataset": "brats",
             "test-fraction": 0.25, "brain.server-fraction": 0.25,
             "local-epochs": 1, "fraction-train": 1.0, "min-train-hospitals": 1, "min-available-hospitals": 1,
             "fedmepd.num-anchors": 4, "device": "auto"}
 
-#: Table rows in the paper's order: name -> strategy.
-METHODS = {"Local": "fedmepd-local", "FedAvg (shared encoder)": "fedmepd-fedavg",
-           "Modality encoders + federated decoder": "fedmepd-federated-decoder", "FedMEPD": "fedmepd"}
+#: Table rows in the paper's order: name -> (file name of its runs, run-config keys).
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Local": ("fedmepd-local", {"strategy": "fedmepd-local"}),
+    "FedAvg (shared encoder)": ("fedmepd-fedavg", {"strategy": "fedmepd-fedavg"}),
+    "Modality encoders + federated decoder": ("fedmepd-federated-decoder", {"strategy": "fedmepd-federated-decoder"}),
+    "FedMEPD": ("fedmepd", {"strategy": "fedmepd"}),
+    "FedMEPD without LACCA": ("fedmepd-no-lacca", {"strategy": "fedmepd", "fedmepd.lacca": False}),
+}
+#: Rows run unless --methods names others (the BraTS table of the README has no LACCA ablation).
+DEFAULT_METHODS = {"cpu": list(METHODS)[:4], "paper": list(METHODS)[:4], "generated-cpu": list(METHODS)}
 
 
 def compact(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -109,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--data", type=Path, default=BRATS, help="a folder of BraTS case folders")
-    parser.add_argument("--hospitals", type=int, default=4, help="simulated hospitals (8 cases: at most 4)")
+    parser.add_argument("--hospitals", type=int, help="simulated hospitals (default: 4 for the 8 real cases, 8 for "
+                        "generated-cpu: the paper's 8 kinds of modality subsets)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
+                        help="rows to run (default: the preset's, see DEFAULT_METHODS)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a run-config key, e.g. --set num-server-rounds=2 --set brain.crop-size=16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared two-core machine)")
@@ -121,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     torch.set_num_threads(args.threads)
-    flat = {**PROTOCOL, **PRESETS[args.preset], "data-dir": str(args.data)}
+    flat = {**PROTOCOL, **PRESETS[args.preset]}
+    if flat.get("dataset") != "synthetic":
+        flat["data-dir"] = str(args.data)
+    methods = args.methods or DEFAULT_METHODS[args.preset]
+    hospitals = args.hospitals or HOSPITALS[args.preset]
     for item in args.set:
         key, _, text = item.partition("=")
         try:
@@ -131,23 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_step:
         one_step(flat)
         return 0
-    out = args.out or ROOT / "benchmarks" / "results" / "fedmepd" / f"brats-{args.preset}"
+    out = args.out or ROOT / "benchmarks" / "results" / "fedmepd" / (
+        args.preset if args.preset.startswith("generated") else f"brats-{args.preset}")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
-        for name in args.methods:
-            target = out / "runs" / f"{METHODS[name]}-seed{seed}.json"
+        for name in methods:
+            slug, keys = METHODS[name]
+            target = out / "runs" / f"{slug}-seed{seed}.json"
             if target.exists():
                 continue
             log.info("=== %s, seed %d", name, seed)
             record = {"method": name, "seed": seed,
-                      **run_one({**flat, "strategy": METHODS[name], "seed": seed, "run-name": target.stem},
-                                args.hospitals)}
+                      **run_one({**flat, **keys, "seed": seed, "run-name": target.stem}, hospitals)}
             target.write_text(json.dumps(record, indent=1) + "\n")
             log.info("=== %s, seed %d: server %.4f, hospitals %s in %.0fs", name, seed,
                      record["server"].get("dice_mean", float("nan")),
                      {h: round(m["dice_mean"], 4) for h, m in record["final"].items()}, record["seconds"])
-    command = " ".join(["python -m benchmarks.fedmepd.run", *(argv if argv is not None else sys.argv[1:])])
-    write_report(out, [n for n in METHODS if n in args.methods], args.seeds, f"preset {args.preset}", command)
+    command = "python -m benchmarks.fedmepd.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+    data = "generated volumes" if flat.get("dataset") == "synthetic" else "BraTS"
+    write_report(out, [n for n in METHODS if n in methods], args.seeds, f"{data}, preset {args.preset}", command)
     return 0
 
 

@@ -1,8 +1,9 @@
 """A py-spy profile (``py-spy record --format raw --subprocesses``) in a few lines: which processes were busy,
 and in each the functions most often on the stack (inclusive) and at its top (self).
 
-Raw lines are ``process PID:"command";func (file.py:line);...;func (file.py:line) COUNT``, root first; py-spy
-leaves idle threads out, so the samples are where CPU time went.
+Raw lines are ``process PID:"command";func (file.py:line);...;func (file.py:line) COUNT``, root first, a child
+process's stack below its parents' process frames; py-spy leaves idle threads out, so the samples are where
+CPU time went.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def summarise_profile(path: Path, top: int = 6) -> dict:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        kind = process_kind(frames[0]) if frames[0].startswith("process ") else "main"
-        frames = frames[1:] if frames[0].startswith("process ") else frames
+        # a child's stack hangs below its parents' process frames: the last one is the process sampled
+        own = max((i for i, frame in enumerate(frames) if frame.startswith("process ")), default=-1)
+        kind = process_kind(frames[own]) if own >= 0 else "main"
+        frames = frames[own + 1:]
         per_kind[kind] += int(count)
         if frames:
             leaves[kind][function_of(frames[-1])] += int(count)

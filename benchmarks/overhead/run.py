@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -147,7 +149,8 @@ def record_profile(link, results: Path, out: Path, seconds: float = 60.0) -> Non
     if not simulation:
         print("no flwr-simulation process to profile", flush=True)
         return
-    subprocess.run(["py-spy", "record", "--pid", str(simulation[0]), "--subprocesses", "--nonblocking",
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    subprocess.run([py_spy, "record", "--pid", str(simulation[0]), "--subprocesses", "--nonblocking",
                     "--format", "raw", "--rate", "20", "--duration", str(int(seconds)), "--output", str(out)],
                    check=False, capture_output=True)
 
@@ -232,6 +235,8 @@ def main() -> None:
                         help="Arrays per message for the per-Array cost (echo app; none: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
     args = parser.parse_args()
+    if args.profile and not (shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists()):
+        parser.error("--profile needs py-spy: pip install -e '.[profile]'")
     # SIGTERM (timeout, a scheduler) or SIGHUP unwind the finally blocks, which stop each SuperLink and SuperNode
     # with everything they spawned (common.launch also stops leftovers at exit)
     exit_on_termination()
