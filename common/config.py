@@ -244,7 +244,7 @@ class JobConfig(Section):
     round_timeout: float = Field(600.0, gt=0.0, description="Seconds to wait for hospital replies per round.")
     messages_in_flight: int = Field(0, ge=0, description=(
         "Most messages pending at once; the next goes out as a reply comes in. 0: all at once in a deployment, "
-        "2 per CPU (at least 8) in Flower's simulation engine, whose state slows with every pending message "
+        "one per CPU (at least 4) in Flower's simulation engine, whose state slows with every pending message "
         "(strategies/base.py)."))
     seed: int = Field(42, ge=0, le=2**32 - 1)
     batch_size: int = Field(32, ge=1)

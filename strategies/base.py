@@ -82,10 +82,10 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_fli
 
 #: Messages pending at once in Flower's simulation engine. Its in-memory SuperLink state looks through every
 #: pending message for each virtual node ten times a second (``vce_api.add_messages_to_queue``), holding the
-#: GIL: with all of 1000 hospitals' messages pending a round took 908 s, with 32 at once 267 s (the sweep still
-#: half of the simulation process's time, benchmarks/results/overhead.md). Ray runs one virtual hospital per
-#: two CPUs by default, so a few per CPU keep every actor busy.
-SIMULATION_IN_FLIGHT = max(8, 2 * (os.cpu_count() or 1))
+#: GIL: with all of 1000 hospitals' messages pending a round took 908 s, with 32 at once 267 s, with 8 115 s
+#: (benchmarks/results/overhead.md). Ray runs one virtual hospital per two CPUs by default, so two pending
+#: per actor keep every actor busy.
+SIMULATION_IN_FLIGHT = max(4, os.cpu_count() or 1)
 
 
 def messages_in_flight(job: JobConfig, grid: Grid) -> int:
