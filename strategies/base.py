@@ -19,7 +19,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -71,8 +71,9 @@ def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int |
 
 def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_flight: int = 0) -> list[Message]:
     """Push messages (at most ``in_flight`` pending at once; 0: all) and collect replies until all are in or
-    ``timeout`` passes."""
-    queued = list(messages)
+    ``timeout`` passes. ``messages`` is emptied as they are sent, so that a large model's copies in them are
+    freed while the replies come in."""
+    queued = messages
     replies = collect_replies(grid, set(), timeout, queued=queued, in_flight=in_flight)
     if queued:
         log.warning("%d message(s) were not sent within %.0f s (messages-in-flight=%d)", len(queued), timeout,
@@ -452,11 +453,11 @@ class HospitalStrategy(Strategy):
         in_flight = messages_in_flight(self.job, grid)
         try:
             for rnd in range(self.engine.next_round, num_rounds + 1):
-                arrays = as_arrayrecord(self.engine.method.global_arrays)
-                messages = list(self.configure_train(rnd, arrays, train_config, grid))
-                replies = send_and_receive(grid, messages, timeout, in_flight)
-                arrays, metrics = self.aggregate_train(rnd, replies)
-                result.arrays = arrays
+                # the engine holds the global model: no copy of it as this round's arrays (ArrayRecord() adopts
+                # nothing), the sent messages are dropped as they go and each reply once it is decoded
+                replies = send_and_receive(grid, list(self.configure_train(rnd, ArrayRecord(), train_config, grid)),
+                                           timeout, in_flight)
+                arrays, metrics = self.aggregate_train(rnd, drain(replies))
                 result.train_metrics_clientapp[rnd] = metrics
                 evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
                 if evaluation:
@@ -469,15 +470,21 @@ class HospitalStrategy(Strategy):
                     if central is not None:
                         result.evaluate_metrics_serverapp[rnd] = central
                         record["central"] = dict(central)
+                del arrays  # the checkpoint below reads the engine's model
                 if self.on_round_end is not None:
                     self.on_round_end(self.engine, record)
         finally:
             self._in_own_loop = False
-        if not len(result.arrays):
-            result.arrays = as_arrayrecord(self.engine.method.global_arrays)
+        result.arrays = as_arrayrecord(self.engine.method.global_arrays)
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
         return result
+
+
+def drain(messages: list[Message]) -> Iterator[Message]:
+    """The messages one by one, each dropped from the list as it is handed out (so it can be freed once used)."""
+    while messages:
+        yield messages.pop(0)
 
 
 BASE_ARGUMENTS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes",

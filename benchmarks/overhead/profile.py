@@ -53,7 +53,7 @@ def summarise_profile(path: Path, top: int = 6) -> dict:
     total = sum(per_kind.values()) or 1
     processes = []
     for kind, samples in per_kind.most_common():
-        ranked = [(name, n / samples) for name, n in functions[kind].most_common() if n < 0.95 * samples][:top]
+        ranked = [(name, n / samples) for name, n in functions[kind].most_common() if n < 0.9 * samples][:top]
         own = [(name, n / samples) for name, n in leaves[kind].most_common(top)]
         processes.append({"process": kind, "share": samples / total, "top": ranked, "self": own})
     return {"samples": total, "processes": processes}

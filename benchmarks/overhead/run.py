@@ -289,7 +289,10 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
     args.out.with_suffix(".json").write_text(json.dumps(measured, indent=2))
     lines = ["# Orchestration overhead per round", "",
              f"`python -m benchmarks.overhead.run --deployment {' '.join(map(str, args.deployment))} --apps "
-             f"{' '.join(args.apps)} --simulation {' '.join(map(str, args.simulation))} --rounds {args.rounds}` "
+             f"{' '.join(args.apps)} --simulation {' '.join(map(str, args.simulation))} --rounds {args.rounds}"
+             + (f" --profile {args.profile}" if args.profile else "")
+             + (f" --large-models {' '.join(f'{w:g}' for w in args.large_models)}" if args.large_models else "")
+             + "` "
              f"on a {os.cpu_count()}-core "
              f"{cpu_name()} machine; medians over rounds 2.. (round 1 includes start-up). Same ~25k-parameter CNN "
              f"and generated data ({SAMPLES_PER_HOSPITAL} samples per hospital, {IMAGE_SIZE}x{IMAGE_SIZE}) in both "
@@ -298,10 +301,11 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
              "one Array per array group).", "",
              "## Loopback deployment (one SuperLink, one SuperNode per hospital)", "",
              "Overhead = round - the slowest hospital's compute; of it, the time from the start of the message's "
-             "fresh `flwr-clientapp` process to our handler (Python, Flower, installing the app from its FAB), "
+             "fresh `flwr-clientapp` process to our handler (Python, importing Flower, installing the app from its "
+             "FAB, pulling the message from the SuperNode one object per Array), "
              "and the rest: Flower's polls (SuperNode 3 s when idle, SuperExec 1 s, reply 0.5 s, ServerApp 0.25 s+) "
              "and the transfers.", "",
-             "| hospitals | app | round s | hospitals' compute s | overhead s | of it ClientApp start s | "
+             "| hospitals | app | round s | hospitals' compute s | overhead s | of it ClientApp start and pull s | "
              "overhead / stock overhead |", "|---|---|---|---|---|---|---|"]
     for hospitals in args.deployment:
         stock = measured.get(f"deployment/stock/{hospitals}")
@@ -334,16 +338,19 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
     large = [measured[f"large-model/{w:g}"] for w in args.large_models if f"large-model/{w:g}" in measured]
     if large:
         lines += ["", "## Large models (loopback deployment, 2 hospitals, ResNet-18 of growing width)", "",
-                  "Peak memory (PSS, MB) of each process kind over the whole run; the SuperNode column adds up the "
-                  "SuperNodes, their SuperExecs and ClientApp processes (all hospitals). Round: median over rounds 2..",
-                  "", "| ResNet-18 width | model MB | round s | overhead s | SuperLink MB | ServerApp MB | "
-                  "ServerApp / model | hospitals' processes MB |", "|---|---|---|---|---|---|---|---|"]
+                  "Peak memory (PSS, MB) of each process kind over the whole run; the hospitals' column adds up the "
+                  "SuperNodes, every SuperExec (the SuperLink's too, about 100 MB), the ClientApp processes and the "
+                  "warm workers. Round: median over rounds 2..",
+                  "", "| ResNet-18 width | model MB | round s | overhead s | of it ClientApp start and pull s | "
+                  "SuperLink MB | ServerApp MB | ServerApp / model | hospitals' processes MB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for row in large:
             roles = row["peak_mb_by_role"]
             hospital_side = sum(roles.get(k, 0.0) for k in ("supernode", "superexec", "clientapp", "warm worker"))
             server = roles.get("serverapp", 0.0)
             lines.append(f"| {row['width']:g} | {row['model_mb']:.1f} | {row['round_s']:.1f} | "
-                         f"{row['overhead_s']:.1f} | {roles.get('superlink', 0.0):.0f} | {server:.0f} | "
+                         f"{row['overhead_s']:.1f} | {row['clientapp_start_s']:.1f} | "
+                         f"{roles.get('superlink', 0.0):.0f} | {server:.0f} | "
                          f"{server / row['model_mb']:.1f} | {hospital_side:.0f} |")
     if measured.get("arrays"):
         lines += ["", "## What one Flower Array costs (loopback, one SuperNode, an echoing ClientApp)", "",
