@@ -76,6 +76,13 @@ def fedmed_rounds(run_dir: Path, parallel: bool) -> list[dict]:
     return rows
 
 
+def until_finished(home: FlowerHome, connection: str, run_id: int, what: str, timeout: float = 3600) -> None:
+    """Wait for the run; RuntimeError with the tail of its log unless it completed."""
+    status = wait_for_run(home, connection, run_id, timeout=timeout)
+    if status != "finished:completed":
+        raise RuntimeError(f"{what} ended {status}:\n{run_log(home, connection, run_id)[-3000:]}")
+
+
 def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[dict]:
     home = FlowerHome(work / "home")
     port = free_port()
@@ -103,10 +110,7 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
         env = SUPEREXEC_POLL if app == "fedmed-superexec-poll" else None
         for config in configs:
             nodes.append(start_supernode(home, f"127.0.0.1:{port}", free_port(), config, env=env))
-        run_id = submit_run(home, "bench", run_config, app_dir=app_dir)
-        status = wait_for_run(home, "bench", run_id, timeout=3600)
-        if status != "finished:completed":
-            raise RuntimeError(f"{app} run ended {status}:\n{run_log(home, 'bench', run_id)[-3000:]}")
+        until_finished(home, "bench", submit_run(home, "bench", run_config, app_dir=app_dir), f"{app} run")
     finally:
         for process in [*nodes, link]:
             process.stop()
@@ -128,9 +132,7 @@ def run_simulation(hospitals: int, rounds: int, work: Path, profile: Path | None
             run_id = submit_run(home, "local", job, {"num-supernodes": hospitals})
             if profile is not None:
                 record_profile(link, results, profile, after_round=rounds - 1)
-            status = wait_for_run(home, "local", run_id, timeout=3600)
-        if status != "finished:completed":
-            raise RuntimeError(f"simulation ended {status}:\n{run_log(home, 'local', run_id)[-3000:]}")
+            until_finished(home, "local", run_id, "simulation")
     finally:
         link.stop()
     history = read_history(results)
@@ -174,10 +176,7 @@ def run_large_model(width: float, rounds: int, work: Path, hospitals: int = 2) -
                      **{"resnet-width": width, "image-size": 32, "batch-size": 16, "test-dir": str(sites / "test")})
     try:
         with PeakMemory([link, *nodes]) as peak:
-            run_id = submit_run(home, "bench", job, app_dir=HERE.parent.parent)
-            status = wait_for_run(home, "bench", run_id, timeout=3600)
-        if status != "finished:completed":
-            raise RuntimeError(f"large-model run ended {status}:\n{run_log(home, 'bench', run_id)[-3000:]}")
+            until_finished(home, "bench", submit_run(home, "bench", job, app_dir=HERE.parent.parent), "large-model run")
     finally:
         for process in [*nodes, link]:
             process.stop()
@@ -200,9 +199,7 @@ def run_array_costs(counts: list[int], work: Path, in_memory: bool) -> list[dict
     try:
         run_id = submit_run(home, "bench", {"array-counts": ",".join(map(str, counts)), "timings-file": str(timings)},
                             app_dir=HERE / "echo_app")
-        status = wait_for_run(home, "bench", run_id, timeout=1800)
-        if status != "finished:completed":
-            raise RuntimeError(f"echo run ended {status}:\n{run_log(home, 'bench', run_id)[-3000:]}")
+        until_finished(home, "bench", run_id, "echo run", timeout=1800)
     finally:
         for process in (node, link):
             process.stop()
