@@ -73,19 +73,18 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_fli
     """Push messages (at most ``in_flight`` pending at once; 0: all) and collect replies until all are in or
     ``timeout`` passes. ``messages`` is emptied as they are sent, so that a large model's copies in them are
     freed while the replies come in."""
-    queued = messages
-    replies = collect_replies(grid, set(), timeout, queued=queued, in_flight=in_flight)
-    if queued:
-        log.warning("%d message(s) were not sent within %.0f s (messages-in-flight=%d)", len(queued), timeout,
+    replies = collect_replies(grid, set(), timeout, queued=messages, in_flight=in_flight)
+    if messages:
+        log.warning("%d message(s) were not sent within %.0f s (messages-in-flight=%d)", len(messages), timeout,
                     in_flight)
     return replies
 
 
 #: Messages pending at once in Flower's simulation engine. Its in-memory SuperLink state looks through every
 #: pending message for each virtual node ten times a second (``vce_api.add_messages_to_queue``), holding the
-#: GIL: with all of 1000 hospitals' messages pending a round took 908 s, with 32 at once 267 s, with 8 115 s
-#: (benchmarks/results/overhead.md). Ray runs one virtual hospital per two CPUs by default, so two pending
-#: per actor keep every actor busy.
+#: GIL: with all of 1000 hospitals' messages pending a round took 908 s, with 32 at once 267 s, with 8 115 s,
+#: with 4 (this default on two cores) 103 s (benchmarks/results/overhead.md). Ray runs one virtual hospital per
+#: two CPUs by default, so two pending per actor keep every actor busy.
 SIMULATION_IN_FLIGHT = max(4, os.cpu_count() or 1)
 
 
