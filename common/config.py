@@ -62,7 +62,18 @@ class FedProInSection(Section):
     class_balanced: bool = Field(True, description="Draw training samples class-balanced, with replacement.")
     class_augmentation: bool = Field(True, description="Augment class c with probability 1 - n_c / n_max.")
     prototype_learning_rate: float = Field(0.0, ge=0.0, description="Adam step for prototypes; 0: learning-rate.")
-    encoder_weights: str = Field("", description="Server: a pretrained ResNet-18 state-dict file for the encoder.")
+    prototype_init: Literal["normal", "class-means", "feature-moments"] = Field("normal", description=(
+        "Prototypes at the start: N(0, 1) from the server (paper); or, at each hospital of round 1, K-means "
+        "centres of its class-c features under the received encoder ('class-means'), or N(0, 1) scaled and "
+        "shifted to its features' per-dimension std and mean ('feature-moments')."))
+    keep_optimizer_state: bool = Field(False, description=(
+        "Keep a hospital's Adam moments from one of its rounds to the next (public code), in its state store."))
+    epoch_draws: Literal["samples", "max-class"] = Field("samples", description=(
+        "Class-balanced draws per epoch: as many as the hospital's samples (a FedAvg epoch's cost), or "
+        "n_max x classes present (public code)."))
+    reseed_after: int = Field(0, ge=0, description=(
+        "Re-seed a prototype that no hospital's samples chose for this many rounds in a row, at each receiving "
+        "hospital's class sample farthest from its class's prototypes (0: never)."))
 
 
 class MoonSection(Section):
@@ -262,6 +273,10 @@ class JobConfig(Section):
         "Channel multiplier of the ResNet-18 (MONAI widen_factor): 1.0 is the standard network (45 MB); "
         "0.25 (16-32-64-128 channels, 128-d features) is the CPU benchmark preset's; 1.5 (100 MB) the large-model "
         "benchmark's."))
+    encoder_weights: str = Field("", description=(
+        "A pretrained ResNet-18 state-dict file (a 'fc.*' head is ignored): the initial encoder of every "
+        "classification method, read by the server (FedProto's hospitals build their first model too, so "
+        "with FedProto each hospital reads the same path)."))
     partitioner: Literal["iid", "dirichlet", "by-source"] = "iid"
     dirichlet_alpha: float = Field(0.5, gt=0.0)
     min_partition_size: int = Field(10, ge=1)
@@ -322,6 +337,9 @@ class JobConfig(Section):
             if self.image_size % PolypUNet.SIZE_MULTIPLE:
                 raise ValueError(f"image-size={self.image_size}: the polyp U-Net halves an image three times, so "
                                  f"its edge must be a multiple of {PolypUNet.SIZE_MULTIPLE} (e.g. 16, 32, 128)")
+        if self.encoder_weights and self.task != "classification":
+            raise ValueError(f"encoder-weights: pretrained encoder weights are for the classification ResNet-18; "
+                             f"this job's task is {self.task}")
         if self.min_available_hospitals < self.min_train_hospitals:
             raise ValueError("min-available-hospitals must be at least min-train-hospitals")
         from common.methods.registry import method_tasks

@@ -17,12 +17,16 @@ def test_table_reports_mean_and_std_of_the_final_round_over_seeds():
     runs = [run_record("FedProIn", "dirichlet", 0, 0.6, 0.5, 0.30),
             run_record("FedProIn", "dirichlet", 1, 0.8, 0.7, 0.40),
             run_record("FedAvg", "dirichlet", 0, 0.7, 0.6, 0.25)]
+    runs[0]["history"][-1]["method"] = {"prototype-usage": [[3, 0], [0, 1]]}  # two prototypes nobody chose
+    runs[1]["history"][0]["method"] = {"prototype-usage": [[0, 0], [0, 1]]}  # an earlier round: not the last
+    runs[1]["history"][-1]["method"] = {"prototype-usage": [[3, 2], [4, 1]]}
     text = table(runs, ["FedAvg", "FedProIn", "MOON"], ["dirichlet"])
     lines = text.splitlines()
-    assert lines[0] == "| method | Dir(0.5) Acc (%) | Dir(0.5) W-F1 (%) | Dir(0.5) MCC | seeds | minutes / run |"
-    assert lines[2] == "| FedAvg | 70.0 | 60.0 | 0.250 | 0 | 2.0 |"
-    assert lines[3] == "| FedProIn | 70.0 ± 10.0 | 60.0 ± 10.0 | 0.350 ± 0.050 | 0,1 | 2.0 |"
-    assert lines[4] == "| MOON | - | - | - | - | - |"
+    assert lines[0] == ("| method | Dir(0.5) Acc (%) | Dir(0.5) W-F1 (%) | Dir(0.5) MCC | "
+                        "unused prototypes, last round (Dir(0.5)) | seeds | minutes / run |")
+    assert lines[2] == "| FedAvg | 70.0 | 60.0 | 0.250 | - | 0 | 2.0 |"
+    assert lines[3] == "| FedProIn | 70.0 ± 10.0 | 60.0 ± 10.0 | 0.350 ± 0.050 | 1.0 | 0,1 | 2.0 |"
+    assert lines[4] == "| MOON | - | - | - | - | - | - |"
 
 
 def test_references_are_plotted_on_the_federated_round_scale():

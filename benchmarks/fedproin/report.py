@@ -22,6 +22,14 @@ def final_test(run: dict[str, Any]) -> dict[str, float]:
     return next(r["test"] for r in reversed(run["history"]) if r.get("test"))
 
 
+def unused_prototypes(run: dict[str, Any]) -> int | None:
+    """How many prototypes no aggregated hospital's samples chose in the run's last aggregated round
+    (None: the method has no prototype usage)."""
+    usage = next((r["method"]["prototype-usage"] for r in reversed(run["history"])
+                  if "prototype-usage" in r.get("method", {})), None)
+    return None if usage is None else int((np.asarray(usage) == 0).sum())
+
+
 def mean_std(values: list[float], scale: float, digits: int) -> str:
     if not values:
         return "-"
@@ -36,21 +44,25 @@ def table(runs: list[dict[str, Any]], methods: list[str], partitions: list[str])
     for partition in partitions:
         title = PARTITION_TITLES.get(partition, partition)
         header += [f"{title} Acc (%)", f"{title} W-F1 (%)", f"{title} MCC"]
-    header += ["seeds", "minutes / run"]
+    header += ["unused prototypes, last round (" + " / ".join(PARTITION_TITLES.get(p, p) for p in partitions) + ")",
+               "seeds", "minutes / run"]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for method in methods:
         row = [method]
         seeds: set[int] = set()
-        minutes = []
+        minutes, unused = [], []
         for partition in partitions:
             chosen = [r for r in runs if r["method"] == method and r["partition"] == partition]
             seeds |= {r["seed"] for r in chosen}
             minutes += [r["seconds"] / 60 for r in chosen]
             finals = [final_test(r) for r in chosen]
+            counts = [n for n in map(unused_prototypes, chosen) if n is not None]
+            unused.append(f"{np.mean(counts):.1f}" if counts else "-")
             row += [mean_std([f["accuracy"] for f in finals], 100, 1),
                     mean_std([f["f1_weighted"] for f in finals], 100, 1),
                     mean_std([f["mcc"] for f in finals], 1, 3)]
-        row += [",".join(str(s) for s in sorted(seeds)) or "-", f"{np.mean(minutes):.1f}" if minutes else "-"]
+        row += [" / ".join(unused) if any(u != "-" for u in unused) else "-",
+                ",".join(str(s) for s in sorted(seeds)) or "-", f"{np.mean(minutes):.1f}" if minutes else "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

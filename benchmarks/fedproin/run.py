@@ -30,6 +30,7 @@ from common.inprocess import run_rounds, simulated_sites
 from common.references import run_centralised, run_solo
 from common.site import HospitalStateStore
 
+from .pretrain import OTHER, pretrain
 from .report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +72,19 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedProIn no NIA": ("fedproin", {"fedproin": {"aggregation": "fedavg"}}),
     "FedProIn no FDL, PCL, NIA": ("fedproin", {"fedproin": {"fdl_weight": 0.0, "pcl_weight": 0.0,
                                                             "aggregation": "fedavg"}}),
+    # choices where paper and public code differ, or that docs/fedproin.md lists as ours: one change each
+    "FedProIn MCL": ("fedproin", {"fedproin": {"task_loss": "mcl", "fdl_weight": 0.1, "pcl_weight": 0.01}}),
+    "FedProIn xi 0.01": ("fedproin", {"fedproin": {"mcel_xi": 0.01}}),
+    "FedProIn xi 0.2": ("fedproin", {"fedproin": {"mcel_xi": 0.2}}),
+    "FedProIn M 1": ("fedproin", {"fedproin": {"num_prototypes": 1}}),
+    "FedProIn weights 1, 0.1": ("fedproin", {"fedproin": {"fdl_weight": 1.0, "pcl_weight": 0.1}}),
+    "FedProIn prototype lr 1e-2": ("fedproin", {"fedproin": {"prototype_learning_rate": 1e-2}}),
+    "FedProIn no class balance": ("fedproin", {"fedproin": {"class_balanced": False, "class_augmentation": False}}),
+    "FedProIn max-class draws": ("fedproin", {"fedproin": {"epoch_draws": "max-class"}}),
+    "FedProIn Adam kept": ("fedproin", {"fedproin": {"keep_optimizer_state": True}}),
+    "FedProIn class-means init": ("fedproin", {"fedproin": {"prototype_init": "class-means"}}),
+    "FedProIn feature-moments init": ("fedproin", {"fedproin": {"prototype_init": "feature-moments"}}),
+    "FedProIn reseed after 2": ("fedproin", {"fedproin": {"reseed_after": 2}}),
 }
 REFERENCES = {"solo": run_solo, "centralised": run_centralised}
 #: Methods scored with every hospital's own model (ten test-set passes): evaluated twice per run only.
@@ -111,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", help="default: the preset's")
     parser.add_argument("--partitions", nargs="+", choices=sorted(PARTITIONS), default=["iid", "dirichlet"])
     parser.add_argument("--methods", nargs="+", help="table rows to run (default: all, plus --ablations)")
-    parser.add_argument("--ablations", action="store_true", help="also run FedProIn without FDL / PCL / NIA")
+    parser.add_argument("--ablations", action="store_true", help="also run FedProIn without FDL / PCL / NIA, and "
+                        "with each alternative choice of ABLATIONS")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job field, e.g. --set num_server_rounds=1 --set fedproin.mcel_xi=0.1")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="every method starts from an encoder pretrained centrally on the other data set "
+                             "(benchmarks.fedproin.pretrain, cached); results go to <dataset>-<preset>-pretrained")
+    parser.add_argument("--pretrain-epochs", type=int, default=10)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/fedproin/<dataset>-<preset>")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine two threads ran 10x slower "
@@ -140,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {list(catalogue)}")
-    out = args.out or ROOT / "benchmarks" / "results" / "fedproin" / f"{args.dataset}-{args.preset}"
+    folder = f"{args.dataset}-{args.preset}"
+    if args.pretrained:
+        source = OTHER[args.dataset]
+        base["encoder_weights"] = str(pretrain(DATASETS[source], source, base["image_size"],
+                                               base.get("resnet_width", 1.0), args.pretrain_epochs))
+        folder += f"-pretrained-{source}"
+    out = args.out or ROOT / "benchmarks" / "results" / "fedproin" / folder
     (out / "runs").mkdir(parents=True, exist_ok=True)
     seeds = args.seeds or preset["seeds"]
 

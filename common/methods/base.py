@@ -81,7 +81,7 @@ class ServerMethod(ABC):
         torch.manual_seed(self.cfg.seed)
         from common.arrays import model_arrays
 
-        self.global_arrays = model_arrays(self.task.build_model())
+        self.global_arrays = model_arrays(self.task.initial_model())
 
     def check_hospital(self, hospital: HospitalInfo) -> None:
         """Refuse (ValueError) a hospital whose declared properties the method cannot work with, when it

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from common.arrays import model_arrays, weighted_average
 from common.config import FedProInSection, JobConfig
+from common.models.prototype_net import squared_distances
 from common.models.representations import FeatureTap, frozen_copy
-from common.models.resnet import load_pretrained
 from common.site import Site
 from common.tasks import Task, get_task
 from common.tasks.base import ExtraLoss
@@ -32,6 +32,7 @@ from common.tasks.prototype_classification import PrototypeClassificationTask
 
 from .base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod
 from .fedavg import FedAvgHospital
+from .optimizer_state import optimizer_arrays, restore_optimizer
 
 log = logging.getLogger("fedmed")
 
@@ -39,6 +40,8 @@ log = logging.getLogger("fedmed")
 #: counts travels in the reply's MetricRecord, so the reply's only ArrayRecord is the model (Flower's DP
 #: wrappers clip every ArrayRecord of a reply as model weights).
 INFLUENCE = "influence"
+#: round-config key: flat indices (class * M + k) of the prototypes a hospital re-seeds before training
+RESEED = "fedproin-reseed"
 
 
 # --- the method's pieces, as plain functions -------------------------------------------------------
@@ -68,6 +71,74 @@ def influence_counts(model: torch.nn.Module, task: Task, data, device: torch.dev
         own_class = model.distances(x)[torch.arange(len(y), device=device), y]  # (B, M)
         np.add.at(counts, (y.cpu().numpy(), own_class.argmin(dim=1).cpu().numpy()), 1)
     return counts
+
+
+@torch.no_grad()
+def encoder_features(model: torch.nn.Module, task: Task, data, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+    """(N, d) features of every sample of ``data`` under the model's encoder (eval mode), and their labels."""
+    model.to(device).eval()
+    features, labels = [], []
+    for x, y in task.batches(data, 256, device, None, train=False):
+        features.append(model.encoder(x))
+        labels.append(y.cpu().numpy())
+    return torch.cat(features), np.concatenate(labels)
+
+
+def class_means(features: np.ndarray, per_class: int, seed: int) -> np.ndarray:
+    """(M, d) K-means centres of one class's features, the largest cluster first (fewer samples than M:
+    the mean, split by a small step along the features' spread so the M prototypes differ)."""
+    from sklearn.cluster import KMeans
+
+    if len(features) >= per_class:
+        fitted = KMeans(n_clusters=per_class, n_init=3, random_state=seed).fit(features)
+        order = np.argsort(-np.bincount(fitted.labels_, minlength=per_class), kind="stable")
+        return fitted.cluster_centers_[order]
+    spread = features.std(axis=0) if len(features) > 1 else np.ones(features.shape[1])
+    steps = np.random.default_rng(seed).standard_normal((per_class, features.shape[1]))
+    return features.mean(axis=0) + 0.1 * spread * steps
+
+
+@torch.no_grad()
+def initialise_prototypes(model: torch.nn.Module, task: Task, data, rule: str, device: torch.device,
+                          seed: int) -> list[int]:
+    """Move the received N(0, 1) prototypes where this hospital's features are (round 1 only).
+
+    'class-means': the K-means centres of each class present here; 'feature-moments': mu + sigma * P
+    with the per-dimension mean and std of all its features, so every hospital scales the same N(0, 1)
+    draws. Returns the classes whose prototypes were set."""
+    features, labels = encoder_features(model, task, data, device)
+    prototypes = model.prototypes.data
+    if rule == "feature-moments":
+        mean, std = features.mean(0), features.std(0) if len(features) > 1 else torch.ones_like(features[0])
+        prototypes.copy_(mean + std * prototypes)
+        return list(range(prototypes.shape[0]))
+    present = sorted(set(labels.tolist()))
+    for c in present:
+        centres = class_means(features[torch.from_numpy(labels == c).to(device)].cpu().numpy().astype(np.float64),
+                              prototypes.shape[1], seed + c)
+        prototypes[c] = torch.from_numpy(centres).to(prototypes)
+    return present
+
+
+@torch.no_grad()
+def reseed_prototypes(model: torch.nn.Module, task: Task, data, flat_indices: list[int],
+                      device: torch.device) -> list[int]:
+    """Put each listed prototype (class c, index k) at this hospital's class-c sample farthest from its nearest
+    class-c prototype: a prototype nobody chose takes the worst-served sample, the start of a new cluster.
+    Classes this hospital does not hold are left as received. Returns the indices it re-seeded."""
+    features, labels = encoder_features(model, task, data, device)
+    per_class = model.prototypes.shape[1]
+    done = []
+    for index in flat_indices:
+        c, k = divmod(int(index), per_class)
+        mine = torch.from_numpy(labels == c).to(device)
+        if not bool(mine.any()):
+            continue
+        own = features[mine]
+        nearest = squared_distances(own, model.prototypes[c:c + 1]).min(dim=2).values.squeeze(1)
+        model.prototypes.data[c, k] = own[int(nearest.argmax())]
+        done.append(int(index))
+    return done
 
 
 def normalised_influence_aggregation(prototypes: list[np.ndarray], influences: list[np.ndarray],
@@ -119,15 +190,22 @@ class FedProInServer(ServerMethod):
         super().__init__(cfg, PrototypeClassificationTask(cfg, spec))
 
     def initialize(self) -> None:
-        """Encoder (optionally a user's pretrained weights) and N(0, 1) prototypes, seeded by the job."""
+        """Encoder (optionally a pretrained one, ``encoder-weights``) and N(0, 1) prototypes, seeded by the job."""
         torch.manual_seed(self.cfg.seed)
-        model = self.task.build_model()
-        if self.cfg.fedproin.encoder_weights:
-            try:
-                load_pretrained(model.encoder, self.cfg.fedproin.encoder_weights)
-            except (OSError, ValueError, RuntimeError) as error:
-                raise ValueError(f"fedproin.encoder-weights: {error}") from None
-        self.global_arrays = model_arrays(model)
+        self.global_arrays = model_arrays(self.task.initial_model())
+        self.unused_rounds = np.zeros(self.global_arrays["prototypes"].shape[:2], dtype=np.int64)
+
+    def due_for_reseeding(self) -> np.ndarray:
+        """(C, M) mask of the prototypes no hospital's samples chose for ``reseed-after`` rounds in a row."""
+        after = self.cfg.fedproin.reseed_after
+        return self.unused_rounds >= after if after else np.zeros_like(self.unused_rounds, dtype=bool)
+
+    def round_config(self, rnd: int) -> dict[str, Any]:
+        config = super().round_config(rnd)
+        due = np.flatnonzero(self.due_for_reseeding())
+        if due.size:
+            config[RESEED] = due.tolist()
+        return config
 
     def influence(self, update: HospitalUpdate) -> np.ndarray:
         """The reply's influence matrix as (classes, prototypes per class)."""
@@ -169,8 +247,19 @@ class FedProInServer(ServerMethod):
         if unused:
             log.info("round %d: prototypes no hospital used (kept or averaged as configured): %s", rnd,
                      ", ".join(unused))
+        reseeded = self.prototype_names(self.due_for_reseeding())
+        self.unused_rounds = np.where(usage == 0, self.unused_rounds + 1, 0)
         return {"influence": {u.hospital.name: i.tolist() for u, i in zip(updates, influences)},
-                "prototype-usage": usage.tolist(), "unused-prototypes": unused}
+                "prototype-usage": usage.tolist(), "unused-prototypes": unused,
+                **({"reseeded-prototypes": reseeded} if reseeded else {})}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**super().state_dict(), "fedproin/unused-rounds": self.unused_rounds}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        shape = self.global_arrays["prototypes"].shape[:2]
+        self.unused_rounds = state.get("fedproin/unused-rounds", np.zeros(shape, dtype=np.int64)).copy()
 
     def prototype_names(self, mask: np.ndarray) -> list[str]:
         """'<class>#<k>' for the prototypes where ``mask`` (C, M) is set."""
@@ -185,15 +274,24 @@ class FedProInHospital(FedAvgHospital):
         super().__init__(cfg, site, PrototypeClassificationTask(cfg, task.spec if task else None))
 
     def train(self, rnd: int, payload: Payload) -> Payload:
+        settings, device = self.cfg.fedproin, self.site.device
         model = self.task.model_from_payload(payload)
-        term, tap = fedproin_regulariser(model, self.cfg.fedproin, self.previous_prototypes(rnd, model),
-                                         self.site.device)
-        reply = self.train_model(rnd, model, term)
+        if rnd == 1 and settings.prototype_init != "normal":
+            initialise_prototypes(model, self.task, self.site.train, settings.prototype_init, device,
+                                  self.site.round_seed(rnd))
+        if payload.config.get(RESEED):
+            reseed_prototypes(model, self.task, self.site.train, list(payload.config[RESEED]), device)
+        term, tap = fedproin_regulariser(model, settings, self.previous_prototypes(rnd, model), device)
+        optimizer = self.task.make_optimizer(model)
+        if settings.keep_optimizer_state:
+            restore_optimizer(optimizer, self.site.state.load(before_round=rnd) or {}, f"hospital {self.site.name}")
+        reply = self.train_model(rnd, model, term, optimizer)
         if tap is not None:
             tap.remove()
-        counts = influence_counts(model, self.task, self.site.train, self.site.device)
+        counts = influence_counts(model, self.task, self.site.train, device)
         reply.metrics[INFLUENCE] = counts.ravel().tolist()
-        self.site.state.save(rnd, {"prototypes": reply.arrays["model"]["prototypes"]})
+        kept = optimizer_arrays(optimizer) if settings.keep_optimizer_state else {}
+        self.site.state.save(rnd, {"prototypes": reply.arrays["model"]["prototypes"], **kept})
         return reply
 
     def previous_prototypes(self, rnd: int, model: torch.nn.Module) -> np.ndarray | None:

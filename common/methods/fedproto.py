@@ -48,7 +48,7 @@ class FedProtoServer(ServerMethod):
 
     def initialize(self) -> None:
         torch.manual_seed(self.cfg.seed)  # hospitals rebuild this initial model from the same seed
-        model = self.task.build_model()
+        model = self.task.initial_model()
         self.global_arrays = model_arrays(model)
         features = classifier_head(model)[1].in_features
         self.prototypes = np.zeros((self.task.num_classes, features), dtype=np.float32)
@@ -130,8 +130,8 @@ class FedProtoHospital(FedAvgHospital):
         initial model, same seed)."""
         self.task.adopt_spec(payload.config)
         torch.manual_seed(self.cfg.seed)
-        model = self.task.build_model()
         own = self.site.state.load(before_round=rnd)
+        model = self.task.build_model() if own is not None else self.task.initial_model()
         if own is not None:
             load_model_arrays(model, own)
         return model

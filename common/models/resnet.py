@@ -60,7 +60,7 @@ def load_pretrained(model: torch.nn.Module, path: str) -> None:
     state = {k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith("fc.")}
     own = model.state_dict()
     wrong = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    missing = [k for k in own if k not in state]
+    missing = [k for k in own if k not in state and not k.startswith("fc.")]  # a classifier keeps its own head
     if wrong or missing:
         raise ValueError(f"pretrained weights {file}: shape mismatch in {wrong[:3]}, missing {missing[:3]}")
     model.load_state_dict(state, strict=False)

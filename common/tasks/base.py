@@ -76,6 +76,11 @@ class Task(ABC):
     def build_model(self) -> torch.nn.Module:
         ...
 
+    def initial_model(self) -> torch.nn.Module:
+        """A freshly built model as a run starts from it (seed it first); classification may load a
+        pretrained encoder (``encoder-weights``)."""
+        return self.build_model()
+
     def model_from_payload(self, payload) -> torch.nn.Module:
         from common.arrays import load_model_arrays
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from common.data.containers import DataError, LabelledImages
 from common.metrics import classification_metrics
-from common.models.resnet import build_resnet18_classifier
+from common.models.resnet import build_resnet18_classifier, load_pretrained
 from common.models.small_cnn import build_small_cnn
 
 from .base import Task, images_to_tensor, index_batches, random_flips
@@ -33,6 +33,21 @@ class ClassificationTask(Task):
         if self.cfg.classifier == "small-cnn":
             return build_small_cnn(self.num_classes, in_channels)
         return build_resnet18_classifier(self.num_classes, in_channels, self.cfg.image_size, self.cfg.resnet_width)
+
+    def initial_model(self) -> torch.nn.Module:
+        """The built network with the job's pretrained encoder weights, if any (a ``fc`` head is not loaded:
+        classes differ between data sets)."""
+        model = self.build_model()
+        if not self.cfg.encoder_weights:
+            return model
+        if self.cfg.classifier != "resnet18":
+            raise ValueError(f"encoder-weights: pretrained weights are for the ResNet-18; classifier is "
+                             f"{self.cfg.classifier!r}")
+        try:
+            load_pretrained(getattr(model, "encoder", model), self.cfg.encoder_weights)
+        except (OSError, ValueError, RuntimeError) as error:
+            raise ValueError(f"encoder-weights: {error}") from None
+        return model
 
     def check_data(self, data: LabelledImages, where: str) -> None:
         if len(data) and int(data.labels.max()) >= self.num_classes:

@@ -70,13 +70,19 @@ class PrototypeClassificationTask(ClassificationTask):
                 train: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Evaluation batches as usual; training batches class-balanced and augmented per class.
 
-        An epoch draws as many samples as the hospital holds, so it costs what a FedAvg epoch costs.
+        An epoch draws as many samples as the hospital holds, so it costs what a FedAvg epoch costs
+        (``epoch-draws='max-class'``: n_max x classes present, as the public code).
         """
         settings = self.cfg.fedproin
         if not train or rng is None or not (settings.class_balanced or settings.class_augmentation):
             yield from super().batches(data, batch_size, device, rng, train)
             return
-        order = balanced_draws(data.labels, len(data), rng) if settings.class_balanced else rng.permutation(len(data))
+        if settings.class_balanced:
+            counts = data.class_counts()
+            draws = len(data) if settings.epoch_draws == "samples" else int(counts.max()) * np.count_nonzero(counts)
+            order = balanced_draws(data.labels, draws, rng)
+        else:
+            order = rng.permutation(len(data))
         probabilities = augmentation_probabilities(data.class_counts()) if settings.class_augmentation else None
         for positions in index_batches(len(order), batch_size, None, drop_last=True):
             index = order[positions]
