@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from benchmarks.fedproin.report import curves, table
+import json
+
+import pytest
+
+from benchmarks.fedproin.report import ablation_table, curves, paired_differences, table, write_report
 from benchmarks.fedproin.run import ABLATIONS, PRESETS, PROTOCOL, job_config
 
 
@@ -45,3 +49,27 @@ def test_job_configs_share_the_protocol_and_apply_each_methods_overrides():
     assert solo.strategy == "fedavg" and solo.evaluate_every == base["num_server_rounds"] // 2
     for cfg in (no_nia, solo):
         assert (cfg.fraction_train, cfg.image_size, cfg.resnet_width, cfg.seed) == (0.5, 28, 0.25, 1)
+
+
+def test_ablations_are_compared_with_fedproin_seed_by_seed():
+    runs = [run_record("FedProIn", "dirichlet", 0, 0.6, 0.50, 0.30),
+            run_record("FedProIn", "dirichlet", 1, 0.6, 0.70, 0.40),
+            run_record("FedProIn M 1", "dirichlet", 0, 0.6, 0.52, 0.33),
+            run_record("FedProIn M 1", "dirichlet", 1, 0.6, 0.70, 0.37),
+            run_record("FedProIn no FDL", "dirichlet", 2, 0.6, 0.90, 0.90)]  # no FedProIn run of seed 2
+    assert paired_differences(runs, "FedProIn M 1", "FedProIn", "dirichlet", "mcc") == pytest.approx([0.03, -0.03])
+    lines = ablation_table(runs, ["FedProIn M 1", "FedProIn no FDL"], ["dirichlet"]).splitlines()
+    assert lines[2] == "| FedProIn M 1 | 61.0 ± 9.0 | 0.350 ± 0.020 | 1.0 ± 1.0 | 0.000 ± 0.030 | 0,1 |"
+    assert lines[3] == "| FedProIn no FDL | 90.0 | 0.900 | - | - | 2 |"
+
+
+def test_report_lists_the_rows_that_were_run_and_the_commands_that_made_them(tmp_path):
+    (tmp_path / "runs").mkdir()
+    for index, record in enumerate([run_record("FedProIn", "iid", 0, 0.6, 0.5, 0.3),
+                                    {**run_record("FedProIn M 1", "iid", 0, 0.6, 0.5, 0.2), "command": "python x"}]):
+        (tmp_path / "runs" / f"{index}.json").write_text(json.dumps(record))
+    text = write_report(tmp_path, ["FedAvg", "FedProIn"], ["FedProIn M 1", "FedProIn MCL"], "t", "python main")
+    assert "    python main\n    python x\n" in text
+    assert "| FedProIn |" in text and "| FedAvg |" not in text and "| FedProIn MCL |" not in text
+    assert "| FedProIn M 1 | 50.0 | 0.200 | 0.0 | -0.100 | 0 |" in text
+    assert (tmp_path / "accuracy.png").stat().st_size > 0

@@ -110,13 +110,56 @@ def plot(runs: list[dict[str, Any]], methods: list[str], partitions: list[str], 
     plt.close(fig)
 
 
-def write_report(out: Path, methods: list[str], partitions: list[str], seeds: list[int], title: str,
-                 command: str) -> str:
-    runs = [r for r in load_runs(out) if r["seed"] in seeds]
-    text = "\n".join([f"# FedProIn benchmark: {title}", "", f"`{command}`", "",
-                      "Final-round test metrics of the global model (SOLO and FedProto: mean over the hospitals' own "
-                      "models), mean ± std over seeds.", "", table(runs, methods, partitions), "",
-                      "![accuracy and MCC over rounds](accuracy.png)", ""])
+def paired_differences(runs: list[dict[str, Any]], method: str, reference: str, partition: str,
+                       metric: str) -> list[float]:
+    """``method`` minus ``reference`` in the final round, seed by seed (seeds both have run)."""
+    finals = {(r["method"], r["seed"]): final_test(r)[metric] for r in runs if r["partition"] == partition}
+    return [finals[(method, seed)] - finals[(reference, seed)] for m, seed in sorted(finals)
+            if m == method and (reference, seed) in finals]
+
+
+def ablation_table(runs: list[dict[str, Any]], variants: list[str], partitions: list[str],
+                   reference: str = "FedProIn") -> str:
+    """Each variant's final W-F1 and MCC, and its difference from ``reference`` on the same seeds: one
+    seed's table rows differ by the seed-to-seed spread, a paired difference does not."""
+    header = ["variant"]
+    for partition in partitions:
+        title = PARTITION_TITLES.get(partition, partition)
+        header += [f"{title} W-F1 (%)", f"{title} MCC", f"{title} Δ W-F1 (points)", f"{title} Δ MCC", f"{title} seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for variant in variants:
+        row = [variant]
+        for partition in partitions:
+            chosen = [r for r in runs if r["method"] == variant and r["partition"] == partition]
+            finals = [final_test(r) for r in chosen]
+            row += [mean_std([f["f1_weighted"] for f in finals], 100, 1), mean_std([f["mcc"] for f in finals], 1, 3),
+                    mean_std(paired_differences(runs, variant, reference, partition, "f1_weighted"), 100, 1),
+                    mean_std(paired_differences(runs, variant, reference, partition, "mcc"), 1, 3),
+                    ",".join(str(r["seed"]) for r in sorted(chosen, key=lambda r: r["seed"])) or "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, methods: list[str], variants: list[str], title: str, default_command: str) -> str:
+    """``table.md`` and ``accuracy.png`` from every run in ``out/runs``: the Table-1 rows (``methods``, in that
+    order, where run), then FedProIn's ablations and choices (``variants``) against FedProIn on the same seeds."""
+    runs = load_runs(out)
+    present = {r["method"] for r in runs}
+    partitions = [p for p in PARTITION_TITLES if any(r["partition"] == p for r in runs)]
+    rows = [m for m in methods if m in present]
+    variant_rows = [v for v in variants if v in present]
+    commands = sorted({r.get("command", default_command) for r in runs})
+    parts = [f"# FedProIn benchmark: {title}", "", "Made by (a rerun skips the runs already in `runs/`):", "",
+             *[f"    {c}" for c in commands], "",
+             "Final-round test metrics of the global model (SOLO and FedProto: mean over the hospitals' own "
+             "models), mean ± std over seeds.", "", table(runs, rows, partitions), ""]
+    if variant_rows:
+        parts += ["## FedProIn's ablations and choices", "",
+                  "One change each from FedProIn's defaults (`benchmarks/fedproin/run.py` `ABLATIONS`); Δ is the "
+                  "variant minus FedProIn on the same seeds and split, mean ± std over those seeds.", "",
+                  ablation_table(runs, variant_rows, partitions), ""]
+    parts += ["![accuracy and MCC over rounds](accuracy.png)", ""]
+    text = "\n".join(parts)
     (out / "table.md").write_text(text)
-    plot(runs, methods, partitions, out / "accuracy.png", title)
+    plot(runs, rows, partitions, out / "accuracy.png", title)
     return text

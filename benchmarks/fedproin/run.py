@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,8 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedProIn reseed after 2": ("fedproin", {"fedproin": {"reseed_after": 2}}),
 }
 REFERENCES = {"solo": run_solo, "centralised": run_centralised}
+#: what made the runs that record no command (the first table, before commands were recorded)
+MAIN_COMMAND = "python -m benchmarks.fedproin.run --preset cpu --dataset {dataset} --threads 2"
 #: Methods scored with every hospital's own model (ten test-set passes): evaluated twice per run only.
 PER_HOSPITAL_EVALUATION = ("solo", "fedproto")
 
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     seeds = args.seeds or preset["seeds"]
 
+    command = " ".join(["python -m benchmarks.fedproin.run", *map(shlex.quote, argv if argv is not None
+                                                                  else sys.argv[1:])])
     for partition in args.partitions:
         for seed in seeds:
             for name in names:
@@ -183,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.time()
                 history = run_one(cfg, strategy)
                 record = {"method": name, "partition": partition, "seed": seed, "seconds": time.time() - started,
+                          "command": command,
                           "config": cfg.to_flat(), "history": compact(history)}
                 target.write_text(json.dumps(record, indent=1) + "\n")
                 log.info("=== %s, %s, seed %d: %s in %.0fs", name, partition, seed,
                          history[-1].get("test"), record["seconds"])
-    write_report(out, names, args.partitions, seeds, f"{args.dataset}, preset {args.preset}",
-                 " ".join(["python -m benchmarks.fedproin.run", *(argv if argv is not None else sys.argv[1:])]))
+    write_report(out, list(METHODS), list(ABLATIONS), f"{args.dataset}, preset {args.preset}"
+                 + (", pretrained encoder" if args.pretrained else ""), MAIN_COMMAND.format(dataset=args.dataset))
     return 0
 
 
