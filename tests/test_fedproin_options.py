@@ -26,6 +26,7 @@ from common.models.prototype_net import PrototypeNet
 from common.models.resnet import build_resnet18_classifier
 from common.round_engine import RoundEngine
 from common.site import HospitalStateStore, Site
+from common.wire import from_recorddict, to_recorddict
 from common.tasks.base import images_to_tensor
 from common.tasks.prototype_classification import PrototypeClassificationTask
 
@@ -141,6 +142,8 @@ def test_server_asks_for_reseeding_after_the_configured_unused_rounds_and_rememb
     names = server.aggregate(3, [reply(server, "h0", [[2, 1]] * classes)])["reseeded-prototypes"]
     assert len(names) == 1 and names[0].endswith("#1")
     assert RESEED not in server.round_config(4)  # used again: the count starts over
+    sent = from_recorddict(to_recorddict(Payload(arrays={}, config=resumed.round_config(3))))
+    assert sent.config[RESEED] == [1]  # a list of ints travels in Flower's ConfigRecord
 
 
 def test_a_federation_with_reseeding_runs_and_records_it():
