@@ -72,8 +72,10 @@ class FedProInSection(Section):
         "Class-balanced draws per epoch: as many as the hospital's samples (a FedAvg epoch's cost), or "
         "n_max x classes present (public code)."))
     reseed_after: int = Field(0, ge=0, description=(
-        "Re-seed a prototype that no hospital's samples chose for this many rounds in a row, at each receiving "
-        "hospital's class sample farthest from its class's prototypes (0: never)."))
+        "Re-seed a prototype that no hospital's samples chose for this many rounds in a row (0: never)."))
+    reseed_rule: Literal["split", "far-sample"] = Field("split", description=(
+        "How: the server copies the class's most-used prototype (plus 1 % noise), or ('far-sample') each receiving "
+        "hospital puts it at its class sample farthest from the class's prototypes."))
 
 
 class MoonSection(Section):

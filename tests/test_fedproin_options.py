@@ -125,9 +125,27 @@ def reply(server, name: str, influence: list[list[int]]) -> HospitalUpdate:
     return HospitalUpdate(HospitalInfo(name, count, {}), payload)
 
 
+def test_server_splits_the_busiest_prototype_into_one_nobody_used():
+    cfg = JobConfig(run_name="split", strategy="fedproin", synthetic_samples=120, image_size=16,
+                    classifier="small-cnn", fedproin={"reseed-after": 2})
+    server = RoundEngine(cfg).method
+    classes = server.global_arrays["prototypes"].shape[0]
+    usage = [[3, 0], [0, 0]] + [[2, 1]] * (classes - 2)  # 0#1 nobody's nearest; class 1 held by nobody
+    assert "reseeded-prototypes" not in server.aggregate(1, [reply(server, "h0", usage)])
+    before = server.global_arrays["prototypes"].copy()
+    names = server.aggregate(2, [reply(server, "h0", usage)])["reseeded-prototypes"]
+    after = server.global_arrays["prototypes"]
+    assert names == [names[0]] and names[0].endswith("#1")  # class 1's prototypes are not split: nobody has it
+    np.testing.assert_allclose(after[0, 1], before[0, 0], atol=0.05 * before[0, 0].std())
+    assert not np.array_equal(after[0, 1], after[0, 0])
+    np.testing.assert_array_equal(after[1:], before[1:])
+    assert RESEED not in server.round_config(3)  # the server did it: nothing for the hospitals to do
+    assert "reseeded-prototypes" not in server.aggregate(3, [reply(server, "h0", usage)])  # counting starts over
+
+
 def test_server_asks_for_reseeding_after_the_configured_unused_rounds_and_remembers_across_a_resume():
     cfg = JobConfig(run_name="reseed", strategy="fedproin", synthetic_samples=120, image_size=16,
-                    classifier="small-cnn", fedproin={"reseed-after": 2})
+                    classifier="small-cnn", fedproin={"reseed-after": 2, "reseed-rule": "far-sample"})
     server = RoundEngine(cfg).method
     classes = server.global_arrays["prototypes"].shape[0]
     usage = [[3, 0]] + [[2, 1]] * (classes - 1)  # prototype 0#1 nobody's nearest
@@ -149,7 +167,7 @@ def test_server_asks_for_reseeding_after_the_configured_unused_rounds_and_rememb
 def test_a_federation_with_reseeding_runs_and_records_it():
     cfg = JobConfig(run_name="reseed-run", strategy="fedproin", num_server_rounds=3, synthetic_samples=120,
                     image_size=16, batch_size=16, min_partition_size=5, classifier="small-cnn",
-                    fedproin={"reseed-after": 1, "num-prototypes": 4})
+                    fedproin={"reseed-after": 1, "num-prototypes": 4, "reseed-rule": "far-sample"})
     engine = run_rounds(cfg, simulated_sites(cfg, 2))
     unused_after_1 = engine.history[0]["method"]["unused-prototypes"]
     assert unused_after_1  # four prototypes per class on a few dozen samples: some go unused

@@ -141,6 +141,18 @@ def reseed_prototypes(model: torch.nn.Module, task: Task, data, flat_indices: li
     return done
 
 
+def split_busiest(prototypes: np.ndarray, usage: np.ndarray, dead: np.ndarray, seed: int) -> np.ndarray:
+    """Each dead prototype (c, k) becomes a copy of its class's most-used prototype plus a step of 1 % of that
+    prototype's spread: the two then share that prototype's samples. Nothing moves near another class, which
+    a re-seed at a sample's feature does (features and learned prototypes need not lie at the same scale)."""
+    result = prototypes.copy()
+    rng = np.random.default_rng(seed)
+    for c, k in zip(*np.nonzero(dead)):
+        busiest = result[c, int(np.argmax(usage[c]))]
+        result[c, k] = busiest + 0.01 * busiest.std() * rng.standard_normal(busiest.shape).astype(result.dtype)
+    return result
+
+
 def normalised_influence_aggregation(prototypes: list[np.ndarray], influences: list[np.ndarray],
                                      previous: np.ndarray) -> np.ndarray:
     """NIA: P[c, k] = sum_i I_i[c, k] P_i[c, k] / sum_i I_i[c, k]; ``previous[c, k]`` where that sum is 0."""
@@ -202,6 +214,8 @@ class FedProInServer(ServerMethod):
 
     def round_config(self, rnd: int) -> dict[str, Any]:
         config = super().round_config(rnd)
+        if self.cfg.fedproin.reseed_rule != "far-sample":
+            return config
         due = np.flatnonzero(self.due_for_reseeding())
         if due.size:
             config[RESEED] = due.tolist()
@@ -247,8 +261,15 @@ class FedProInServer(ServerMethod):
         if unused:
             log.info("round %d: prototypes no hospital used (kept or averaged as configured): %s", rnd,
                      ", ".join(unused))
-        reseeded = self.prototype_names(self.due_for_reseeding())
+        far_sample = self.cfg.fedproin.reseed_rule == "far-sample"
+        reseeded = self.prototype_names(self.due_for_reseeding()) if far_sample else []  # sent this round
         self.unused_rounds = np.where(usage == 0, self.unused_rounds + 1, 0)
+        due = self.due_for_reseeding() & (usage.sum(axis=1, keepdims=True) > 0)  # a class someone used
+        if not far_sample and due.any():
+            self.global_arrays["prototypes"] = split_busiest(self.global_arrays["prototypes"], usage, due,
+                                                             self.cfg.seed + rnd)
+            reseeded = self.prototype_names(due)
+            self.unused_rounds[due] = 0
         return {"influence": {u.hospital.name: i.tolist() for u, i in zip(updates, influences)},
                 "prototype-usage": usage.tolist(), "unused-prototypes": unused,
                 **({"reseeded-prototypes": reseeded} if reseeded else {})}
