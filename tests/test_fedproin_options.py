@@ -26,9 +26,9 @@ from common.models.prototype_net import PrototypeNet
 from common.models.resnet import build_resnet18_classifier
 from common.round_engine import RoundEngine
 from common.site import HospitalStateStore, Site
-from common.wire import from_recorddict, to_recorddict
 from common.tasks.base import images_to_tensor
 from common.tasks.prototype_classification import PrototypeClassificationTask
+from common.wire import from_recorddict, to_recorddict
 
 CPU = torch.device("cpu")
 
