@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         folder += f"-pretrained-{source}"
     out = args.out or ROOT / "benchmarks" / "results" / "fedproin" / folder
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    if args.pretrained:  # how the encoder was made, and how well it does on its own data set, beside the table
+        shutil.copyfile(Path(base["encoder_weights"]).with_suffix(".json"), out / "pretrained-encoder.json")
     seeds = args.seeds or preset["seeds"]
 
     command = " ".join(["python -m benchmarks.fedproin.run", *map(shlex.quote, argv if argv is not None
