@@ -8,8 +8,10 @@ It replies with the model and its influence matrix: how many of its class-c trai
 each class-c prototype as their nearest.
 
 Server: encoder (and BatchNorm buffers) by FedAvg over sample counts; prototypes by Normalised
-Influence Aggregation; a prototype nobody used keeps its previous global value.
-See docs/fedproin.md for every choice where paper and public code differ.
+Influence Aggregation; a prototype nobody used keeps its previous global value (or, with
+``reseed-after``, is re-seeded once it stayed unused that many rounds).
+Options measured against the paper's choices (docs/fedproin.md): prototypes initialised from the
+round-1 hospitals' features, Adam moments kept across a hospital's rounds, the public code's epoch length.
 """
 
 from __future__ import annotations
