@@ -86,7 +86,7 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedProIn Adam kept": ("fedproin", {"fedproin": {"keep_optimizer_state": True}}),
     "FedProIn class-means init": ("fedproin", {"fedproin": {"prototype_init": "class-means"}}),
     "FedProIn feature-moments init": ("fedproin", {"fedproin": {"prototype_init": "feature-moments"}}),
-    "FedProIn reseed after 2": ("fedproin", {"fedproin": {"reseed_after": 2, "reseed_rule": "far-sample"}}),
+    "FedProIn far-sample reseed after 2": ("fedproin", {"fedproin": {"reseed_after": 2, "reseed_rule": "far-sample"}}),
     "FedProIn split after 2": ("fedproin", {"fedproin": {"reseed_after": 2}}),
 }
 REFERENCES = {"solo": run_solo, "centralised": run_centralised}
