@@ -77,13 +77,13 @@ class PrototypeClassificationTask(ClassificationTask):
         if not train or rng is None or not (settings.class_balanced or settings.class_augmentation):
             yield from super().batches(data, batch_size, device, rng, train)
             return
+        counts = data.class_counts()
         if settings.class_balanced:
-            counts = data.class_counts()
             draws = len(data) if settings.epoch_draws == "samples" else int(counts.max()) * np.count_nonzero(counts)
             order = balanced_draws(data.labels, draws, rng)
         else:
             order = rng.permutation(len(data))
-        probabilities = augmentation_probabilities(data.class_counts()) if settings.class_augmentation else None
+        probabilities = augmentation_probabilities(counts) if settings.class_augmentation else None
         for positions in index_batches(len(order), batch_size, None, drop_last=True):
             index = order[positions]
             labels = data.labels[index]
