@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -69,9 +70,18 @@ def query(message: Message, context: Context) -> Message:
     return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
 
 
+def seconds_before_handler() -> float | None:
+    """In a deployment, what the message cost before our handler ran: since the ``flwr-clientapp`` process
+    started (Flower's SuperExec starts one per message), or since ``fedmed-supernode``'s executor acquired
+    the task (``deploy/fedmed_supernode.py``); None in simulation."""
+    if Path(sys.argv[0]).name == "flwr-clientapp":
+        return seconds_since_process_start()
+    acquired = os.environ.get("FEDMED_TASK_ACQUIRED")  # set by the executor while it runs a task
+    return max(0.0, time.time() - float(acquired)) if acquired else None
+
+
 def seconds_since_process_start() -> float:
-    """How long ago this process started (Linux; 0 elsewhere): in a deployment, what starting a fresh
-    ``flwr-clientapp`` process for the message cost before our handler ran."""
+    """How long ago this process started (Linux; 0 elsewhere)."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -83,7 +93,7 @@ def seconds_since_process_start() -> float:
 @app.train()
 @_guarded
 def train(message: Message, context: Context) -> Message:
-    started = seconds_since_process_start() if Path(sys.argv[0]).name == "flwr-clientapp" else None
+    started = seconds_before_handler()
     payload = from_recorddict(message.content)
     reply = answer("train", payload, context)
     if started is not None:  # the round's overhead, attributed (benchmarks/overhead)

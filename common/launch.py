@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping
 
 BIN = Path(sys.executable).parent
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SUPERNODE_WITH_EXECUTOR = PROJECT_ROOT / "deploy" / "fedmed_supernode.py"  # fedmed-supernode (deploy/)
 
 
 def flower_env(home: Path) -> dict[str, str]:
@@ -418,9 +419,15 @@ def start_superlink(home: FlowerHome, port: int, *, simulation: bool, host: str 
 def start_supernode(home: FlowerHome, superlink: str, port: int, node_config: Mapping[str, Any], *,
                     host: str = "127.0.0.1", root_certificates: Path | None = None, auth_key: Path | None = None,
                     log_dir: Path | None = None, name: str | None = None, netns: str | None = None,
-                    extra: list[str] | None = None, env: Mapping[str, str] | None = None) -> ManagedProcess:
-    """Start one hospital's SuperNode connected to ``superlink`` ("host:port"); ``env`` adds to its environment."""
-    args = [str(BIN / "flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
+                    extra: list[str] | None = None, env: Mapping[str, str] | None = None,
+                    executor: bool = True) -> ManagedProcess:
+    """Start one hospital's SuperNode connected to ``superlink`` ("host:port"); ``env`` adds to its environment.
+
+    ``executor``: as ``deploy/`` starts it, ``fedmed-supernode`` (one long-lived ClientApp process beside the
+    SuperNode); False: plain ``flower-supernode``, whose SuperExec starts a ClientApp process per message.
+    """
+    command = [sys.executable, str(SUPERNODE_WITH_EXECUTOR)] if executor else [str(BIN / "flower-supernode")]
+    args = [*command, "--superlink", superlink, "--host", host, "--port", str(port),
             "--node-config", format_config(node_config)]
     if root_certificates is None:
         args.append("--insecure")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start one hospital's SuperNode beside its data, with TLS and its authentication key.
+# Start one hospital's SuperNode beside its data, with TLS and its authentication key, as fedmed-supernode
+# (deploy/fedmed_supernode.py: Flower's SuperNode with one long-lived ClientApp process instead of one per message).
 #
 #   deploy/start_supernode.sh HOSPITAL SUPERLINK_ADDRESS CA_CERT KEY DATA_DIR STATE_DIR [EXTRA_NODE_CONFIG]
 #   deploy/start_supernode.sh --insecure HOSPITAL SUPERLINK_ADDRESS - - DATA_DIR STATE_DIR [...]
@@ -25,5 +26,6 @@ else
   extra="identity-key='$key' $extra"  # signs the hospital's name for runs with hospital-keys
 fi
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
-exec flower-supernode "${security[@]}" --superlink "$superlink" --host 127.0.0.1 --port "$port" \
+python=${FEDMED_PYTHON:-python3}  # the Python that has Flower and the project installed
+exec "$python" "$(dirname "$0")/fedmed_supernode.py" "${security[@]}" --superlink "$superlink" --host 127.0.0.1 --port "$port" \
   --node-config "hospital='$hospital' data-dir='$data' state-dir='$state' $extra"

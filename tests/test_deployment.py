@@ -22,8 +22,10 @@ ROUNDS = 4
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("warm_worker", [True, False], ids=["warm-worker", "clientapp-process"])
-def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_path, warm_worker):
+@pytest.mark.parametrize("executor", [True, False], ids=["fedmed-supernode", "flower-superexec-warm-worker"])
+def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_path, executor):
+    """As deploy/ starts hospitals (fedmed-supernode: one long-lived ClientApp process each), and on stock
+    SuperNodes (a ClientApp process per message, the work in the hospital's warm worker)."""
     sites = tmp_path / "sites"
     assert fedmed(["partition", "--hospitals", "2", "--out", str(sites),
                    "--run-config",
@@ -39,7 +41,7 @@ def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_p
     superlink = start_superlink(home, port, simulation=False, connection="site")
     nodes = [start_supernode(home, f"127.0.0.1:{port}", free_port(),
                              {"hospital": name, "data-dir": str(folder), "state-dir": str(tmp_path / "state" / name),
-                              "device": "cpu", "warm-worker": warm_worker})
+                              "device": "cpu"}, executor=executor)
              for name, folder in (("hospital-00", sites / "hospital-00"), ("hospital-01", sites / "hospital-01"),
                                   ("hospital-broken", broken))]
     job = {"strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),

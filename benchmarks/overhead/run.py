@@ -6,9 +6,11 @@ runs one virtual hospital at a time). Both apps train the same ~25k-parameter CN
 generated data, so the difference is orchestration: fedmed sends one message per hospital per
 round (the hospital evaluates the received model inside its training reply) and polls for replies
 every 0.25 s at first instead of every 3 s; both send the model in Flower's records, one ``Array``
-per tensor. fedmed keeps torch and the data loaded in each hospital's warm worker (``fedmed-no-worker``:
-node config ``warm-worker=false``, the work in each message's own ClientApp process); ``fedmed-packed``
-sends each array group as one Array (``message-arrays='packed'``).
+per tensor. fedmed's hospitals run ``fedmed-supernode`` (deploy/fedmed_supernode.py: one long-lived
+ClientApp process beside the SuperNode, torch and the data kept loaded); ``fedmed-superexec``: on stock
+SuperNodes, a ClientApp process per message handing the work to the hospital's warm worker;
+``fedmed-no-worker``: the same with ``warm-worker=false``, all work in each message's own process;
+``fedmed-packed`` sends each array group as one Array (``message-arrays='packed'``).
 
     python -m benchmarks.overhead.run                       # loopback deployment + simulation
     python -m benchmarks.overhead.run --deployment 2 4 --simulation 2 10 50 100 --rounds 6
@@ -49,11 +51,12 @@ from .profile import summarise_profile
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 SAMPLES_PER_HOSPITAL = 80
-#: stock Flower FedAvg; fedmed as shipped (each hospital's warm worker); fedmed with ``warm-worker=false`` (all work
-#: in each message's fresh ClientApp process); fedmed with ``message-arrays='packed'`` (each array group one Array)
-APPS = ("stock", "fedmed", "fedmed-no-worker", "fedmed-packed", "fedmed-superexec-poll")
-#: ``fedmed-superexec-poll``: the SuperNodes' SuperExec looks for new tasks every 0.1 s instead of Flower's 1 s
-SUPEREXEC_POLL = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
+#: stock Flower FedAvg on stock SuperNodes; fedmed as deploy/ starts it (``fedmed-supernode``: one long-lived
+#: ClientApp process per hospital); fedmed on stock SuperNodes (Flower's SuperExec, a ClientApp process per message)
+#: with each hospital's warm worker, and without it (``warm-worker=false``); fedmed with ``message-arrays='packed'``
+#: (each array group one Array)
+APPS = ("stock", "fedmed", "fedmed-superexec", "fedmed-no-worker", "fedmed-packed")
+ON_STOCK_SUPERNODES = ("stock", "fedmed-superexec", "fedmed-no-worker")
 IMAGE_SIZE = 16
 LARGE_MODEL_SAMPLES = 40  # per hospital: the large-model rows measure traffic and memory, not learning
 
@@ -107,9 +110,9 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
             run_config = {"num-server-rounds": rounds, "timings-file": str(timings), "min-nodes": hospitals,
                           "samples-per-hospital": SAMPLES_PER_HOSPITAL, "image-size": IMAGE_SIZE}
             app_dir = HERE / "stock_app"
-        env = SUPEREXEC_POLL if app == "fedmed-superexec-poll" else None
         for config in configs:
-            nodes.append(start_supernode(home, f"127.0.0.1:{port}", free_port(), config, env=env))
+            nodes.append(start_supernode(home, f"127.0.0.1:{port}", free_port(), config,
+                                         executor=app not in ON_STOCK_SUPERNODES))
         until_finished(home, "bench", submit_run(home, "bench", run_config, app_dir=app_dir), f"{app} run")
     finally:
         for process in [*nodes, link]:
@@ -297,12 +300,14 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
              "BatchNorm's step counters stay local; stock: 21), except `fedmed-packed` (`message-arrays='packed'`: "
              "one Array per array group).", "",
              "## Loopback deployment (one SuperLink, one SuperNode per hospital)", "",
-             "Overhead = round - the slowest hospital's compute; of it, the time from the start of the message's "
-             "fresh `flwr-clientapp` process to our handler (Python, importing Flower, installing the app from its "
-             "FAB, pulling the message from the SuperNode one object per Array), "
-             "and the rest: Flower's polls (SuperNode 3 s when idle, SuperExec 1 s, reply 0.5 s, ServerApp 0.25 s+) "
-             "and the transfers.", "",
-             "| hospitals | app | round s | hospitals' compute s | overhead s | of it ClientApp start and pull s | "
+             "Overhead = round - the slowest hospital's compute; of it, the time before our handler ran: on stock "
+             "SuperNodes from the start of the message's fresh `flwr-clientapp` process (Python, importing Flower, "
+             "installing the app from its FAB, pulling the message from the SuperNode one object per Array), with "
+             "`fedmed-supernode` from the moment its executor acquired the task (the pull, which waits for the "
+             "SuperNode to receive the message's objects from the SuperLink); the rest: Flower's polls (SuperNode "
+             "3 s when idle, SuperExec 1 s on stock SuperNodes, reply 0.5 s, ServerApp 0.25 s+) and the transfers "
+             "of the reply's objects (SuperNode to SuperLink to ServerApp).", "",
+             "| hospitals | app | round s | hospitals' compute s | overhead s | of it before the handler s | "
              "overhead / stock overhead |", "|---|---|---|---|---|---|---|"]
     for hospitals in args.deployment:
         stock = measured.get(f"deployment/stock/{hospitals}")
@@ -338,7 +343,7 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
                   "Peak memory (PSS, MB) of each process kind over the whole run; the hospitals' column adds up the "
                   "SuperNodes, every SuperExec (the SuperLink's too, about 100 MB), the ClientApp processes and the "
                   "warm workers. Round: median over rounds 2..",
-                  "", "| ResNet-18 width | model MB | round s | overhead s | of it ClientApp start and pull s | "
+                  "", "| ResNet-18 width | model MB | round s | overhead s | of it before the handler s | "
                   "SuperLink MB | ServerApp MB | ServerApp / model | hospitals' processes MB |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in large:

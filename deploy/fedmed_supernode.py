@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""``fedmed-supernode``: Flower's SuperNode with one long-lived ClientApp process instead of one per message.
+
+    fedmed-supernode [flower-supernode's arguments]        # e.g. deploy/start_supernode.sh, docker-compose.yml
+
+Flower 1.42's SuperNode hands every message to its SuperExec, which starts a fresh ``flwr-clientapp``
+process for it: Python, Flower, the FAB's installation and the app's imports, several seconds per
+message on a small machine before any work is done (benchmarks/results/overhead.md). Flower offers no
+setting that keeps a ClientApp process alive outside Kubernetes, so this script starts
+``flower-supernode --isolation process`` (the SuperNode without its own SuperExec) and takes the
+SuperExec's place with an executor that runs each ClientApp task in itself, with Flower's own task
+functions (``pull_task_input``, ``push_message``, ``push_task_output``): the loaded app, torch and the
+hospital's data stay in memory between messages.
+
+What a fresh process per message guaranteed still holds:
+- a task always runs its own FAB's code: a task of another FAB than the one loaded restarts the
+  executor (``os.execv``) before it is pulled;
+- a task stopped by the server (``flwr stop``; the task heartbeat says so) ends at once, as Flower ends
+  a ClientApp process: the executor restarts, so nothing of the stopped task can be pushed later;
+- one task at a time, each pulled and answered with its own token, so a reply can only answer the
+  message it was computed for;
+- an exception in the app becomes an error reply, as in ``flwr-clientapp``; the executor goes on.
+
+This file imports nothing of the project (it is not part of the FAB), so the FAB's code is what runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fedmed-supernode")
+
+#: seconds between the executor's requests for a task (Flower's SuperExec: 1 s, FLWR_SUPEREXEC_TASK_POLL_INTERVAL)
+POLL = float(os.environ.get("FEDMED_EXECUTOR_POLL", "0.05"))
+#: set for the app while it answers a task: when the executor acquired it (time.time()), for overhead attribution
+TASK_ACQUIRED_ENV = "FEDMED_TASK_ACQUIRED"
+EXECUTOR_FLAG = "--fedmed-executor"  # the executor's own command line (started by the supervisor below)
+
+
+# --- the supervisor: the SuperNode and its executor --------------------------------------------------------------
+def runtime_address(supernode_args: list[str]) -> str:
+    """The Runtime API the SuperNode serves (its --host and --port, Flower's defaults otherwise)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", default="9094")
+    parser.add_argument("--isolation")
+    parser.add_argument("--ssl-certfile")
+    known, _ = parser.parse_known_args(supernode_args)
+    if known.isolation not in (None, "process"):
+        sys.exit(f"fedmed-supernode: --isolation {known.isolation}: this script runs the ClientApps itself "
+                 "(--isolation process); use flower-supernode for Flower's own SuperExec")
+    if known.ssl_certfile:
+        sys.exit("fedmed-supernode: --ssl-certfile: a TLS Runtime API is not supported by the executor; the Runtime "
+                 "API stays on the hospital's machine (--host 127.0.0.1)")
+    host = "127.0.0.1" if known.host in ("0.0.0.0", "") else known.host
+    return f"{host}:{known.port}"
+
+
+def supervise(supernode_args: list[str]) -> int:
+    """Run the SuperNode and keep an executor beside it; end with the SuperNode, or both on SIGTERM/SIGINT."""
+    address = runtime_address(supernode_args)
+    args = supernode_args if any(a.startswith("--isolation") for a in supernode_args) \
+        else ["--isolation", "process", *supernode_args]
+    beside = Path(sys.executable).parent / "flower-supernode"  # this Python's own Flower, else the PATH's
+    supernode = subprocess.Popen([str(beside) if beside.exists() else "flower-supernode", *args])
+
+    def start_executor() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address", address,
+                                 "--parent-pid", str(supernode.pid)])
+
+    stopping = threading.Event()
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    executor = start_executor()
+    try:
+        while not stopping.is_set() and supernode.poll() is None:
+            if executor.poll() is not None:  # it crashed (a task's own failure is an error reply, not an exit)
+                log.error("ClientApp executor exited with %s; starting a new one", executor.returncode)
+                time.sleep(1.0)
+                executor = start_executor()
+            stopping.wait(0.2)
+    finally:
+        for process in (executor, supernode):
+            if process.poll() is None:
+                process.terminate()
+        for process in (executor, supernode):
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return supernode.returncode if supernode.returncode is not None else 0
+
+
+# --- the executor: Flower's SuperExec loop, the ClientApp in this process ---------------------------------------------
+def restart(reason: str, token: str | None = None) -> None:
+    """Replace this process by a fresh executor (the same command line), handing it ``token`` if given."""
+    log.info("ClientApp executor restarts: %s", reason)
+    logging.shutdown()
+    argv = [a for i, a in enumerate(sys.argv) if a != "--token" and (i == 0 or sys.argv[i - 1] != "--token")]
+    os.execv(sys.executable, [sys.executable, *argv, *(["--token", token] if token else [])])
+
+
+class Executor:
+    """Acquires the SuperNode's ClientApp tasks and answers them one at a time in this process."""
+
+    def __init__(self, address: str) -> None:
+        from flwr.supercore.retry import make_simple_http_retry_invoker
+        from flwr.supercore.runtime import RuntimeHttpClient
+
+        self.address = address
+        self.fab_hash: str | None = None  # the FAB whose code this process has loaded
+        self.apps: dict[str, Any] = {}
+        self.client = RuntimeHttpClient.from_server_address(
+            server_address=address, insecure=True, root_certificates=None, interceptors=[],
+            retry_invoker=make_simple_http_retry_invoker())
+
+    def acquire(self) -> tuple[str, str] | None:
+        """(token, FAB hash) of the next ClientApp task, or None."""
+        from flwr.proto.runtime_pb2 import AcquireTaskRequest
+        from flwr.supercore.constant import TaskType
+
+        response = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+        if response.HasField("task") and response.token:
+            return response.token, response.task.fab_hash
+        return None
+
+    def serve(self, first_token: str | None) -> None:
+        token, fab_hash = (first_token, None) if first_token else (None, None)
+        while True:
+            if token is None:
+                acquired = self.acquire()
+                if acquired is None:
+                    time.sleep(POLL)
+                    continue
+                token, fab_hash = acquired
+                if fab_hash and self.fab_hash not in (None, fab_hash):
+                    restart(f"a task of FAB {fab_hash[:12]} after FAB {self.fab_hash[:12]}", token)
+            self.run_task(token)
+            token = None
+
+    def task_client(self, token: str) -> tuple[Any, Any]:
+        """A Runtime API client that acts for one task (its token), as a ``flwr-clientapp`` process does, and
+        its retry policy (cut to one try once the task is over)."""
+        from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+        from flwr.supercore.retry import make_simple_http_retry_invoker
+        from flwr.supercore.runtime import RuntimeHttpClient
+
+        retry = make_simple_http_retry_invoker()
+        return RuntimeHttpClient.from_server_address(
+            server_address=self.address, insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                          RuntimeTokenHttpInterceptor(token)], retry_invoker=retry), retry
+
+    def run_task(self, token: str) -> None:
+        """Flower's ``run_clientapp`` for one task, minus the process: pull, install, load, call, push."""
+        from flwr.app import Message
+        from flwr.app.error import Error
+        from flwr.cli.install import install_from_fab
+        from flwr.clientapp.client_app import LoadClientAppError
+        from flwr.clientapp.utils import get_load_client_app_fn
+        from flwr.common.constant import ErrorCode, SubStatus
+        from flwr.supercore.heartbeat import HeartbeatSender
+        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
+        started = time.time()
+        os.environ[TASK_ACQUIRED_ENV] = repr(started)
+        pulled = answered = started
+        client, retry = self.task_client(token)
+        beats = HeartbeatSender(task_heartbeat(client, retry))
+        message = reply = context = None
+        status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
+        beats.start()
+        try:
+            message, context, run, fab = pull_task_input(client)
+            pulled = time.time()
+            if fab.hash_str not in self.apps:
+                if self.fab_hash not in (None, fab.hash_str):  # the task carried no FAB hash before the pull
+                    restart(f"FAB {fab.hash_str[:12]} after FAB {self.fab_hash[:12]}", token)
+                install_from_fab(fab.content, skip_prompt=True)
+                load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+                self.apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
+                self.fab_hash = fab.hash_str
+            reply = self.apps[fab.hash_str](message=message, context=context)
+            answered = time.time()
+            status, details = SubStatus.COMPLETED, ""
+        except Exception as error:  # as flwr-clientapp: an error reply, and this process goes on
+            code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION if isinstance(error, LoadClientAppError) \
+                else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+            log.exception("ClientApp raised an exception")
+            details = f"{type(error)}:<'{error}'>"
+            if message is not None:
+                reply = Message(Error(code=code, reason=details), reply_to=message)
+        finally:
+            beats.stop()
+            os.environ.pop(TASK_ACQUIRED_ENV, None)
+            try:
+                if reply is not None and context is not None:
+                    push_message(client, reply, context)
+            except Exception:
+                log.exception("failed to push the reply")
+            retry.max_tries = 1
+            push_task_output(client=client, context=context, sub_status=status, details=details)
+            client.close()
+            done = time.time()
+            log.info("task %s: pulled in %.2f s, answered in %.2f s, pushed in %.2f s", status, pulled - started,
+                     max(0.0, answered - pulled), done - max(answered, pulled))
+
+
+def task_heartbeat(client: Any, retry: Any) -> Any:
+    """Flower's task heartbeat, except that a task the server stopped restarts the executor (Flower's raises
+    SIGINT, which ends a ``flwr-clientapp`` process): the stopped task's work ends and is never pushed."""
+    import httpx
+    from flwr.common.constant import SubStatus
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
+    from flwr.supernode.runtime.run_clientapp import push_task_output
+
+    def beat() -> bool:
+        try:
+            response = client.SendTaskHeartbeat(SendTaskHeartbeatRequest())
+        except httpx.TransportError:
+            return False
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code in (503, 504):
+                return False
+            raise
+        if not response.success:
+            retry.max_tries = 1
+            push_task_output(client=client, context=None, sub_status=SubStatus.FAILED, details="Task stopped.")
+            restart("the task was stopped (flwr stop, or the run ended)")
+        return True
+
+    return beat
+
+
+def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
+    """Flower's ``run_clientapp.pull_task_input`` with a short retry for objects the SuperNode is still receiving.
+
+    The SuperNode offers a task before all of its message's objects have arrived from the SuperLink; Flower
+    retries such an object after 1 s, then 2 s, 4 s... (hidden behind a new process's start-up there, seconds
+    of every round here). On the hospital's own machine, asking again every 0.05-0.5 s costs nothing.
+    """
+    from flwr.app import Message
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf,
+        make_pull_object_fn_protobuf,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    task = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = task.task_id, task.run.run_id, \
+        task.context.node_id
+    context, run, fab = context_from_proto(task.context), run_from_proto(task.run), fab_from_proto(task.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=0.05, backoff_cap=0.5)
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's: not part of the deflated message
+    return message, context, run, fab
+
+
+def run_executor(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="fedmed-supernode " + EXECUTOR_FLAG)
+    parser.add_argument("--runtime-api-address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True, help="the SuperNode: the executor ends with it")
+    parser.add_argument("--token", help="a task acquired by the process this one replaced")
+    args = parser.parse_args(argv)
+    from flwr.supercore.app_utils import start_parent_process_monitor
+
+    start_parent_process_monitor(args.parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    Executor(args.runtime_api_address).serve(args.token)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API request otherwise
+    if sys.argv[1:2] == [EXECUTOR_FLAG]:
+        run_executor(sys.argv[2:])
+    else:
+        sys.exit(supervise(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

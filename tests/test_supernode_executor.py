@@ -1,0 +1,162 @@
+"""fedmed-supernode's executor (deploy/fedmed_supernode.py) keeps what a fresh ClientApp process per message
+guaranteed: a task of another FAB restarts it before anything is pulled, a task stopped by the server restarts
+it (nothing of that task is pushed later), and a failing app becomes an error reply while the executor goes on.
+The whole path through a real SuperNode is in tests/test_deployment.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from common.launch import SUPERNODE_WITH_EXECUTOR
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("fedmed_supernode", SUPERNODE_WITH_EXECUTOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Restarted(Exception):
+    pass
+
+
+@pytest.fixture
+def script(monkeypatch):
+    module = load_script()
+
+    def restart(reason, token=None):
+        raise Restarted(reason, token)
+
+    monkeypatch.setattr(module, "restart", restart)
+    return module
+
+
+def test_the_runtime_address_comes_from_the_supernodes_own_flags_and_other_isolation_is_refused(script):
+    assert script.runtime_address(["--superlink", "x:9092"]) == "127.0.0.1:9094"
+    assert script.runtime_address(["--host", "0.0.0.0", "--port", "9200"]) == "127.0.0.1:9200"
+    with pytest.raises(SystemExit, match="--isolation subprocess"):
+        script.runtime_address(["--isolation", "subprocess"])
+    with pytest.raises(SystemExit, match="ssl-certfile"):
+        script.runtime_address(["--ssl-certfile", "c.pem"])
+
+
+def test_a_task_of_another_fab_restarts_the_executor_with_its_token_before_anything_is_pulled(script):
+    executor = script.Executor("127.0.0.1:1")  # nothing listens: nothing may be asked of it
+    executor.fab_hash = "a" * 64
+    ran: list[str] = []
+    executor.acquire = lambda: ("token-1", "b" * 64)
+    executor.run_task = ran.append
+    with pytest.raises(Restarted) as restarted:
+        executor.serve(first_token=None)
+    assert restarted.value.args[1] == "token-1" and "FAB bbbbbbbbbbbb after FAB aaaaaaaaaaaa" in restarted.value.args[0]
+    assert ran == []
+
+
+def test_tasks_of_the_loaded_fab_run_here_one_after_the_other(script):
+    executor = script.Executor("127.0.0.1:1")
+    executor.fab_hash = "a" * 64
+    tasks = iter([("token-1", "a" * 64), None, ("token-2", "a" * 64)])
+    ran: list[str] = []
+
+    def acquire():
+        try:
+            return next(tasks)
+        except StopIteration:
+            raise Restarted("no more tasks") from None
+
+    executor.acquire = acquire
+    executor.run_task = ran.append
+    with pytest.raises(Restarted, match="no more tasks"):
+        executor.serve(first_token=None)
+    assert ran == ["token-1", "token-2"]
+
+
+def test_a_restart_keeps_the_command_line_and_hands_over_only_the_new_token(monkeypatch):
+    module = load_script()
+    calls = []
+    monkeypatch.setattr(module.os, "execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.setattr(module.sys, "argv", [str(SUPERNODE_WITH_EXECUTOR), module.EXECUTOR_FLAG,
+                                             "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7",
+                                             "--token", "old"])
+    module.restart("a new FAB", "new")
+    module.restart("the task was stopped")
+    assert [argv[1:] for argv in calls] == [
+        [str(SUPERNODE_WITH_EXECUTOR), module.EXECUTOR_FLAG, "--runtime-api-address", "127.0.0.1:9094",
+         "--parent-pid", "7", "--token", "new"],
+        [str(SUPERNODE_WITH_EXECUTOR), module.EXECUTOR_FLAG, "--runtime-api-address", "127.0.0.1:9094",
+         "--parent-pid", "7"]]
+
+
+def test_the_script_imports_nothing_of_the_project_so_the_fabs_code_is_what_runs():
+    source = Path(SUPERNODE_WITH_EXECUTOR).read_text()
+    for package in ("common", "client_app", "server_app", "strategies"):
+        assert f"from {package}" not in source and f"import {package}" not in source
+
+
+class FakeRuntime:
+    """The SuperNode's Runtime API as one task sees it: records what the executor pushes."""
+
+    def __init__(self, heartbeat_success: bool = True):
+        self.heartbeat_success = heartbeat_success
+        self.task_outputs: list[tuple[str, str]] = []
+
+    def SendTaskHeartbeat(self, request):  # noqa: N802 (Flower's method names)
+        from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse
+
+        return SendTaskHeartbeatResponse(success=self.heartbeat_success)
+
+    def PushTaskOutput(self, request):  # noqa: N802
+        self.task_outputs.append((request.sub_status, request.details))
+
+    def close(self):
+        pass
+
+
+def test_a_task_the_server_stopped_restarts_the_executor_after_reporting_it_failed(script):
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+
+    runtime, retry = FakeRuntime(heartbeat_success=True), make_simple_http_retry_invoker()
+    beat = script.task_heartbeat(runtime, retry)
+    assert beat() is True and runtime.task_outputs == []
+    runtime.heartbeat_success = False
+    with pytest.raises(Restarted, match="stopped") as restarted:
+        beat()
+    assert restarted.value.args[1] is None  # nothing handed over: the stopped task is dropped
+    assert [status for status, _ in runtime.task_outputs] == ["failed"]
+
+
+def test_an_app_that_raises_becomes_an_error_reply_and_the_executor_goes_on(script, monkeypatch):
+    import flwr.supernode.runtime.run_clientapp as flower_clientapp
+    from flwr.app import Context, Message, RecordDict
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as pull_task_input sets them
+    runtime = FakeRuntime()
+    message = Message(RecordDict(), dst_node_id=1, message_type="train")
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    class Fab:
+        hash_str, content = "a" * 64, b""
+
+    class Run:
+        fab_id, fab_version = "fedmed", "1"
+
+    def broken_app(message, context):
+        raise ValueError("hospital x: data.npz is broken")
+
+    pushed = []
+    executor = script.Executor("127.0.0.1:1")
+    executor.apps, executor.fab_hash = {Fab.hash_str: broken_app}, Fab.hash_str
+    executor.task_client = lambda token: (runtime, make_simple_http_retry_invoker())
+    monkeypatch.setattr(script, "pull_task_input", lambda client: (message, context, Run, Fab))
+    monkeypatch.setattr(flower_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
+    executor.run_task("token-1")
+    executor.run_task("token-2")
+    assert len(pushed) == 2 and all(reply.has_error() for reply in pushed)
+    assert "data.npz is broken" in pushed[0].error.reason
+    assert [status for status, _ in runtime.task_outputs] == ["failed", "failed"]
