@@ -18,7 +18,9 @@ def services() -> dict:
 
 
 def hospitals() -> dict:
-    return {name: s for name, s in services().items() if "flower-supernode" in str(s.get("command", ""))}
+    """The hospital services: each starts fedmed-supernode (the SuperNode with its long-lived ClientApp process)."""
+    return {name: s for name, s in services().items()
+            if str(s.get("command", "")).startswith("fedmed-supernode ")}
 
 
 def mounts(service: dict) -> list[tuple[str, str, str]]:

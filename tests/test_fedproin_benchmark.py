@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.fedproin.report import ablation_table, curves, paired_differences, table, write_report
+from benchmarks.fedproin.report import ablation_table, curves, late_test, paired_differences, table, write_report
 from benchmarks.fedproin.run import ABLATIONS, PRESETS, PROTOCOL, job_config
 
 
@@ -31,6 +31,17 @@ def test_table_reports_mean_and_std_of_the_final_round_over_seeds():
     assert lines[2] == "| FedAvg | 70.0 | 60.0 | 0.250 | - | 0 | 2.0 |"
     assert lines[3] == "| FedProIn | 70.0 ± 10.0 | 60.0 ± 10.0 | 0.350 ± 0.050 | 1.0 | 0,1 | 2.0 |"
     assert lines[4] == "| MOON | - | - | - | - | - | - |"
+
+
+def test_the_steadier_score_averages_the_last_three_evaluated_rounds_only():
+    run = run_record("FedProIn", "dirichlet", 0, 0.8, 0.5, 0.3, rounds=(2, 4, 6, 8))
+    for record, mcc in zip(run["history"], (0.9, 0.1, 0.2, 0.6)):
+        record["test"]["mcc"] = mcc
+    run["history"].append({"round": 9})  # not evaluated: not counted
+    late = late_test(run)
+    assert late["mcc"] == pytest.approx(0.3) and late["accuracy"] == pytest.approx(0.8 * 6 / 8)
+    lines = table([run], ["FedProIn"], ["dirichlet"], score=late_test).splitlines()
+    assert lines[2].startswith("| FedProIn | 60.0 | 50.0 | 0.300 |")
 
 
 def test_references_are_plotted_on_the_federated_round_scale():
