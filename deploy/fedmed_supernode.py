@@ -47,14 +47,19 @@ EXECUTOR_FLAG = "--fedmed-executor"  # the executor's own command line (started 
 
 
 # --- the supervisor: the SuperNode and its executor --------------------------------------------------------------
-def runtime_address(supernode_args: list[str]) -> str:
-    """The Runtime API the SuperNode serves (its --host and --port, Flower's defaults otherwise)."""
+def supernode_flags(supernode_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", default="9094")
     parser.add_argument("--isolation")
     parser.add_argument("--ssl-certfile")
-    known, _ = parser.parse_known_args(supernode_args)
+    parser.add_argument("--superexec-auth-secret-file")
+    return parser.parse_known_args(supernode_args)[0]
+
+
+def runtime_address(supernode_args: list[str]) -> str:
+    """The Runtime API the SuperNode serves (its --host and --port, Flower's defaults otherwise)."""
+    known = supernode_flags(supernode_args)
     if known.isolation not in (None, "process"):
         sys.exit(f"fedmed-supernode: --isolation {known.isolation}: this script runs the ClientApps itself "
                  "(--isolation process); use flower-supernode for Flower's own SuperExec")
@@ -73,9 +78,12 @@ def supervise(supernode_args: list[str]) -> int:
     beside = Path(sys.executable).parent / "flower-supernode"  # this Python's own Flower, else the PATH's
     supernode = subprocess.Popen([str(beside) if beside.exists() else "flower-supernode", *args])
 
+    secret = supernode_flags(supernode_args).superexec_auth_secret_file  # the SuperNode then asks the executor for it
+
     def start_executor() -> subprocess.Popen:
         return subprocess.Popen([sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address", address,
-                                 "--parent-pid", str(supernode.pid)])
+                                 "--parent-pid", str(supernode.pid),
+                                 *(["--superexec-auth-secret-file", secret] if secret else [])])
 
     stopping = threading.Event()
 
@@ -101,7 +109,7 @@ def supervise(supernode_args: list[str]) -> int:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
-    return supernode.returncode if supernode.returncode is not None else 0
+    return 0 if stopping.is_set() or supernode.returncode is None else supernode.returncode
 
 
 # --- the executor: Flower's SuperExec loop, the ClientApp in this process ---------------------------------------------
@@ -116,15 +124,19 @@ def restart(reason: str, token: str | None = None) -> None:
 class Executor:
     """Acquires the SuperNode's ClientApp tasks and answers them one at a time in this process."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, auth_secret: bytes | None = None) -> None:
+        from flwr.supercore.interceptors import SuperExecAuthHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
 
         self.address = address
         self.fab_hash: str | None = None  # the FAB whose code this process has loaded
         self.apps: dict[str, Any] = {}
+        # with --superexec-auth-secret-file only who holds the secret may take the hospital's tasks, as in Flower
+        interceptors = [SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=frozenset(
+            {"/flwr.proto.Runtime/AcquireTask"}))] if auth_secret else []
         self.client = RuntimeHttpClient.from_server_address(
-            server_address=address, insecure=True, root_certificates=None, interceptors=[],
+            server_address=address, insecure=True, root_certificates=None, interceptors=interceptors,
             retry_invoker=make_simple_http_retry_invoker())
 
     def acquire(self) -> tuple[str, str] | None:
@@ -284,6 +296,7 @@ def run_executor(argv: list[str]) -> None:
     parser.add_argument("--runtime-api-address", required=True)
     parser.add_argument("--parent-pid", type=int, required=True, help="the SuperNode: the executor ends with it")
     parser.add_argument("--token", help="a task acquired by the process this one replaced")
+    parser.add_argument("--superexec-auth-secret-file", type=Path, help="the SuperNode's, if it has one")
     args = parser.parse_args(argv)
     from flwr.supercore.app_utils import start_parent_process_monitor
 
@@ -291,7 +304,8 @@ def run_executor(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    Executor(args.runtime_api_address).serve(args.token)
+    secret = args.superexec_auth_secret_file.read_bytes() if args.superexec_auth_secret_file else None
+    Executor(args.runtime_api_address, secret).serve(args.token)
 
 
 def main() -> None:
