@@ -17,7 +17,9 @@ from common.launch import ManagedProcess, marked_processes
 ROLES = (("serverapp", ("flwr-serverapp", "server_app")), ("simulation", ("flwr-simulation",)),
          ("ray actor", ("ray::", "default_worker.py")), ("ray", ("raylet", "gcs_server", "ray/", "dashboard")),
          ("clientapp", ("flwr-clientapp",)), ("warm worker", ("client_app.worker",)),
-         ("superexec", ("flower-superexec", "flwr-superexec")), ("supernode", ("flower-supernode",)),
+         ("clientapp executor", ("--fedmed-executor",)),  # fedmed-supernode's long-lived ClientApp process
+         ("superexec", ("flower-superexec", "flwr-superexec")),
+         ("supernode", ("flower-supernode", "fedmed_supernode.py", "fedmed-supernode")),
          ("superlink", ("flower-superlink",)))
 
 

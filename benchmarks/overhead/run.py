@@ -57,6 +57,8 @@ SAMPLES_PER_HOSPITAL = 80
 #: (each array group one Array)
 APPS = ("stock", "fedmed", "fedmed-superexec", "fedmed-no-worker", "fedmed-packed")
 ON_STOCK_SUPERNODES = ("stock", "fedmed-superexec", "fedmed-no-worker")
+#: process kinds (benchmarks/overhead/memory.py) that run at the hospitals
+HOSPITAL_ROLES = ("supernode", "superexec", "clientapp", "clientapp executor", "warm worker")
 IMAGE_SIZE = 16
 LARGE_MODEL_SAMPLES = 40  # per hospital: the large-model rows measure traffic and memory, not learning
 
@@ -341,14 +343,15 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
     if large:
         lines += ["", "## Large models (loopback deployment, 2 hospitals, ResNet-18 of growing width)", "",
                   "Peak memory (PSS, MB) of each process kind over the whole run; the hospitals' column adds up the "
-                  "SuperNodes, every SuperExec (the SuperLink's too, about 100 MB), the ClientApp processes and the "
-                  "warm workers. Round: median over rounds 2..",
+                  "SuperNodes (with `fedmed-supernode`'s supervisors), every SuperExec (the SuperLink's too, about "
+                  "100 MB), the ClientApp processes, the executors' and the warm workers. Round: median over "
+                  "rounds 2..",
                   "", "| ResNet-18 width | model MB | round s | overhead s | of it before the handler s | "
                   "SuperLink MB | ServerApp MB | ServerApp / model | hospitals' processes MB |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in large:
             roles = row["peak_mb_by_role"]
-            hospital_side = sum(roles.get(k, 0.0) for k in ("supernode", "superexec", "clientapp", "warm worker"))
+            hospital_side = sum(roles.get(k, 0.0) for k in HOSPITAL_ROLES)
             server = roles.get("serverapp", 0.0)
             lines.append(f"| {row['width']:g} | {row['model_mb']:.1f} | {row['round_s']:.1f} | "
                          f"{row['overhead_s']:.1f} | {row['clientapp_start_s']:.1f} | "
