@@ -294,6 +294,7 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
              f"{' '.join(args.apps)} --simulation {' '.join(map(str, args.simulation))} --rounds {args.rounds}"
              + (f" --profile {args.profile}" if args.profile else "")
              + (f" --large-models {' '.join(f'{w:g}' for w in args.large_models)}" if args.large_models else "")
+             + f" --arrays {' '.join(map(str, args.arrays))}".rstrip()  # bare --arrays: none (the default runs some)
              + "` "
              f"on a {os.cpu_count()}-core "
              f"{cpu_name()} machine; medians over rounds 2.. (round 1 includes start-up). Same ~25k-parameter CNN "
