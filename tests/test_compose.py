@@ -71,3 +71,12 @@ def test_tls_and_hospital_authentication_are_on_everywhere():
                 and f"--auth-supernode-private-key /keys/{name}" in command)
         assert f"hospital='{name}'" in command
     assert "--insecure" not in COMPOSE.read_text()
+
+
+def test_the_gpu_overlay_starts_each_hospital_as_the_base_file_does_plus_its_gpu():
+    overlay = yaml.safe_load((ROOT / "deploy" / "docker-compose.gpu.yml").read_text())["services"]
+    for name, service in hospitals().items():
+        base = " ".join(str(service["command"]).split())
+        on_gpu = " ".join(str(overlay[name]["command"]).split())
+        assert on_gpu == base.replace("identity-key='/keys/" + name + "'\"",
+                                      "identity-key='/keys/" + name + "' device='cuda'\""), name
