@@ -72,3 +72,17 @@ def test_simulated_hospitals_split_the_pool_without_overlap(small_classification
     assert test_names.isdisjoint(names.tolist())  # generated test data has a seed of its own
     mixes = [np.bincount(p.labels, minlength=4) / len(p) for p in parts]
     assert max(np.abs(mixes[0] - mixes[1]).max(), np.abs(mixes[1] - mixes[2]).max()) > 0.1  # non-IID
+
+
+def test_partitions_are_computed_once_per_pool_and_split_settings(small_classification):
+    from common.data.sources import partition_indices, simulation_split
+
+    cfg = small_classification
+    pool = simulation_split(cfg).pool
+    first = partition_indices(cfg, pool, 10)
+    assert partition_indices(cfg, pool, 10) is first  # every virtual hospital's message reuses it
+    other_pool = pool.subset(np.arange(len(pool) - 20))
+    assert partition_indices(cfg, other_pool, 10) is not first
+    assert sum(map(len, partition_indices(cfg, other_pool, 10))) == len(pool) - 20
+    redrawn = partition_indices(cfg.model_copy(update={"seed": cfg.seed + 1}), pool, 10)
+    assert redrawn is not first and any(not np.array_equal(a, b) for a, b in zip(redrawn, first))
