@@ -14,7 +14,8 @@ hospital's data stay in memory between messages.
 
 What a fresh process per message guaranteed still holds:
 - a task always runs its own FAB's code: a task of another FAB than the one loaded restarts the
-  executor (``os.execv``) before it is pulled;
+  executor (``os.execv``) before it is pulled (one that names no FAB until its pull is refused with an
+  error reply, and the executor restarts for the next);
 - a task stopped by the server (``flwr stop``; the task heartbeat says so) ends at once, as Flower ends
   a ClientApp process: the executor restarts, so nothing of the stopped task can be pushed later;
 - one task at a time, each pulled and answered with its own token, so a reply can only answer the
@@ -130,8 +131,8 @@ class Executor:
         from flwr.supercore.runtime import RuntimeHttpClient
 
         self.address = address
-        self.fab_hash: str | None = None  # the FAB whose code this process has loaded
-        self.apps: dict[str, Any] = {}
+        self.fab_hash: str | None = None  # the FAB whose code this process has loaded, and its ClientApp
+        self.app: Any = None
         # with --superexec-auth-secret-file only who holds the secret may take the hospital's tasks, as in Flower
         interceptors = [SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=frozenset(
             {"/flwr.proto.Runtime/AcquireTask"}))] if auth_secret else []
@@ -192,20 +193,21 @@ class Executor:
         pulled = answered = started
         client, retry = self.task_client(token)
         beats = HeartbeatSender(task_heartbeat(client, retry))
-        message = reply = context = None
+        message = reply = context = other_fab = None
         status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
         beats.start()
         try:
             message, context, run, fab = pull_task_input(client)
             pulled = time.time()
-            if fab.hash_str not in self.apps:
-                if self.fab_hash not in (None, fab.hash_str):  # the task carried no FAB hash before the pull
-                    restart(f"FAB {fab.hash_str[:12]} after FAB {self.fab_hash[:12]}", token)
+            if fab.hash_str != self.fab_hash:
+                if self.fab_hash is not None:  # the task named no FAB before its pull, and its message is taken
+                    other_fab = fab.hash_str
+                    raise RuntimeError(f"this ClientApp process has FAB {self.fab_hash[:12]} loaded, the task needs "
+                                       f"{other_fab[:12]}: the process restarts for the next task")
                 install_from_fab(fab.content, skip_prompt=True)
                 load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
-                self.apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
-                self.fab_hash = fab.hash_str
-            reply = self.apps[fab.hash_str](message=message, context=context)
+                self.app, self.fab_hash = load(run.fab_id, run.fab_version, fab.hash_str), fab.hash_str
+            reply = self.app(message=message, context=context)
             answered = time.time()
             status, details = SubStatus.COMPLETED, ""
         except Exception as error:  # as flwr-clientapp: an error reply, and this process goes on
@@ -229,6 +231,8 @@ class Executor:
             done = time.time()
             log.info("task %s: pulled in %.2f s, answered in %.2f s, pushed in %.2f s", status, pulled - started,
                      max(0.0, answered - pulled), done - max(answered, pulled))
+        if other_fab is not None:
+            restart(f"FAB {other_fab[:12]} after FAB {self.fab_hash[:12]}")
 
 
 def task_heartbeat(client: Any, retry: Any) -> Any:

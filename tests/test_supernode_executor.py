@@ -151,7 +151,7 @@ def test_an_app_that_raises_becomes_an_error_reply_and_the_executor_goes_on(scri
 
     pushed = []
     executor = script.Executor("127.0.0.1:1")
-    executor.apps, executor.fab_hash = {Fab.hash_str: broken_app}, Fab.hash_str
+    executor.app, executor.fab_hash = broken_app, Fab.hash_str
     executor.task_client = lambda token: (runtime, make_simple_http_retry_invoker())
     monkeypatch.setattr(script, "pull_task_input", lambda client: (message, context, Run, Fab))
     monkeypatch.setattr(flower_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
@@ -160,3 +160,29 @@ def test_an_app_that_raises_becomes_an_error_reply_and_the_executor_goes_on(scri
     assert len(pushed) == 2 and all(reply.has_error() for reply in pushed)
     assert "data.npz is broken" in pushed[0].error.reason
     assert [status for status, _ in runtime.task_outputs] == ["failed", "failed"]
+
+
+def test_a_task_that_turns_out_to_need_another_fab_is_refused_and_the_executor_restarts(script, monkeypatch):
+    import flwr.supernode.runtime.run_clientapp as flower_clientapp
+    from flwr.app import Context, Message, RecordDict
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    runtime = FakeRuntime()
+    message = Message(RecordDict(), dst_node_id=1, message_type="train")
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    class Fab:
+        hash_str, content = "b" * 64, b""
+
+    ran, pushed = [], []
+    executor = script.Executor("127.0.0.1:1")
+    executor.app, executor.fab_hash = (lambda message, context: ran.append(1)), "a" * 64
+    executor.task_client = lambda token: (runtime, make_simple_http_retry_invoker())
+    monkeypatch.setattr(script, "pull_task_input", lambda client: (message, context, None, Fab))
+    monkeypatch.setattr(flower_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
+    with pytest.raises(Restarted, match="FAB bbbbbbbbbbbb after FAB aaaaaaaaaaaa") as restarted:
+        executor.run_task("token-1")
+    assert restarted.value.args[1] is None and ran == []  # the old FAB's code never answered it
+    assert len(pushed) == 1 and "needs bbbbbbbbbbbb" in pushed[0].error.reason
