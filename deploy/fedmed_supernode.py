@@ -22,6 +22,13 @@ What a fresh process per message guaranteed still holds:
   message it was computed for;
 - an exception in the app becomes an error reply, as in ``flwr-clientapp``; the executor goes on.
 
+Flower's SuperNode itself runs in this script's own process (``--fedmed-supernode``) with shorter waits
+(:class:`SuperNodeClock`): Flower 1.42 sleeps 3 s after every poll of the SuperLink that found no message,
+0.5 s between looks for the reply it is to send, and 1 s, 2 s, 4 s... before asking again for a message
+object the SuperLink does not hold yet. None of these is a setting; together they were most of a round's
+overhead on a loopback deployment (benchmarks/results/overhead.md). ``FEDMED_SUPERNODE_POLL=flower``
+keeps Flower's own waits.
+
 This file imports nothing of the project (it is not part of the FAB), so the FAB's code is what runs.
 """
 
@@ -45,6 +52,72 @@ POLL = float(os.environ.get("FEDMED_EXECUTOR_POLL", "0.05"))
 #: set for the app while it answers a task: when the executor acquired it (time.time()), for overhead attribution
 TASK_ACQUIRED_ENV = "FEDMED_TASK_ACQUIRED"
 EXECUTOR_FLAG = "--fedmed-executor"  # the executor's own command line (started by the supervisor below)
+SUPERNODE_FLAG = "--fedmed-supernode"  # Flower's SuperNode with shorter waits, in a process of this script
+#: "flower": the SuperNode keeps Flower's own waits (3 s between empty polls of the SuperLink, ...)
+POLL_MODE = os.environ.get("FEDMED_SUPERNODE_POLL", "short")
+
+
+# --- Flower's SuperNode with shorter waits ----------------------------------------------------------------------------
+class SuperNodeClock:
+    """Stands in for the ``time`` module inside Flower's SuperNode loop (``start_client_internal``), whose
+    waits are fixed numbers: 3 s after a poll of the SuperLink that found no message, 0.5 s between looks
+    for a reply in the SuperNode's own memory.
+
+    After a message the SuperLink is polled again at once and then at waits growing from ``first`` by
+    ``growth`` up to Flower's 3 s, so the next round's message is picked up within a fraction of a second
+    while an idle hospital costs the SuperLink no more than in Flower (16 polls in the first 14 s, then one
+    per 3 s). The look for a reply is local and takes ``reply_wait``.
+    """
+
+    IDLE, REPLY = 3, 0.5  # Flower 1.42's waits (tests/test_supernode_executor.py checks they are still there)
+
+    def __init__(self, first: float = 0.1, growth: float = 1.25, reply_wait: float = 0.02) -> None:
+        self.first, self.growth, self.reply_wait = first, growth, reply_wait
+        self.idle_wait = first
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def message_received(self) -> None:
+        self.idle_wait = self.first
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == self.IDLE:
+            wait, self.idle_wait = self.idle_wait, min(self.IDLE, self.idle_wait * self.growth)
+        elif seconds == self.REPLY:
+            wait = self.reply_wait
+        else:
+            wait = seconds
+        time.sleep(wait)
+
+
+def shorten_supernode_waits(clock: SuperNodeClock) -> None:
+    """Give Flower's SuperNode loop ``clock`` and a first retry of 0.05 s (at most 0.5 s between retries) for
+    message objects the SuperLink does not hold yet: the server may still be pushing them."""
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supernode import start_client_internal as loop
+
+    pull_and_store = loop._pull_and_store_message
+
+    def pull_and_store_message(*args: Any, **kwargs: Any) -> Any:
+        run_id = pull_and_store(*args, **kwargs)
+        if run_id is not None:
+            clock.message_received()
+        return run_id
+
+    loop.time = clock
+    loop._pull_and_store_message = pull_and_store_message
+    inflatable_utils.pull_objects.__kwdefaults__.update(initial_backoff=0.05, backoff_cap=0.5)
+
+
+def run_supernode(supernode_args: list[str]) -> None:
+    """Flower's ``flower-supernode`` with ``supernode_args``, in this process, with shorter waits."""
+    from flwr.supernode.cli import flower_supernode
+
+    if POLL_MODE != "flower":
+        shorten_supernode_waits(SuperNodeClock())
+    sys.argv = ["flower-supernode", *supernode_args]
+    sys.exit(flower_supernode())
 
 
 # --- the supervisor: the SuperNode and its executor --------------------------------------------------------------
@@ -76,8 +149,7 @@ def supervise(supernode_args: list[str]) -> int:
     address = runtime_address(supernode_args)
     args = supernode_args if any(a.startswith("--isolation") for a in supernode_args) \
         else ["--isolation", "process", *supernode_args]
-    beside = Path(sys.executable).parent / "flower-supernode"  # this Python's own Flower, else the PATH's
-    supernode = subprocess.Popen([str(beside) if beside.exists() else "flower-supernode", *args])
+    supernode = subprocess.Popen([sys.executable, __file__, SUPERNODE_FLAG, *args])  # this Python's own Flower
 
     secret = supernode_flags(supernode_args).superexec_auth_secret_file  # the SuperNode then asks the executor for it
 
@@ -313,6 +385,8 @@ def run_executor(argv: list[str]) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == [SUPERNODE_FLAG]:  # Flower's logging only, as in flower-supernode
+        run_supernode(sys.argv[2:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Runtime API request otherwise

@@ -186,3 +186,41 @@ def test_a_task_that_turns_out_to_need_another_fab_is_refused_and_the_executor_r
         executor.run_task("token-1")
     assert restarted.value.args[1] is None and ran == []  # the old FAB's code never answered it
     assert len(pushed) == 1 and "needs bbbbbbbbbbbb" in pushed[0].error.reason
+
+
+def test_the_supernode_polls_again_soon_after_a_message_and_slows_to_flowers_wait_when_idle(script, monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(script.time, "sleep", slept.append)
+    clock = script.SuperNodeClock(first=0.1, growth=2.0, reply_wait=0.02)
+    for _ in range(7):
+        clock.sleep(script.SuperNodeClock.IDLE)  # the loop's wait after a poll that found no message
+    clock.sleep(script.SuperNodeClock.REPLY)  # waiting for the reply to send
+    clock.message_received()
+    clock.sleep(script.SuperNodeClock.IDLE)
+    clock.sleep(7.0)  # any other wait is Flower's own
+    assert slept == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.0, 3.0, 0.02, 0.1, 7.0])
+
+
+def test_flowers_supernode_still_has_the_waits_the_script_shortens(script, monkeypatch):
+    """A Flower upgrade that changes the SuperNode loop fails here, not silently in a deployment."""
+    import inspect
+
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supernode import start_client_internal as loop
+
+    source = inspect.getsource(loop)
+    assert f"time.sleep({script.SuperNodeClock.IDLE})" in source
+    assert f"time.sleep({script.SuperNodeClock.REPLY})" in source
+    assert "run_id = _pull_and_store_message(" in inspect.getsource(loop.start_client_internal)
+    defaults = dict(inflatable_utils.pull_objects.__kwdefaults__)
+    try:
+        monkeypatch.setattr(loop, "time", loop.time)  # restored after the test, as the loop's other names
+        monkeypatch.setattr(loop, "_pull_and_store_message", lambda **kwargs: 7)
+        clock = script.SuperNodeClock(first=0.1)
+        clock.idle_wait = 3.0
+        script.shorten_supernode_waits(clock)
+        assert loop.time is clock
+        assert loop._pull_and_store_message() == 7 and clock.idle_wait == 0.1  # a message: poll again soon
+        assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == 0.05
+    finally:
+        inflatable_utils.pull_objects.__kwdefaults__.update(defaults)
