@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from common.payload import Payload
-from common.wire import from_recorddict, to_recorddict
+from common.wire import LAYOUTS, from_recorddict, to_recorddict
 
 log = logging.getLogger("fedmed")
 app = ClientApp()
@@ -98,7 +98,8 @@ def train(message: Message, context: Context) -> Message:
     reply = answer("train", payload, context)
     if started is not None:  # the round's overhead, attributed (benchmarks/overhead)
         reply.metrics["clientapp-start-seconds"] = round(started, 3)
-    return Message(to_recorddict(reply, packed=payload.config.get("message-arrays") == "packed"), reply_to=message)
+    layout = payload.config.get("message-arrays")  # the layout the server chose, both ways
+    return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor"), reply_to=message)
 
 
 @app.evaluate()

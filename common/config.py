@@ -295,10 +295,13 @@ class JobConfig(Section):
     cross_site_evaluation: bool = Field(False, description=(
         "After the last round every hospital scores the final global model (and its own, for methods that "
         "personalise) on its validation data: a hospitals x models table and heatmap in the run's results."))
-    message_arrays: Literal["per-tensor", "packed"] = Field("per-tensor", description=(
-        "How a message's arrays travel: one Flower Array per tensor (Flower's DP wrappers and tools read them), "
-        "or each array group packed into one Array (far fewer objects through the SuperLink, so much faster "
-        "rounds for models with many tensors; Flower's mods cannot read it)."))
+    message_arrays: Literal["auto", "per-tensor", "flat", "packed"] = Field("auto", description=(
+        "How a message's arrays travel (common/wire.py): one Flower Array per tensor; 'flat': one Array per dtype "
+        "of each array group, every tensor raveled into it, names and shapes in the config (weights still, for "
+        "Flower's client-side DP and SecAgg+ mods; each Array costs the SuperLink milliseconds, so this is "
+        "several seconds a round faster); 'packed': each group as one .npz Array (bytes: no mod can read it); "
+        "'auto': flat in the strategy's own round loop, per tensor under Flower's (e.g. inside Flower's DP "
+        "wrappers, which compare each reply with the sent model tensor by tensor)."))
 
     screening: ScreeningSection = ScreeningSection()
     fedprox: FedProxSection = FedProxSection()

@@ -10,10 +10,16 @@ A payload travels the way Flower's own strategies and mods expect a message to l
 * config (including bytes, e.g. FedMEPD's personal-filter masks) as the ``ConfigRecord`` ``"config"``;
 * metrics (numbers and lists of numbers, e.g. FedProIn's influence counts) as the ``MetricRecord`` ``"metrics"``.
 
-With ``packed`` (run config ``message-arrays='packed'``) each array group's ArrayRecord holds one uint8 Array,
-``fedmed.npz``: the group as an ``.npz`` archive (read without pickle). Flower moves every Array as a
-separate object through the SuperLink (benchmarks/results/overhead_arrays.md), so a model of a hundred tensors
-costs far less this way; Flower's mods and wrappers then see bytes, not weights.
+That is the ``per-tensor`` layout. Flower moves every Array (and its data chunk) as separate objects through
+the SuperLink, each costing it milliseconds of work (benchmarks/results/overhead_arrays.md), so two more
+layouts carry each array group in fewer Arrays:
+
+* ``flat``: one 1-D Array per dtype of the group (``fedmed.flat.float32``: every float32 tensor, raveled and
+  concatenated in order), and the tensors' names, dtypes and shapes as JSON in the ConfigRecord
+  (``fedmed.layout.<record>``). Still weights: an update's norm, clipping and per-element noise or masks,
+  as Flower's client-side DP and SecAgg+ mods compute them, are the same as tensor by tensor.
+* ``packed``: one uint8 Array, ``fedmed.npz``, the group as an ``.npz`` archive (read without pickle);
+  Flower's mods and wrappers then see bytes, not weights.
 
 The only module of ``common`` that imports Flower; the methods never see Flower types.
 """
@@ -21,6 +27,7 @@ The only module of ``common`` that imports Flower; the methods never see Flower 
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import numpy as np
@@ -34,6 +41,9 @@ CONFIG_RECORD = "config"
 METRICS_RECORD = "metrics"
 MODEL_GROUP = "model"
 PACKED_ARRAY = "fedmed.npz"  #: the one Array of a packed group's ArrayRecord
+FLAT_ARRAY = "fedmed.flat."  #: + a dtype's name: the Arrays of a flat group's ArrayRecord
+FLAT_LAYOUT = "fedmed.layout."  #: + the record's name: the ConfigRecord entry listing a flat group's tensors
+LAYOUTS = ("per-tensor", "flat", "packed")
 
 
 class MalformedPayload(ValueError):
@@ -83,15 +93,65 @@ def unpack_arrays(array: Array, name: str, limit: int | None = None) -> NamedArr
             from None
 
 
-def to_recorddict(payload: Payload, packed: bool = False) -> RecordDict:
+def flatten_arrays(arrays: NamedArrays) -> tuple[ArrayRecord, str]:
+    """One 1-D Array per dtype (the tensors of that dtype raveled and concatenated in order), and the JSON
+    list of ``[name, dtype, shape]`` that reads them back."""
+    by_dtype: dict[str, list[np.ndarray]] = {}
+    layout = []
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        by_dtype.setdefault(value.dtype.name, []).append(value.ravel())
+        layout.append([name, value.dtype.name, list(value.shape)])
+    flat = ArrayRecord({FLAT_ARRAY + dtype: Array(np.concatenate(parts)) for dtype, parts in by_dtype.items()})
+    return flat, json.dumps(layout, separators=(",", ":"))
+
+
+def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str) -> NamedArrays:
+    """The named tensors of a flat record (views into its vectors); MalformedPayload unless ``layout_json``
+    lists tensors that use every element of every vector exactly once."""
+    if not isinstance(layout_json, str):
+        raise MalformedPayload(f"record {name!r} is flat but the config has no {FLAT_LAYOUT + name!r} text")
+    try:
+        layout = json.loads(layout_json)
+        entries = [(str(n), np.dtype(d).name, tuple(int(x) for x in shape)) for n, d, shape in layout]
+        vectors = {key.removeprefix(FLAT_ARRAY): array.numpy() for key, array in record.items()}
+    except Exception as error:
+        raise MalformedPayload(f"record {name!r}: flat layout cannot be read: {type(error).__name__}: {error}") \
+            from None
+    if len({n for n, _, _ in entries}) != len(entries) or any(x < 0 for _, _, s in entries for x in s):
+        raise MalformedPayload(f"record {name!r}: flat layout repeats a name or has a negative size")
+    arrays, used = {}, dict.fromkeys(vectors, 0)
+    for tensor, dtype, shape in entries:
+        vector = vectors.get(dtype)
+        if vector is None or vector.ndim != 1 or vector.dtype.name != dtype:
+            raise MalformedPayload(f"record {name!r}: tensor {tensor!r} is {dtype} but no 1-D {dtype} Array holds it")
+        size = int(np.prod(shape, dtype=np.int64))
+        if used[dtype] + size > vector.size:
+            raise MalformedPayload(f"record {name!r}: the layout needs more {dtype} values than the "
+                                   f"{vector.size} sent")
+        arrays[tensor] = vector[used[dtype]:used[dtype] + size].reshape(shape)
+        used[dtype] += size
+    unused = {dtype: vectors[dtype].size - n for dtype, n in used.items() if vectors[dtype].size != n}
+    if unused:
+        raise MalformedPayload(f"record {name!r}: values the layout does not name: {unused}")
+    return arrays
+
+
+def to_recorddict(payload: Payload, layout: str = "per-tensor") -> RecordDict:
+    """``payload`` as Flower records, its arrays in ``layout`` (one of :data:`LAYOUTS`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"message layout {layout!r} is not one of {LAYOUTS}")
     content = RecordDict()
+    config = dict(payload.config)
     for group, arrays in payload.arrays.items():
-        if packed:
+        if layout == "packed":
             content[record_name(group)] = ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)})
+        elif layout == "flat":
+            content[record_name(group)], config[FLAT_LAYOUT + record_name(group)] = flatten_arrays(arrays)
         else:
             content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C"))
                                                        for k, v in arrays.items()})
-    content[CONFIG_RECORD] = ConfigRecord(dict(payload.config))
+    content[CONFIG_RECORD] = ConfigRecord(config)
     content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
     return content
 
@@ -114,18 +174,24 @@ def from_recorddict(content: RecordDict, limit: int | None = None) -> Payload:
             raise MalformedPayload(f"its arrays take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB allowed "
                                    "(screening.max-reply-mb)")
     payload = Payload()
+    config = content.get(CONFIG_RECORD)
+    flat_layouts = {k: v for k, v in config.items() if k.startswith(FLAT_LAYOUT)} \
+        if isinstance(config, ConfigRecord) else {}
     for name, record in content.items():
         if isinstance(record, ArrayRecord):
             group = MODEL_GROUP if name == MODEL_RECORD else name
             if set(record) == {PACKED_ARRAY}:
                 payload.arrays[group] = unpack_arrays(record[PACKED_ARRAY], name, limit)
                 continue
+            if record and all(key.startswith(FLAT_ARRAY) for key in record):
+                payload.arrays[group] = unflatten_arrays(record, flat_layouts.pop(FLAT_LAYOUT + name, None), name)
+                continue
             try:
                 payload.arrays[group] = {key: array.numpy() for key, array in record.items()}
             except Exception as error:  # an Array whose bytes are not an array
                 raise MalformedPayload(f"record {name!r} cannot be decoded: {type(error).__name__}: {error}") from None
         elif isinstance(record, ConfigRecord) and name == CONFIG_RECORD:
-            payload.config = dict(record)
+            payload.config = {k: v for k, v in record.items() if not k.startswith(FLAT_LAYOUT)}
         elif isinstance(record, MetricRecord) and name == METRICS_RECORD:
             payload.metrics = dict(record)
         else:

@@ -95,15 +95,22 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_fli
 #: with 4 (this default on two cores) 103 s (benchmarks/results/overhead.md). Ray runs one virtual hospital per
 #: two CPUs by default, so two pending per actor keep every actor busy.
 SIMULATION_IN_FLIGHT = max(4, os.cpu_count() or 1)
+#: Identity queries pending at once there: a query is answered in milliseconds, so what limits them is the
+#: sweep's period (0.1 s plus the sweep itself, about 25 us per virtual node and pending message on two
+#: cores), which a wider window shares among more queries: 1000 identities took 48.7 s with 4 pending and
+#: 30.4 s with 32 (2-core AMD EPYC); no window gets below about 1000 x 25 us = 25 s.
+SIMULATION_QUERIES_IN_FLIGHT = 32
 
 
-def messages_in_flight(job: JobConfig, grid: Grid) -> int:
+def messages_in_flight(job: JobConfig, grid: Grid, queries: bool = False) -> int:
     """How many messages may be pending at once: ``messages-in-flight``, or where that is 0, all of them in a
     deployment (every hospital works in parallel on its own machine) and :data:`SIMULATION_IN_FLIGHT` in
-    Flower's simulation engine (its ``InMemoryGrid``)."""
+    Flower's simulation engine (its ``InMemoryGrid``), :data:`SIMULATION_QUERIES_IN_FLIGHT` for ``queries``."""
     if job.messages_in_flight > 0:
         return job.messages_in_flight
-    return SIMULATION_IN_FLIGHT if isinstance(grid, InMemoryGrid) else 0
+    if isinstance(grid, InMemoryGrid):
+        return SIMULATION_QUERIES_IN_FLIGHT if queries else SIMULATION_IN_FLIGHT
+    return 0
 
 
 def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **settings: Any) -> JobConfig:
@@ -216,7 +223,7 @@ class HospitalStrategy(Strategy):
         new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
         give_up = time.time() + self.job.round_timeout
         asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
-        in_flight = messages_in_flight(self.job, grid)
+        in_flight = messages_in_flight(self.job, grid, queries=True)
         while new and time.time() < give_up:
             windows = -(-len(new) // in_flight) if in_flight else 1  # a query's patience starts when it is sent
             patience = min(self.QUERY_PATIENCE * windows, give_up - time.time())
@@ -296,15 +303,25 @@ class HospitalStrategy(Strategy):
         """The method's payload for each hospital, with the round config and ``config`` (Flower's
         train or evaluate config) in its ConfigRecord."""
         node_of = {info.name: node for node, info in self.hospitals.items()}
+        layout = self.message_layout()
         messages = []
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
-            payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {})}
-            content = to_recorddict(payload, packed=self.job.message_arrays == "packed")
+            payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {}),
+                              "message-arrays": layout}  # the hospital replies in the same layout
+            content = to_recorddict(payload, layout)
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
         return messages
+
+    def message_layout(self) -> str:
+        """How this round's arrays travel: ``message-arrays``, where that is 'auto' flat in our own round loop
+        (:meth:`start`) and per tensor under Flower's, where a wrapper (Flower's DP) may compare each reply with
+        the model it was sent tensor by tensor."""
+        if self.job.message_arrays != "auto":
+            return self.job.message_arrays
+        return "flat" if self._in_own_loop else "per-tensor"
 
     # --- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

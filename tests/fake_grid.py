@@ -23,6 +23,7 @@ class FakeGrid(Grid):
         TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as inside a ServerApp
         self.nodes: dict[int, NodeHandler] = dict(nodes)
         self.sent: list[Message] = []
+        self.replies: list[Message] = []  # every reply the nodes gave, in order
         self._replies: dict[str, Message] = {}
         self._run = None
 
@@ -49,6 +50,7 @@ class FakeGrid(Grid):
             reply = handler(message) if handler is not None else None
             if reply is not None:
                 self._replies[message.metadata.message_id] = reply
+                self.replies.append(reply)
             ids.append(message.metadata.message_id)
         return ids
 

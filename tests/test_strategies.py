@@ -14,6 +14,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 import strategies
 from common.config import ConfigError, JobConfig, load_job_config
 from common.inprocess import run_rounds, simulated_sites
+from common.wire import from_recorddict
 from strategies import (
     FedAvgStrategy,
     FederatedDecoderStrategy,
@@ -129,8 +130,9 @@ def test_start_honours_its_arguments(tmp_path):
     train = grid.sent_of_type(MessageType.TRAIN)
     evaluate = grid.sent_of_type(MessageType.EVALUATE)
     assert len(train) == 2 and len(evaluate) == 2
+    sent = from_recorddict(train[0].content).arrays["model"]
     for name, value in initial.items():  # the first round trains the given model
-        np.testing.assert_array_equal(train[0].content["arrays"][name].numpy(), value)
+        np.testing.assert_array_equal(sent[name], value)
     assert train[0].content["config"]["local-epochs"] == 2 and train[0].content["config"]["note"] == "from the user"
     assert train[0].content["config"]["strategy"] == "fedavg" and train[0].content["config"]["server-round"] == 1
     assert evaluate[0].content["config"]["note"] == "evaluate"
@@ -140,17 +142,22 @@ def test_start_honours_its_arguments(tmp_path):
     assert len(strategy.engine.history) == 1 and strategy.job.round_timeout == 30.0
 
 
-def test_packed_messages_carry_one_array_per_group_and_train_the_same_model(tmp_path):
-    final = {}
-    for layout in ("per-tensor", "packed"):
+def test_every_message_layout_trains_the_same_model_and_auto_is_flat_in_our_own_loop(tmp_path):
+    final, arrays_sent = {}, {}
+    for layout in ("per-tensor", "flat", "packed", "auto"):
         config = run_config(tmp_path / layout, SMALL_CLASSIFICATION, **{"message-arrays": layout})
         grid = FakeGrid(simulated_hospitals(config, 2))
         result = FedProInStrategy(run_config=config).start(grid, num_rounds=2)
         final[layout] = arrays_of(result.arrays)
         sent = grid.sent_of_type(MessageType.TRAIN)[0]
-        assert (len(sent.content["arrays"]) == 1) == (layout == "packed")
-    for name, value in final["per-tensor"].items():
-        np.testing.assert_array_equal(final["packed"][name], value, err_msg=name)
+        arrays_sent[layout] = sorted(sent.content["arrays"])
+        replied = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN][0]
+        assert sorted(replied.content["arrays"]) == arrays_sent[layout]  # the hospital answers in the same layout
+    assert len(arrays_sent["per-tensor"]) > 10 and arrays_sent["packed"] == ["fedmed.npz"]
+    assert arrays_sent["flat"] == arrays_sent["auto"] == ["fedmed.flat.float32"]
+    for layout in ("flat", "packed", "auto"):
+        for name, value in final["per-tensor"].items():
+            np.testing.assert_array_equal(final[layout][name], value, err_msg=f"{layout}: {name}")
 
 
 def test_a_hospital_applies_the_training_keys_the_server_sends(tmp_path):
@@ -363,10 +370,11 @@ def test_messages_in_flight_keeps_at_most_that_many_pending_and_changes_nothing_
 def test_simulation_engine_gets_a_window_and_a_deployment_all_messages_at_once():
     from flwr.superlink.grid import InMemoryGrid
 
-    from strategies.base import SIMULATION_IN_FLIGHT, messages_in_flight
+    from strategies.base import SIMULATION_IN_FLIGHT, SIMULATION_QUERIES_IN_FLIGHT, messages_in_flight
 
     job = JobConfig()
     simulation = InMemoryGrid.__new__(InMemoryGrid)  # only its type matters here
     assert messages_in_flight(job, simulation) == SIMULATION_IN_FLIGHT
-    assert messages_in_flight(job, FakeGrid({})) == 0
+    assert messages_in_flight(job, simulation, queries=True) == SIMULATION_QUERIES_IN_FLIGHT > SIMULATION_IN_FLIGHT
+    assert messages_in_flight(job, FakeGrid({})) == messages_in_flight(job, FakeGrid({}), queries=True) == 0
     assert messages_in_flight(job.model_copy(update={"messages_in_flight": 7}), simulation) == 7

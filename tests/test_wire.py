@@ -80,7 +80,7 @@ def test_packed_layout_carries_each_group_as_one_array_and_reads_back_the_same()
 
     original = payload_of(1000)
     original.arrays["anchors"] = {"scale0": np.ones((2, 3))}
-    content = to_recorddict(original, packed=True)
+    content = to_recorddict(original, "packed")
     assert set(content["arrays"]) == {PACKED_ARRAY} and set(content["anchors"]) == {PACKED_ARRAY}
     back = from_recorddict(content)
     for group, arrays in original.arrays.items():
@@ -92,3 +92,74 @@ def test_packed_layout_carries_each_group_as_one_array_and_reads_back_the_same()
     content["arrays"] = ArrayRecord({PACKED_ARRAY: Array(blob[: len(blob) // 2].copy())})
     with pytest.raises(MalformedPayload, match="packed arrays cannot be read"):
         from_recorddict(content)
+
+
+def test_flat_layout_carries_one_array_per_dtype_and_reads_back_the_same():
+    from common.wire import FLAT_ARRAY, FLAT_LAYOUT
+
+    original = payload_of(1000)
+    original.arrays["model"]["bias"] = np.full((2, 3), 0.5, np.float32)
+    original.arrays["anchors"] = {"scale0": np.ones((2, 3))}
+    content = to_recorddict(original, "flat")
+    assert sorted(content["arrays"]) == [FLAT_ARRAY + "float32", FLAT_ARRAY + "int64"]
+    assert content["arrays"][FLAT_ARRAY + "float32"].shape == (1006,)  # w, then bias, raveled
+    assert sorted(content["anchors"]) == [FLAT_ARRAY + "float64"]
+    back = from_recorddict(content)
+    for group, arrays in original.arrays.items():
+        assert list(back.arrays[group]) == list(arrays)  # names in their order
+        for name, value in arrays.items():
+            assert back.arrays[group][name].dtype == value.dtype and back.arrays[group][name].shape == value.shape
+            np.testing.assert_array_equal(back.arrays[group][name], value)
+    assert back.config == original.config and not any(k.startswith(FLAT_LAYOUT) for k in back.config)
+    assert back.metrics == original.metrics
+
+
+def test_a_flat_record_whose_layout_does_not_fit_its_values_is_refused():
+    import json
+
+    import pytest
+    from flwr.app import Array, ArrayRecord
+
+    from common.wire import FLAT_ARRAY, FLAT_LAYOUT, MalformedPayload
+
+    def broken(change):
+        content = to_recorddict(payload_of(100), "flat")
+        change(content)
+        with pytest.raises(MalformedPayload, match="flat|layout|values|holds") as refused:
+            from_recorddict(content)
+        return str(refused.value)
+
+    def layout(entries):
+        return lambda content: content["config"].__setitem__(FLAT_LAYOUT + "arrays", json.dumps(entries))
+
+    assert "more float32 values" in broken(layout([["w", "float32", [101]], ["count", "int64", []]]))
+    assert "does not name" in broken(layout([["w", "float32", [99]], ["count", "int64", []]]))
+    assert "repeats a name" in broken(layout([["w", "float32", [50]], ["w", "float32", [50]], ["count", "int64", []]]))
+    assert "negative" in broken(layout([["w", "float32", [-1, -100]], ["count", "int64", []]]))
+    assert "no 1-D float64" in broken(layout([["w", "float64", [100]], ["count", "int64", []]]))
+    assert "cannot be read" in broken(lambda content: content["config"].__setitem__(FLAT_LAYOUT + "arrays", "[oops"))
+    assert "no 'fedmed.layout.arrays'" in broken(lambda content: content["config"].__delitem__(FLAT_LAYOUT + "arrays"))
+    two_d = np.zeros((10, 10), np.float32)  # a vector that is not 1-D
+    assert "no 1-D float32" in broken(lambda content: content["arrays"].__setitem__(FLAT_ARRAY + "float32",
+                                                                                     Array(two_d)))
+    assert isinstance(to_recorddict(payload_of(1), "flat")["arrays"], ArrayRecord)
+
+
+def test_clipping_a_flat_update_is_clipping_the_tensors():
+    """What Flower's DP code computes on a flat update (the norm over all values, the scaled update) is what it
+    computes tensor by tensor: the flat layout is weights to Flower's client-side mods."""
+    from flwr.supercore.differential_privacy import compute_clip_model_update
+
+    rng = np.random.default_rng(0)
+    received = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=5).astype(np.float32)}
+    trained = {k: v + rng.normal(size=v.shape).astype(np.float32) for k, v in received.items()}
+    per_tensor = [trained[k].copy() for k in received]
+    compute_clip_model_update(per_tensor, [received[k] for k in received], clipping_norm=0.5)
+    flat_sent = from_recorddict(to_recorddict(Payload(arrays={"model": received}), "flat"))
+    flat_reply = to_recorddict(Payload(arrays={"model": trained}), "flat")
+    flat = [flat_reply["arrays"]["fedmed.flat.float32"].numpy()]
+    compute_clip_model_update(flat, [np.concatenate([v.ravel() for v in flat_sent.arrays["model"].values()])],
+                              clipping_norm=0.5)
+    clipped = np.concatenate([a.ravel() for a in per_tensor])
+    assert not np.allclose(clipped, np.concatenate([trained[k].ravel() for k in received]))  # it did clip
+    np.testing.assert_allclose(flat[0], clipped, rtol=1e-6)

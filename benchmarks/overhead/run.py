@@ -5,12 +5,13 @@ deployment, where hospitals work in parallel; the sum in a simulation on this ma
 runs one virtual hospital at a time). Both apps train the same ~25k-parameter CNN on the same
 generated data, so the difference is orchestration: fedmed sends one message per hospital per
 round (the hospital evaluates the received model inside its training reply) and polls for replies
-every 0.25 s at first instead of every 3 s; both send the model in Flower's records, one ``Array``
-per tensor. fedmed's hospitals run ``fedmed-supernode`` (deploy/fedmed_supernode.py: one long-lived
-ClientApp process beside the SuperNode, torch and the data kept loaded); ``fedmed-superexec``: on stock
+every 0.25 s at first instead of every 3 s; both send the model in Flower's records: stock one ``Array``
+per tensor, fedmed as shipped one float32 ``Array`` for the whole model (``message-arrays='auto'``),
+``fedmed-per-tensor`` one per tensor, ``fedmed-packed`` one ``.npz`` Array. fedmed's hospitals run
+``fedmed-supernode`` (deploy/fedmed_supernode.py: Flower's SuperNode with short polls, and one long-lived
+ClientApp process beside it, torch and the data kept loaded); ``fedmed-superexec``: on stock
 SuperNodes, a ClientApp process per message handing the work to the hospital's warm worker;
-``fedmed-no-worker``: the same with ``warm-worker=false``, all work in each message's own process;
-``fedmed-packed`` sends each array group as one Array (``message-arrays='packed'``).
+``fedmed-no-worker``: the same with ``warm-worker=false``, all work in each message's own process.
 
     python -m benchmarks.overhead.run                       # loopback deployment + simulation
     python -m benchmarks.overhead.run --deployment 2 4 --simulation 2 10 50 100 --rounds 6
@@ -52,10 +53,11 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 SAMPLES_PER_HOSPITAL = 80
 #: stock Flower FedAvg on stock SuperNodes; fedmed as deploy/ starts it (``fedmed-supernode``: one long-lived
-#: ClientApp process per hospital); fedmed on stock SuperNodes (Flower's SuperExec, a ClientApp process per message)
-#: with each hospital's warm worker, and without it (``warm-worker=false``); fedmed with ``message-arrays='packed'``
-#: (each array group one Array)
-APPS = ("stock", "fedmed", "fedmed-superexec", "fedmed-no-worker", "fedmed-packed")
+#: ClientApp process per hospital, short polls; ``message-arrays='auto'``), the same with one Array per tensor and
+#: with each array group packed into one Array; fedmed on stock SuperNodes (Flower's SuperExec, a ClientApp process
+#: per message) with each hospital's warm worker, and without it (``warm-worker=false``)
+APPS = ("stock", "fedmed", "fedmed-per-tensor", "fedmed-packed", "fedmed-superexec", "fedmed-no-worker")
+LAYOUT_OF = {"fedmed-per-tensor": "per-tensor", "fedmed-packed": "packed"}  # message-arrays; the others: auto
 ON_STOCK_SUPERNODES = ("stock", "fedmed-superexec", "fedmed-no-worker")
 #: process kinds (benchmarks/overhead/memory.py) that run at the hospitals
 HOSPITAL_ROLES = ("supernode", "superexec", "clientapp", "clientapp executor", "warm worker")
@@ -102,9 +104,8 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
             configs = [{"hospital": f"hospital-{i:02d}", "data-dir": str(sites / f"hospital-{i:02d}"),
                         "state-dir": str(work / "state" / f"h{i}"), "device": "cpu",
                         "warm-worker": app != "fedmed-no-worker"} for i in range(hospitals)]
-            layout = "packed" if app == "fedmed-packed" else "per-tensor"
             run_config = fedmed_job(hospitals, rounds, work / "results", dataset="npz",
-                                    **{"test-dir": str(sites / "test"), "message-arrays": layout})
+                                    **{"test-dir": str(sites / "test"), "message-arrays": LAYOUT_OF.get(app, "auto")})
             app_dir = HERE.parent.parent
         else:
             configs = [{"seed": i} for i in range(hospitals)]
@@ -299,17 +300,21 @@ def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
              f"on a {os.cpu_count()}-core "
              f"{cpu_name()} machine; medians over rounds 2.. (round 1 includes start-up). Same ~25k-parameter CNN "
              f"and generated data ({SAMPLES_PER_HOSPITAL} samples per hospital, {IMAGE_SIZE}x{IMAGE_SIZE}) in both "
-             "apps, and both send the model as Flower records, one `Array` per tensor (fedmed: 18 tensors, "
-             "BatchNorm's step counters stay local; stock: 21), except `fedmed-packed` (`message-arrays='packed'`: "
-             "one Array per array group).", "",
+             "apps, both sending the model in Flower records: stock one `Array` per tensor (21); fedmed as shipped "
+             "(`message-arrays='auto'`, flat in its own round loop) one float32 `Array` holding its 18 tensors "
+             "(BatchNorm's step counters stay local), `fedmed-per-tensor` one `Array` per tensor, `fedmed-packed` "
+             "one `.npz` `Array`. Every `Array` is two objects through the SuperLink (the Array and its data "
+             "chunk), each a few milliseconds of the SuperLink's CPU.", "",
              "## Loopback deployment (one SuperLink, one SuperNode per hospital)", "",
              "Overhead = round - the slowest hospital's compute; of it, the time before our handler ran: on stock "
              "SuperNodes from the start of the message's fresh `flwr-clientapp` process (Python, importing Flower, "
              "installing the app from its FAB, pulling the message from the SuperNode one object per Array), with "
              "`fedmed-supernode` from the moment its executor acquired the task (the pull, which waits for the "
-             "SuperNode to receive the message's objects from the SuperLink); the rest: Flower's polls (SuperNode "
-             "3 s when idle, SuperExec 1 s on stock SuperNodes, reply 0.5 s, ServerApp 0.25 s+) and the transfers "
-             "of the reply's objects (SuperNode to SuperLink to ServerApp).", "",
+             "SuperNode to receive the message's objects from the SuperLink); the rest: polls (stock SuperNodes: "
+             "3 s when idle, SuperExec 1 s, reply 0.5 s; `fedmed-supernode`: 0.1 s after a message growing to 3 s, "
+             "reply 0.02 s; ServerApp: Flower's loop 3 s, fedmed's 0.25 s+), retries of objects not yet at the "
+             "SuperLink (Flower: 1 s, 2 s, 4 s...; fedmed-supernode and fedmed's ServerApp: 0.05 s up to 0.5 s) "
+             "and the transfers of the reply's objects (SuperNode to SuperLink to ServerApp).", "",
              "| hospitals | app | round s | hospitals' compute s | overhead s | of it before the handler s | "
              "overhead / stock overhead |", "|---|---|---|---|---|---|---|"]
     for hospitals in args.deployment:
