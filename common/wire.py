@@ -14,10 +14,11 @@ That is the ``per-tensor`` layout. Flower moves every Array (and its data chunk)
 the SuperLink, each costing it milliseconds of work (benchmarks/results/overhead_arrays.md), so two more
 layouts carry each array group in fewer Arrays:
 
-* ``flat``: one 1-D Array per dtype of the group (``fedmed.flat.float32``: every float32 tensor, raveled and
-  concatenated in order), and the tensors' names, dtypes and shapes as JSON in the ConfigRecord
-  (``fedmed.layout.<record>``). Still weights: an update's norm, clipping and per-element noise or masks,
-  as Flower's client-side DP and SecAgg+ mods compute them, are the same as tensor by tensor.
+* ``flat``: one 1-D Array per dtype of the group (``fedmed.flat.float32.0``: every float32 tensor, raveled and
+  concatenated in order; a further ``.1``, ``.2``... every 16 MiB), and the tensors' names, Arrays and shapes
+  as JSON in the ConfigRecord (``fedmed.layout.<record>``). Still weights: an update's norm, clipping and
+  per-element noise or masks, as Flower's client-side DP and SecAgg+ mods compute them, are the same as
+  tensor by tensor.
 * ``packed``: one uint8 Array, ``fedmed.npz``, the group as an ``.npz`` archive (read without pickle);
   Flower's mods and wrappers then see bytes, not weights.
 
@@ -43,6 +44,9 @@ MODEL_GROUP = "model"
 PACKED_ARRAY = "fedmed.npz"  #: the one Array of a packed group's ArrayRecord
 FLAT_ARRAY = "fedmed.flat."  #: + a dtype's name: the Arrays of a flat group's ArrayRecord
 FLAT_LAYOUT = "fedmed.layout."  #: + the record's name: the ConfigRecord entry listing a flat group's tensors
+#: A flat Array holds at most this many bytes (or one larger tensor): serialising one Array takes a few copies
+#: of it at once, which for a whole 100 MB model would be the ServerApp's peak memory.
+FLAT_SEGMENT_BYTES = 16 * 2**20
 LAYOUTS = ("per-tensor", "flat", "packed")
 
 
@@ -94,26 +98,32 @@ def unpack_arrays(array: Array, name: str, limit: int | None = None) -> NamedArr
 
 
 def flatten_arrays(arrays: NamedArrays) -> tuple[ArrayRecord, str]:
-    """One 1-D Array per dtype (the tensors of that dtype raveled and concatenated in order), and the JSON
-    list of ``[name, dtype, shape]`` that reads them back."""
-    by_dtype: dict[str, list[np.ndarray]] = {}
+    """The tensors raveled and concatenated in order into 1-D Arrays, one per dtype (more for a dtype whose
+    tensors exceed :data:`FLAT_SEGMENT_BYTES`, split between tensors), and the JSON list of ``[name, Array,
+    shape]`` that reads them back."""
+    segments: dict[str, list[np.ndarray]] = {}
+    filled: dict[str, tuple[str, int]] = {}  # dtype -> (its open segment, bytes in it)
     layout = []
     for name, value in arrays.items():
         value = np.asarray(value)
-        by_dtype.setdefault(value.dtype.name, []).append(value.ravel())
-        layout.append([name, value.dtype.name, list(value.shape)])
-    flat = ArrayRecord({FLAT_ARRAY + dtype: Array(np.concatenate(parts)) for dtype, parts in by_dtype.items()})
+        dtype = value.dtype.name
+        key, size = filled.get(dtype, (f"{dtype}.0", 0))
+        if size and size + value.nbytes > FLAT_SEGMENT_BYTES:
+            key, size = f"{dtype}.{int(key.rsplit('.', 1)[1]) + 1}", 0
+        segments.setdefault(key, []).append(value.ravel())
+        filled[dtype] = (key, size + value.nbytes)
+        layout.append([name, key, list(value.shape)])
+    flat = ArrayRecord({FLAT_ARRAY + key: Array(np.concatenate(parts)) for key, parts in segments.items()})
     return flat, json.dumps(layout, separators=(",", ":"))
 
 
 def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str) -> NamedArrays:
-    """The named tensors of a flat record (views into its vectors); MalformedPayload unless ``layout_json``
-    lists tensors that use every element of every vector exactly once."""
+    """The named tensors of a flat record (views into its Arrays); MalformedPayload unless ``layout_json``
+    lists tensors that use every value of every Array exactly once."""
     if not isinstance(layout_json, str):
         raise MalformedPayload(f"record {name!r} is flat but the config has no {FLAT_LAYOUT + name!r} text")
     try:
-        layout = json.loads(layout_json)
-        entries = [(str(n), np.dtype(d).name, tuple(int(x) for x in shape)) for n, d, shape in layout]
+        entries = [(str(n), str(key), tuple(int(x) for x in shape)) for n, key, shape in json.loads(layout_json)]
         vectors = {key.removeprefix(FLAT_ARRAY): array.numpy() for key, array in record.items()}
     except Exception as error:
         raise MalformedPayload(f"record {name!r}: flat layout cannot be read: {type(error).__name__}: {error}") \
@@ -121,17 +131,18 @@ def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str) -> NamedA
     if len({n for n, _, _ in entries}) != len(entries) or any(x < 0 for _, _, s in entries for x in s):
         raise MalformedPayload(f"record {name!r}: flat layout repeats a name or has a negative size")
     arrays, used = {}, dict.fromkeys(vectors, 0)
-    for tensor, dtype, shape in entries:
-        vector = vectors.get(dtype)
-        if vector is None or vector.ndim != 1 or vector.dtype.name != dtype:
-            raise MalformedPayload(f"record {name!r}: tensor {tensor!r} is {dtype} but no 1-D {dtype} Array holds it")
+    for tensor, key, shape in entries:
+        vector = vectors.get(key)
+        if vector is None or vector.ndim != 1:
+            raise MalformedPayload(f"record {name!r}: tensor {tensor!r} is in Array {FLAT_ARRAY + key!r}, which is "
+                                   "not a 1-D Array of the record")
         size = int(np.prod(shape, dtype=np.int64))
-        if used[dtype] + size > vector.size:
-            raise MalformedPayload(f"record {name!r}: the layout needs more {dtype} values than the "
-                                   f"{vector.size} sent")
-        arrays[tensor] = vector[used[dtype]:used[dtype] + size].reshape(shape)
-        used[dtype] += size
-    unused = {dtype: vectors[dtype].size - n for dtype, n in used.items() if vectors[dtype].size != n}
+        if used[key] + size > vector.size:
+            raise MalformedPayload(f"record {name!r}: the layout needs more values of {FLAT_ARRAY + key!r} than "
+                                   f"its {vector.size}")
+        arrays[tensor] = vector[used[key]:used[key] + size].reshape(shape)
+        used[key] += size
+    unused = {key: vectors[key].size - n for key, n in used.items() if vectors[key].size != n}
     if unused:
         raise MalformedPayload(f"record {name!r}: values the layout does not name: {unused}")
     return arrays

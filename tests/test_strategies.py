@@ -154,7 +154,7 @@ def test_every_message_layout_trains_the_same_model_and_auto_is_flat_in_our_own_
         replied = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN][0]
         assert sorted(replied.content["arrays"]) == arrays_sent[layout]  # the hospital answers in the same layout
     assert len(arrays_sent["per-tensor"]) > 10 and arrays_sent["packed"] == ["fedmed.npz"]
-    assert arrays_sent["flat"] == arrays_sent["auto"] == ["fedmed.flat.float32"]
+    assert arrays_sent["flat"] == arrays_sent["auto"] == ["fedmed.flat.float32.0"]
     for layout in ("flat", "packed", "auto"):
         for name, value in final["per-tensor"].items():
             np.testing.assert_array_equal(final[layout][name], value, err_msg=f"{layout}: {name}")

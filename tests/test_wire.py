@@ -101,9 +101,9 @@ def test_flat_layout_carries_one_array_per_dtype_and_reads_back_the_same():
     original.arrays["model"]["bias"] = np.full((2, 3), 0.5, np.float32)
     original.arrays["anchors"] = {"scale0": np.ones((2, 3))}
     content = to_recorddict(original, "flat")
-    assert sorted(content["arrays"]) == [FLAT_ARRAY + "float32", FLAT_ARRAY + "int64"]
-    assert content["arrays"][FLAT_ARRAY + "float32"].shape == (1006,)  # w, then bias, raveled
-    assert sorted(content["anchors"]) == [FLAT_ARRAY + "float64"]
+    assert sorted(content["arrays"]) == [FLAT_ARRAY + "float32.0", FLAT_ARRAY + "int64.0"]
+    assert content["arrays"][FLAT_ARRAY + "float32.0"].shape == (1006,)  # w, then bias, raveled
+    assert sorted(content["anchors"]) == [FLAT_ARRAY + "float64.0"]
     back = from_recorddict(content)
     for group, arrays in original.arrays.items():
         assert list(back.arrays[group]) == list(arrays)  # names in their order
@@ -132,16 +132,18 @@ def test_a_flat_record_whose_layout_does_not_fit_its_values_is_refused():
     def layout(entries):
         return lambda content: content["config"].__setitem__(FLAT_LAYOUT + "arrays", json.dumps(entries))
 
-    assert "more float32 values" in broken(layout([["w", "float32", [101]], ["count", "int64", []]]))
-    assert "does not name" in broken(layout([["w", "float32", [99]], ["count", "int64", []]]))
-    assert "repeats a name" in broken(layout([["w", "float32", [50]], ["w", "float32", [50]], ["count", "int64", []]]))
-    assert "negative" in broken(layout([["w", "float32", [-1, -100]], ["count", "int64", []]]))
-    assert "no 1-D float64" in broken(layout([["w", "float64", [100]], ["count", "int64", []]]))
+    assert "more values of 'fedmed.flat.float32.0'" in broken(layout([["w", "float32.0", [101]],
+                                                                        ["count", "int64.0", []]]))
+    assert "does not name" in broken(layout([["w", "float32.0", [99]], ["count", "int64.0", []]]))
+    assert "repeats a name" in broken(layout([["w", "float32.0", [50]], ["w", "float32.0", [50]],
+                                              ["count", "int64.0", []]]))
+    assert "negative" in broken(layout([["w", "float32.0", [-1, -100]], ["count", "int64.0", []]]))
+    assert "not a 1-D Array" in broken(layout([["w", "float64.0", [100]], ["count", "int64.0", []]]))
     assert "cannot be read" in broken(lambda content: content["config"].__setitem__(FLAT_LAYOUT + "arrays", "[oops"))
     assert "no 'fedmed.layout.arrays'" in broken(lambda content: content["config"].__delitem__(FLAT_LAYOUT + "arrays"))
     two_d = np.zeros((10, 10), np.float32)  # a vector that is not 1-D
-    assert "no 1-D float32" in broken(lambda content: content["arrays"].__setitem__(FLAT_ARRAY + "float32",
-                                                                                     Array(two_d)))
+    assert "not a 1-D Array" in broken(lambda content: content["arrays"].__setitem__(FLAT_ARRAY + "float32.0",
+                                                                                      Array(two_d)))
     assert isinstance(to_recorddict(payload_of(1), "flat")["arrays"], ArrayRecord)
 
 
@@ -157,9 +159,25 @@ def test_clipping_a_flat_update_is_clipping_the_tensors():
     compute_clip_model_update(per_tensor, [received[k] for k in received], clipping_norm=0.5)
     flat_sent = from_recorddict(to_recorddict(Payload(arrays={"model": received}), "flat"))
     flat_reply = to_recorddict(Payload(arrays={"model": trained}), "flat")
-    flat = [flat_reply["arrays"]["fedmed.flat.float32"].numpy()]
+    flat = [flat_reply["arrays"]["fedmed.flat.float32.0"].numpy()]
     compute_clip_model_update(flat, [np.concatenate([v.ravel() for v in flat_sent.arrays["model"].values()])],
                               clipping_norm=0.5)
     clipped = np.concatenate([a.ravel() for a in per_tensor])
     assert not np.allclose(clipped, np.concatenate([trained[k].ravel() for k in received]))  # it did clip
     np.testing.assert_allclose(flat[0], clipped, rtol=1e-6)
+
+
+def test_a_large_flat_group_is_split_between_tensors_into_arrays_of_bounded_size(monkeypatch):
+    import common.wire as wire
+
+    monkeypatch.setattr(wire, "FLAT_SEGMENT_BYTES", 4000)
+    model = {f"layer{i}": np.full(300, i, np.float32) for i in range(8)}  # 1200 bytes each
+    model["huge"] = np.arange(2000, dtype=np.float32)  # alone larger than a segment
+    model["tail"] = np.ones(3, np.float32)
+    content = to_recorddict(Payload(arrays={"model": model}), "flat")
+    sizes = {key: content["arrays"][key].numpy().nbytes for key in content["arrays"]}
+    assert list(sizes) == [wire.FLAT_ARRAY + f"float32.{i}" for i in range(5)]
+    assert list(sizes.values()) == [3600, 3600, 2400, 8000, 12]  # 3 + 3 + 2 layers, "huge" alone, then "tail"
+    back = from_recorddict(content).arrays["model"]
+    for name, value in model.items():
+        np.testing.assert_array_equal(back[name], value)
