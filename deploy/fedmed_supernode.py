@@ -24,8 +24,9 @@ What a fresh process per message guaranteed still holds:
 
 Flower's SuperNode itself runs in this script's own process (``--fedmed-supernode``) with shorter waits
 (:class:`SuperNodeClock`): Flower 1.42 sleeps 3 s after every poll of the SuperLink that found no message,
-0.5 s between looks for the reply it is to send, and 1 s, 2 s, 4 s... before asking again for a message
-object the SuperLink does not hold yet. None of these is a setting; together they were most of a round's
+0.5 s between looks for the reply it is to send, 1 s, 2 s, 4 s... before asking again for a message
+object the SuperLink does not hold yet, and up to 20 s between tries to reach a SuperLink it lost. None of
+these is a setting; together they were most of a round's
 overhead on a loopback deployment (benchmarks/results/overhead.md). ``FEDMED_SUPERNODE_POLL=flower``
 keeps Flower's own waits.
 
@@ -91,10 +92,17 @@ class SuperNodeClock:
         time.sleep(wait)
 
 
+#: most seconds between a SuperNode's tries to reach a SuperLink it lost (Flower: 20): a hospital whose link
+#: comes back rejoins within seconds, not after rounds have gone by without it
+RECONNECT_WAIT = 5
+
+
 def shorten_supernode_waits(clock: SuperNodeClock) -> None:
-    """Give Flower's SuperNode loop ``clock`` and a first retry of 0.05 s (at most 0.5 s between retries) for
-    message objects the SuperLink does not hold yet: the server may still be pushing them."""
+    """Give Flower's SuperNode loop ``clock``, a first retry of 0.05 s (at most 0.5 s between retries) for
+    message objects the SuperLink does not hold yet (the server may still be pushing them), and at most
+    :data:`RECONNECT_WAIT` seconds between tries to reach the SuperLink."""
     from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supercore.retry import http_retry
     from flwr.supernode import start_client_internal as loop
 
     pull_and_store = loop._pull_and_store_message
@@ -108,6 +116,7 @@ def shorten_supernode_waits(clock: SuperNodeClock) -> None:
     loop.time = clock
     loop._pull_and_store_message = pull_and_store_message
     inflatable_utils.pull_objects.__kwdefaults__.update(initial_backoff=0.05, backoff_cap=0.5)
+    http_retry.MAX_RETRY_DELAY = RECONNECT_WAIT
 
 
 def run_supernode(supernode_args: list[str]) -> None:

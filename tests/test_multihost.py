@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 HOSPITALS = ["hospital-00", "hospital-01", "hospital-02"]
 PORT = 9200
-ROUNDS = 7
+ROUNDS = 10
 
 
 def deploy_script(name: str, *args: str, env: dict | None = None) -> str:

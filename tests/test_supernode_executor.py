@@ -212,6 +212,10 @@ def test_flowers_supernode_still_has_the_waits_the_script_shortens(script, monke
     assert f"time.sleep({script.SuperNodeClock.IDLE})" in source
     assert f"time.sleep({script.SuperNodeClock.REPLY})" in source
     assert "run_id = _pull_and_store_message(" in inspect.getsource(loop.start_client_internal)
+    from flwr.supercore.retry import http_retry
+
+    assert "exponential(max_delay=MAX_RETRY_DELAY)" in inspect.getsource(http_retry)
+    monkeypatch.setattr(http_retry, "MAX_RETRY_DELAY", http_retry.MAX_RETRY_DELAY)
     defaults = dict(inflatable_utils.pull_objects.__kwdefaults__)
     try:
         monkeypatch.setattr(loop, "time", loop.time)  # restored after the test, as the loop's other names
@@ -222,5 +226,6 @@ def test_flowers_supernode_still_has_the_waits_the_script_shortens(script, monke
         assert loop.time is clock
         assert loop._pull_and_store_message() == 7 and clock.idle_wait == 0.1  # a message: poll again soon
         assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == 0.05
+        assert http_retry.MAX_RETRY_DELAY == script.RECONNECT_WAIT < 20
     finally:
         inflatable_utils.pull_objects.__kwdefaults__.update(defaults)
