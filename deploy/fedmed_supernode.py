@@ -26,9 +26,8 @@ Flower's SuperNode itself runs in this script's own process (``--fedmed-supernod
 (:class:`SuperNodeClock`): Flower 1.42 sleeps 3 s after every poll of the SuperLink that found no message,
 0.5 s between looks for the reply it is to send, 1 s, 2 s, 4 s... before asking again for a message
 object the SuperLink does not hold yet, and up to 20 s between tries to reach a SuperLink it lost. None of
-these is a setting; together they were most of a round's
-overhead on a loopback deployment (benchmarks/results/overhead.md). ``FEDMED_SUPERNODE_POLL=flower``
-keeps Flower's own waits.
+these is a setting; together they were most of a round's overhead on a loopback deployment
+(benchmarks/results/overhead.md). ``FEDMED_SUPERNODE_POLL=flower`` keeps Flower's own waits.
 
 This file imports nothing of the project (it is not part of the FAB), so the FAB's code is what runs.
 """

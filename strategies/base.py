@@ -96,9 +96,10 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_fli
 #: two CPUs by default, so two pending per actor keep every actor busy.
 SIMULATION_IN_FLIGHT = max(4, os.cpu_count() or 1)
 #: Identity queries pending at once there: a query is answered in milliseconds, so what limits them is the
-#: sweep's period (0.1 s plus the sweep itself, about 25 us per virtual node and pending message on two
-#: cores), which a wider window shares among more queries: 1000 identities took 48.7 s with 4 pending and
-#: 30.4 s with 32 (2-core AMD EPYC); no window gets below about 1000 x 25 us = 25 s.
+#: sweep's period (0.1 s plus the sweep itself, which checks every pending message for every virtual node),
+#: and a wider window shares each period among more queries: 1000 identities took 48.7 s with 4 pending and
+#: 21 s with 32 (2-core AMD EPYC, benchmarks/results/overhead.md). A wider window lengthens every sweep as
+#: much as it adds queries to it, so it gains little more.
 SIMULATION_QUERIES_IN_FLIGHT = 32
 
 

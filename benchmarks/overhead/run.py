@@ -9,7 +9,8 @@ every 0.25 s at first instead of every 3 s; both send the model in Flower's reco
 per tensor, fedmed as shipped one float32 ``Array`` for the whole model (``message-arrays='auto'``),
 ``fedmed-per-tensor`` one per tensor, ``fedmed-packed`` one ``.npz`` Array. fedmed's hospitals run
 ``fedmed-supernode`` (deploy/fedmed_supernode.py: Flower's SuperNode with short polls, and one long-lived
-ClientApp process beside it, torch and the data kept loaded); ``fedmed-superexec``: on stock
+ClientApp process beside it, torch and the data kept loaded), ``fedmed-flower-waits`` with the SuperNode's
+waits as Flower has them; ``fedmed-superexec``: on stock
 SuperNodes, a ClientApp process per message handing the work to the hospital's warm worker;
 ``fedmed-no-worker``: the same with ``warm-worker=false``, all work in each message's own process.
 
@@ -54,10 +55,13 @@ RESULTS = HERE.parent / "results"
 SAMPLES_PER_HOSPITAL = 80
 #: stock Flower FedAvg on stock SuperNodes; fedmed as deploy/ starts it (``fedmed-supernode``: one long-lived
 #: ClientApp process per hospital, short polls; ``message-arrays='auto'``), the same with one Array per tensor and
-#: with each array group packed into one Array; fedmed on stock SuperNodes (Flower's SuperExec, a ClientApp process
-#: per message) with each hospital's warm worker, and without it (``warm-worker=false``)
-APPS = ("stock", "fedmed", "fedmed-per-tensor", "fedmed-packed", "fedmed-superexec", "fedmed-no-worker")
+#: with each array group packed into one Array, and with the SuperNode's own waits as Flower has them (3 s between
+#: empty polls...); fedmed on stock SuperNodes (Flower's SuperExec, a ClientApp process per message) with each
+#: hospital's warm worker, and without it (``warm-worker=false``)
+APPS = ("stock", "fedmed", "fedmed-flower-waits", "fedmed-per-tensor", "fedmed-packed", "fedmed-superexec",
+        "fedmed-no-worker")
 LAYOUT_OF = {"fedmed-per-tensor": "per-tensor", "fedmed-packed": "packed"}  # message-arrays; the others: auto
+SUPERNODE_ENV = {"fedmed-flower-waits": {"FEDMED_SUPERNODE_POLL": "flower"}}  # fedmed-supernode with Flower's waits
 ON_STOCK_SUPERNODES = ("stock", "fedmed-superexec", "fedmed-no-worker")
 #: process kinds (benchmarks/overhead/memory.py) that run at the hospitals
 HOSPITAL_ROLES = ("supernode", "superexec", "clientapp", "clientapp executor", "warm worker")
@@ -115,7 +119,7 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
             app_dir = HERE / "stock_app"
         for config in configs:
             nodes.append(start_supernode(home, f"127.0.0.1:{port}", free_port(), config,
-                                         executor=app not in ON_STOCK_SUPERNODES))
+                                         executor=app not in ON_STOCK_SUPERNODES, env=SUPERNODE_ENV.get(app)))
         until_finished(home, "bench", submit_run(home, "bench", run_config, app_dir=app_dir), f"{app} run")
     finally:
         for process in [*nodes, link]:
