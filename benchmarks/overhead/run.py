@@ -66,6 +66,8 @@ ON_STOCK_SUPERNODES = ("stock", "fedmed-superexec", "fedmed-no-worker")
 #: process kinds (benchmarks/overhead/memory.py) that run at the hospitals
 HOSPITAL_ROLES = ("supernode", "superexec", "clientapp", "clientapp executor", "warm worker")
 IMAGE_SIZE = 16
+#: glibc malloc settings, inherited by every process a run starts: named in the report when set
+ALLOCATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 LARGE_MODEL_SAMPLES = 40  # per hospital: the large-model rows measure traffic and memory, not learning
 
 
@@ -294,8 +296,9 @@ def cpu_name() -> str:
 def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(measured, indent=2))
+    allocator = "".join(f"{k}={os.environ[k]} " for k in ALLOCATOR_SETTINGS if k in os.environ)
     lines = ["# Orchestration overhead per round", "",
-             f"`python -m benchmarks.overhead.run --deployment {' '.join(map(str, args.deployment))} --apps "
+             f"`{allocator}python -m benchmarks.overhead.run --deployment {' '.join(map(str, args.deployment))} --apps "
              f"{' '.join(args.apps)} --simulation {' '.join(map(str, args.simulation))} --rounds {args.rounds}"
              + (f" --profile {args.profile}" if args.profile else "")
              + (f" --large-models {' '.join(f'{w:g}' for w in args.large_models)}" if args.large_models else "")
