@@ -52,9 +52,11 @@ class FedProInSection(Section):
     Ablations: fdl-weight=0 (no FDL), pcl-weight=0 (no PCL), aggregation='fedavg' (no NIA)."""
 
     num_prototypes: int = Field(2, ge=1, le=4, description="M, learnable prototypes per class (paper: 2 on HAM10000).")
-    task_loss: Literal["mcel", "mcl"] = Field("mcel", description="Minimum classification error or margin loss.")
+    task_loss: Literal["mcel", "mcl", "dce"] = Field("mcel", description=(
+        "Minimum classification error, margin loss, or distance-based cross-entropy over all classes."))
     mcel_xi: float = Field(0.05, gt=0.0, description="xi in sigmoid(xi * (d_true - d_rival)), squared distances.")
     mcl_margin: float = Field(0.5, ge=0.0, description="Margin of the MCL loss relu(d_true - d_rival + margin).")
+    dce_gamma: float = Field(0.05, gt=0.0, description="gamma in cross-entropy(-gamma * d_class), squared distances.")
     fdl_weight: float = Field(1.0, ge=0.0, description="lambda_FDL: feature divergence loss (0: off).")
     pcl_weight: float = Field(1.0, ge=0.0, description="lambda_PCL: prototype contrastive loss (0: off).")
     pcl_margin: float = Field(0.5, ge=0.0, description="m in relu((d_glob - d_prev) / (d_glob + d_prev) + m).")

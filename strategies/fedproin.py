@@ -20,14 +20,15 @@ class FedProInStrategy(HospitalStrategy):
     section = "fedproin"
 
     def __init__(self, *, num_prototypes: int = 2, task_loss: str = "mcel", mcel_xi: float = 0.05,
-                 mcl_margin: float = 0.5, fdl_weight: float = 1.0, pcl_weight: float = 1.0, pcl_margin: float = 0.5,
-                 aggregation: str = "nia", class_balanced: bool = True, class_augmentation: bool = True,
-                 prototype_learning_rate: float = 0.0, prototype_init: str = "normal",
+                 mcl_margin: float = 0.5, dce_gamma: float = 0.05, fdl_weight: float = 1.0, pcl_weight: float = 1.0,
+                 pcl_margin: float = 0.5, aggregation: str = "nia", class_balanced: bool = True,
+                 class_augmentation: bool = True, prototype_learning_rate: float = 0.0, prototype_init: str = "normal",
                  keep_optimizer_state: bool = False, epoch_draws: str = "samples", reseed_after: int = 0,
                  reseed_rule: str = "split", **kwargs: Any):
         super().__init__(settings=self.method_settings(
             num_prototypes=num_prototypes, task_loss=task_loss, mcel_xi=mcel_xi, mcl_margin=mcl_margin,
-            fdl_weight=fdl_weight, pcl_weight=pcl_weight, pcl_margin=pcl_margin, aggregation=aggregation,
+            dce_gamma=dce_gamma, fdl_weight=fdl_weight, pcl_weight=pcl_weight, pcl_margin=pcl_margin,
+            aggregation=aggregation,
             class_balanced=class_balanced, class_augmentation=class_augmentation,
             prototype_learning_rate=prototype_learning_rate, prototype_init=prototype_init,
             keep_optimizer_state=keep_optimizer_state, epoch_draws=epoch_draws, reseed_after=reseed_after,

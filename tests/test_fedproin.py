@@ -27,6 +27,7 @@ from common.tasks.base import images_to_tensor
 from common.tasks.class_balance import augment_by_class, augmentation_probabilities, balanced_draws
 from common.tasks.prototype_classification import (
     PrototypeClassificationTask,
+    distance_cross_entropy,
     margin_classification,
     minimum_classification_error,
 )
@@ -125,6 +126,20 @@ def test_mcel_and_mcl_compare_the_true_class_with_the_nearest_rival():
     assert torch.isclose(margin_classification(scores, target, margin=0.5), torch.tensor((0.0 + 4.5) / 2))
 
 
+def test_dce_is_cross_entropy_on_scaled_distances_and_reaches_every_rival():
+    scores = torch.tensor([[-1.0, -4.0, -9.0]], requires_grad=True)
+    target = torch.tensor([0])
+    logits = torch.tensor([-0.5, -2.0, -4.5])
+    expected = -(logits[0] - torch.logsumexp(logits, 0))
+    loss = distance_cross_entropy(scores, target, gamma=0.5)
+    assert torch.isclose(loss, expected)
+    loss.backward()
+    assert scores.grad[0, 2] > 0  # the far rival (class 2) is pushed away too
+    mcel_scores = scores.detach().clone().requires_grad_(True)
+    minimum_classification_error(mcel_scores, target, xi=0.5).backward()
+    assert mcel_scores.grad[0, 2] == 0  # MCEL sees only the nearest rival
+
+
 def test_pcl_value_and_sign():
     global_, previous = torch.zeros(1, 1, 2), torch.tensor([[[2.0, 0.0]]])
     halfway = torch.tensor([[[1.0, 0.0]]])
@@ -220,7 +235,8 @@ def test_class_balanced_draws_and_per_class_augmentation():
 
 # --- whole federations -----------------------------------------------------------------------------
 @pytest.mark.parametrize("ablation", [{}, {"fdl_weight": 0.0, "pcl_weight": 0.0, "aggregation": "fedavg"},
-                                      {"task_loss": "mcl", "class_balanced": False, "class_augmentation": False}])
+                                      {"task_loss": "mcl", "class_balanced": False, "class_augmentation": False},
+                                      {"task_loss": "dce"}])
 def test_two_round_in_process_federation(cfg, ablation):
     cfg = cfg.model_copy(update={"fraction_train": 0.7, "fedproin": cfg.fedproin.model_copy(update=ablation)})
     engine = run_rounds(cfg, simulated_sites(cfg, 3))

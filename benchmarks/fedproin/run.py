@@ -77,6 +77,11 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     # the prototype head alone: FedAvg's training on the prototype model (no FDL, PCL, NIA, class balance)
     "FedProIn head only": ("fedproin", {"fedproin": {"fdl_weight": 0.0, "pcl_weight": 0.0, "aggregation": "fedavg",
                                                      "class_balanced": False, "class_augmentation": False}}),
+    # the design notes' stable alternative task loss: cross-entropy over every class's distance, not the nearest rival
+    "FedProIn DCE": ("fedproin", {"fedproin": {"task_loss": "dce"}}),
+    "FedProIn DCE head only": ("fedproin", {"fedproin": {"task_loss": "dce", "fdl_weight": 0.0, "pcl_weight": 0.0,
+                                                         "aggregation": "fedavg", "class_balanced": False,
+                                                         "class_augmentation": False}}),
     # choices where paper and public code differ, or that docs/fedproin.md lists as ours: one change each
     "FedProIn MCL": ("fedproin", {"fedproin": {"task_loss": "mcl", "fdl_weight": 0.1, "pcl_weight": 0.01}}),
     "FedProIn xi 0.01": ("fedproin", {"fedproin": {"mcel_xi": 0.01}}),

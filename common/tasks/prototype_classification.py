@@ -42,6 +42,13 @@ def margin_classification(scores: torch.Tensor, target: torch.Tensor, margin: fl
     return F.relu(true - rival + margin).mean()
 
 
+def distance_cross_entropy(scores: torch.Tensor, target: torch.Tensor, gamma: float) -> torch.Tensor:
+    """DCE of Convolutional Prototype Learning: cross-entropy on logits -gamma * d_c, d_c the distance to
+    class c's nearest prototype. Every class pulls or pushes, as a linear head's cross-entropy does; MCEL
+    and MCL look at the nearest rival only."""
+    return F.cross_entropy(gamma * scores, target)
+
+
 class PrototypeClassificationTask(ClassificationTask):
     """Encoder + (C, M, d) prototypes; settings from the job's ``fedproin`` section."""
 
@@ -56,6 +63,8 @@ class PrototypeClassificationTask(ClassificationTask):
         settings = self.cfg.fedproin
         if settings.task_loss == "mcl":
             return margin_classification(output, target, settings.mcl_margin)
+        if settings.task_loss == "dce":
+            return distance_cross_entropy(output, target, settings.dce_gamma)
         return minimum_classification_error(output, target, settings.mcel_xi)
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
