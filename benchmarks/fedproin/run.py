@@ -79,6 +79,8 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      "class_balanced": False, "class_augmentation": False}}),
     # the design notes' stable alternative task loss: cross-entropy over every class's distance, not the nearest rival
     "FedProIn DCE": ("fedproin", {"fedproin": {"task_loss": "dce"}}),
+    "FedProIn DCE no class balance": ("fedproin", {"fedproin": {"task_loss": "dce", "class_balanced": False,
+                                                                "class_augmentation": False}}),
     "FedProIn DCE head only": ("fedproin", {"fedproin": {"task_loss": "dce", "fdl_weight": 0.0, "pcl_weight": 0.0,
                                                          "aggregation": "fedavg", "class_balanced": False,
                                                          "class_augmentation": False}}),
