@@ -52,8 +52,9 @@ class FedProInSection(Section):
     Ablations: fdl-weight=0 (no FDL), pcl-weight=0 (no PCL), aggregation='fedavg' (no NIA)."""
 
     num_prototypes: int = Field(2, ge=1, le=4, description="M, learnable prototypes per class (paper: 2 on HAM10000).")
-    task_loss: Literal["mcel", "mcl", "dce"] = Field("mcel", description=(
-        "Minimum classification error, margin loss, or distance-based cross-entropy over all classes."))
+    task_loss: Literal["dce", "mcel", "mcl"] = Field("dce", description=(
+        "Distance-based cross-entropy over all classes (default, docs/fedproin.md has the measurements), or the "
+        "paper's minimum classification error, or the margin loss."))
     mcel_xi: float = Field(0.05, gt=0.0, description="xi in sigmoid(xi * (d_true - d_rival)), squared distances.")
     mcl_margin: float = Field(0.5, ge=0.0, description="Margin of the MCL loss relu(d_true - d_rival + margin).")
     dce_gamma: float = Field(0.05, gt=0.0, description="gamma in cross-entropy(-gamma * d_class), squared distances.")

@@ -19,7 +19,7 @@ class FedProInStrategy(HospitalStrategy):
     method_name = "fedproin"
     section = "fedproin"
 
-    def __init__(self, *, num_prototypes: int = 2, task_loss: str = "mcel", mcel_xi: float = 0.05,
+    def __init__(self, *, num_prototypes: int = 2, task_loss: str = "dce", mcel_xi: float = 0.05,
                  mcl_margin: float = 0.5, dce_gamma: float = 0.05, fdl_weight: float = 1.0, pcl_weight: float = 1.0,
                  pcl_margin: float = 0.5, aggregation: str = "nia", class_balanced: bool = True,
                  class_augmentation: bool = True, prototype_learning_rate: float = 0.0, prototype_init: str = "normal",

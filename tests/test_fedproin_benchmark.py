@@ -7,7 +7,8 @@ import json
 import pytest
 
 from benchmarks.fedproin.report import ablation_table, curves, late_test, paired_differences, table, write_report
-from benchmarks.fedproin.run import ABLATIONS, PRESETS, PROTOCOL, job_config
+from benchmarks.fedproin.run import ABLATIONS, METHODS, PRESETS, PROTOCOL, job_config
+from common.config import JobConfig
 
 
 def run_record(method, partition, seed, accuracy, f1, mcc, rounds=(2, 4)):
@@ -56,6 +57,10 @@ def test_job_configs_share_the_protocol_and_apply_each_methods_overrides():
     no_nia = job_config(base, *ABLATIONS["FedProIn no NIA"])
     assert (no_nia.strategy == "fedproin" and no_nia.fedproin.aggregation == "fedavg"
             and no_nia.fedproin.fdl_weight == 1.0)
+    # the table's FedProIn rows are the paper's (MCEL) unless a row says otherwise; the platform's default is DCE
+    assert JobConfig().fedproin.task_loss == "dce"
+    assert job_config(base, *METHODS["FedProIn"]).fedproin.task_loss == "mcel"
+    assert job_config(base, *ABLATIONS["FedProIn DCE"]).fedproin.task_loss == "dce"
     solo = job_config(base, "solo", {})
     assert solo.strategy == "fedavg" and solo.evaluate_every == base["num_server_rounds"] // 2
     for cfg in (no_nia, solo):
