@@ -62,8 +62,9 @@ class FedProInSection(Section):
     pcl_weight: float = Field(1.0, ge=0.0, description="lambda_PCL: prototype contrastive loss (0: off).")
     pcl_margin: float = Field(0.5, ge=0.0, description="m in relu((d_glob - d_prev) / (d_glob + d_prev) + m).")
     aggregation: Literal["nia", "fedavg"] = Field("nia", description="Prototypes by normalised influence or FedAvg.")
-    class_balanced: bool = Field(True, description="Draw training samples class-balanced, with replacement.")
-    class_augmentation: bool = Field(True, description="Augment class c with probability 1 - n_c / n_max.")
+    class_balanced: bool = Field(False, description=(
+        "Draw training samples class-balanced, with replacement (the paper's; off by default, docs/fedproin.md)."))
+    class_augmentation: bool = Field(False, description="Augment class c with probability 1 - n_c / n_max (paper's).")
     prototype_learning_rate: float = Field(0.0, ge=0.0, description="Adam step for prototypes; 0: learning-rate.")
     prototype_init: Literal["normal", "class-means", "feature-moments"] = Field("normal", description=(
         "Prototypes at the start: N(0, 1) from the server (paper); or, at each hospital of round 1, K-means "

@@ -21,8 +21,8 @@ class FedProInStrategy(HospitalStrategy):
 
     def __init__(self, *, num_prototypes: int = 2, task_loss: str = "dce", mcel_xi: float = 0.05,
                  mcl_margin: float = 0.5, dce_gamma: float = 0.05, fdl_weight: float = 1.0, pcl_weight: float = 1.0,
-                 pcl_margin: float = 0.5, aggregation: str = "nia", class_balanced: bool = True,
-                 class_augmentation: bool = True, prototype_learning_rate: float = 0.0, prototype_init: str = "normal",
+                 pcl_margin: float = 0.5, aggregation: str = "nia", class_balanced: bool = False,
+                 class_augmentation: bool = False, prototype_learning_rate: float = 0.0, prototype_init: str = "normal",
                  keep_optimizer_state: bool = False, epoch_draws: str = "samples", reseed_after: int = 0,
                  reseed_rule: str = "split", **kwargs: Any):
         super().__init__(settings=self.method_settings(

@@ -236,7 +236,7 @@ def test_class_balanced_draws_and_per_class_augmentation():
 # --- whole federations -----------------------------------------------------------------------------
 @pytest.mark.parametrize("ablation", [{}, {"fdl_weight": 0.0, "pcl_weight": 0.0, "aggregation": "fedavg"},
                                       {"task_loss": "mcl", "class_balanced": False, "class_augmentation": False},
-                                      {"task_loss": "dce"}])
+                                      {"task_loss": "dce"}, {"class_balanced": True, "class_augmentation": True}])
 def test_two_round_in_process_federation(cfg, ablation):
     cfg = cfg.model_copy(update={"fraction_train": 0.7, "fedproin": cfg.fedproin.model_copy(update=ablation)})
     engine = run_rounds(cfg, simulated_sites(cfg, 3))

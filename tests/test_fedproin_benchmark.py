@@ -58,8 +58,9 @@ def test_job_configs_share_the_protocol_and_apply_each_methods_overrides():
     assert (no_nia.strategy == "fedproin" and no_nia.fedproin.aggregation == "fedavg"
             and no_nia.fedproin.fdl_weight == 1.0)
     # the table's FedProIn rows are the paper's (MCEL) unless a row says otherwise; the platform's default is DCE
-    assert JobConfig().fedproin.task_loss == "dce"
-    assert job_config(base, *METHODS["FedProIn"]).fedproin.task_loss == "mcel"
+    assert JobConfig().fedproin.task_loss == "dce" and not JobConfig().fedproin.class_balanced
+    paper = job_config(base, *METHODS["FedProIn"]).fedproin
+    assert paper.task_loss == "mcel" and paper.class_balanced and paper.class_augmentation
     assert job_config(base, *ABLATIONS["FedProIn DCE"]).fedproin.task_loss == "dce"
     solo = job_config(base, "solo", {})
     assert solo.strategy == "fedavg" and solo.evaluate_every == base["num_server_rounds"] // 2

@@ -213,7 +213,7 @@ def test_public_codes_epoch_draws_max_class_size_per_class_present():
     labels = [0] * 30 + [1] * 6
     data = one_pixel_data([10] * 30 + [200] * 6, labels)
     for draws, batches in (("samples", 36 // 4), ("max-class", 60 // 4)):
-        cfg = JobConfig(batch_size=4, fedproin={"epoch-draws": draws})
+        cfg = JobConfig(batch_size=4, fedproin={"epoch-draws": draws, "class-balanced": True})
         task = PrototypeClassificationTask(cfg, {"num-classes": 2, "in-channels": 3})
         assert sum(1 for _ in task.batches(data, 4, CPU, np.random.default_rng(0), train=True)) == batches
 
