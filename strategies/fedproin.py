@@ -28,8 +28,7 @@ class FedProInStrategy(HospitalStrategy):
         super().__init__(settings=self.method_settings(
             num_prototypes=num_prototypes, task_loss=task_loss, mcel_xi=mcel_xi, mcl_margin=mcl_margin,
             dce_gamma=dce_gamma, fdl_weight=fdl_weight, pcl_weight=pcl_weight, pcl_margin=pcl_margin,
-            aggregation=aggregation,
-            class_balanced=class_balanced, class_augmentation=class_augmentation,
+            aggregation=aggregation, class_balanced=class_balanced, class_augmentation=class_augmentation,
             prototype_learning_rate=prototype_learning_rate, prototype_init=prototype_init,
             keep_optimizer_state=keep_optimizer_state, epoch_draws=epoch_draws, reseed_after=reseed_after,
             reseed_rule=reseed_rule),
