@@ -62,6 +62,9 @@ def test_job_configs_share_the_protocol_and_apply_each_methods_overrides():
     paper = job_config(base, *METHODS["FedProIn"]).fedproin
     assert paper.task_loss == "mcel" and paper.class_balanced and paper.class_augmentation
     assert job_config(base, *ABLATIONS["FedProIn DCE"]).fedproin.task_loss == "dce"
+    # the row the docs call "FedProIn, defaults" is the platform's FedProIn as shipped, field for field
+    defaults_row = job_config(base, *ABLATIONS["FedProIn DCE no class balance"]).fedproin
+    assert defaults_row == JobConfig().fedproin
     solo = job_config(base, "solo", {})
     assert solo.strategy == "fedavg" and solo.evaluate_every == base["num_server_rounds"] // 2
     for cfg in (no_nia, solo):

@@ -68,6 +68,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedProIn": ("fedproin", {}),
     "Centralised": ("centralised", {}),
 }
+#: Where the platform's FedProIn defaults differ from the paper's (docs/fedproin.md has the measurements).
+PLATFORM_FEDPROIN: dict[str, Any] = {"task_loss": "dce", "class_balanced": False, "class_augmentation": False}
 ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedProIn no FDL": ("fedproin", {"fedproin": {"fdl_weight": 0.0}}),
     "FedProIn no PCL": ("fedproin", {"fedproin": {"pcl_weight": 0.0}}),
@@ -79,19 +81,13 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      "class_balanced": False, "class_augmentation": False}}),
     # the design notes' stable alternative task loss: cross-entropy over every class's distance, not the nearest rival
     "FedProIn DCE": ("fedproin", {"fedproin": {"task_loss": "dce"}}),
-    "FedProIn DCE no class balance": ("fedproin", {"fedproin": {"task_loss": "dce", "class_balanced": False,
-                                                                "class_augmentation": False}}),
-    "FedProIn DCE gamma 0.02": ("fedproin", {"fedproin": {"task_loss": "dce", "dce_gamma": 0.02,
-                                                          "class_balanced": False, "class_augmentation": False}}),
-    "FedProIn DCE gamma 0.2": ("fedproin", {"fedproin": {"task_loss": "dce", "dce_gamma": 0.2,
-                                                         "class_balanced": False, "class_augmentation": False}}),
-    "FedProIn DCE FDL 3": ("fedproin", {"fedproin": {"task_loss": "dce", "fdl_weight": 3.0,
-                                                     "class_balanced": False, "class_augmentation": False}}),
-    "FedProIn DCE FDL 10": ("fedproin", {"fedproin": {"task_loss": "dce", "fdl_weight": 10.0,
-                                                      "class_balanced": False, "class_augmentation": False}}),
-    "FedProIn DCE head only": ("fedproin", {"fedproin": {"task_loss": "dce", "fdl_weight": 0.0, "pcl_weight": 0.0,
-                                                         "aggregation": "fedavg", "class_balanced": False,
-                                                         "class_augmentation": False}}),
+    "FedProIn DCE no class balance": ("fedproin", {"fedproin": PLATFORM_FEDPROIN}),
+    "FedProIn DCE gamma 0.02": ("fedproin", {"fedproin": {**PLATFORM_FEDPROIN, "dce_gamma": 0.02}}),
+    "FedProIn DCE gamma 0.2": ("fedproin", {"fedproin": {**PLATFORM_FEDPROIN, "dce_gamma": 0.2}}),
+    "FedProIn DCE FDL 3": ("fedproin", {"fedproin": {**PLATFORM_FEDPROIN, "fdl_weight": 3.0}}),
+    "FedProIn DCE FDL 10": ("fedproin", {"fedproin": {**PLATFORM_FEDPROIN, "fdl_weight": 10.0}}),
+    "FedProIn DCE head only": ("fedproin", {"fedproin": {**PLATFORM_FEDPROIN, "fdl_weight": 0.0, "pcl_weight": 0.0,
+                                                         "aggregation": "fedavg"}}),
     # choices where paper and public code differ, or that docs/fedproin.md lists as ours: one change each
     "FedProIn MCL": ("fedproin", {"fedproin": {"task_loss": "mcl", "fdl_weight": 0.1, "pcl_weight": 0.01}}),
     "FedProIn xi 0.01": ("fedproin", {"fedproin": {"mcel_xi": 0.01}}),
