@@ -364,18 +364,19 @@ def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     assert all(np.all(w == 1.0) for w in weights.values())
 
 
-def test_fedmepd_beats_fedavg_for_hospitals_that_miss_modalities():
-    """Three hospitals with one modality each (T1c, T2, FLAIR), on volumes where each tumour region shows
-    in only some modalities: FedMEPD's hospitals, with their own encoders and personal decoder filters,
-    segment better on their own modalities than FedAvg's one shared model does. (With the public code's
-    personalisation rule the margin here is 0.016; measuring the server's change from the aggregate instead
-    gives 0.06: benchmarks/results/fedmepd/personalisation_rules.md.)"""
+def test_fedmepd_hospitals_that_miss_modalities_gain_from_federation():
+    """Three hospitals with one modality each (T1c, T2, FLAIR), two cases each, on volumes where each tumour
+    region shows in only some modalities: FedMEPD's hospitals, with their own encoders, personal decoder filters
+    and the server's full-modality training, segment far better on their own modalities than each would alone.
+    Margin over Local: 0.26 on this seed, at least 0.068 on each of seeds 0-3 (measured on an Intel Xeon).
+    The ordering against FedAvg with one shared encoder is a seed lottery at this size (-0.27 to +0.10 by seed),
+    so it is a benchmark, not a test: benchmarks/results/fedmepd/personalisation_rules.md."""
     import numpy as np
 
     from common.inprocess import evaluate_hospitals, run_rounds, simulated_sites
 
     averages = {}
-    for strategy in ("fedmepd", "fedmepd-fedavg"):
+    for strategy in ("fedmepd", "fedmepd-local"):
         cfg = tiny(strategy=strategy, seed=0, num_server_rounds=8, batch_size=4, learning_rate=0.01,
                    evaluate_every=100, min_train_hospitals=1, test_fraction=0.2,
                    **{"brain.synthetic-cases": 10, "brain.server-fraction": 0.2, "brain.crops-per-case": 8,
@@ -385,7 +386,7 @@ def test_fedmepd_beats_fedavg_for_hospitals_that_miss_modalities():
         assert not any(record["refused"] for record in engine.history)
         scores = evaluate_hospitals(cfg, engine, sites)
         averages[strategy] = float(np.mean([s["dice_mean"] for s in scores.values()]))
-    assert averages["fedmepd"] > averages["fedmepd-fedavg"] + 0.01, averages
+    assert averages["fedmepd"] > averages["fedmepd-local"] + 0.1, averages
 
 
 def test_each_run_plots_its_personal_filters_per_layer_and_hospital(tmp_path):

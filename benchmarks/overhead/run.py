@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.machine import cpu_name
 from common.config import JobConfig
 from common.data.export import export_partitions
 from common.launch import (
@@ -284,13 +285,6 @@ def main() -> None:
                 print(f"arrays: {measured['arrays']}", flush=True)
                 write_report(args, measured)
     print(args.out.read_text())
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def write_report(args: argparse.Namespace, measured: dict[str, dict]) -> None:

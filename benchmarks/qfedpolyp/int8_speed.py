@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import random
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from benchmarks.machine import cpu_name
 from common.data.sources import server_test_set
 from common.quantization.int8 import (
     calibration_images,
@@ -115,16 +115,6 @@ def convolution_kernel_times(model: torch.nn.Module, size: int, warmup: int = 5,
         for name in totals:
             totals[name] += times[name]
     return totals["FP32"], totals["INT8"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def cpu_flags() -> str:

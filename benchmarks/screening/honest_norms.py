@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.machine import cpu_name
 from common.config import load_job_config
 from common.inprocess import run_rounds, simulated_sites
 from common.site import HospitalStateStore
@@ -124,12 +124,7 @@ def write_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     if args.only and earlier.exists():
         fresh = {r["case"]: r for r in rows}
         rows = [fresh.pop(r["case"], r) for r in json.loads(earlier.read_text())] + list(fresh.values())
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     command = "python -m benchmarks.screening.honest_norms" + (" --quick" if args.quick else "")
     lines = [f"# Honest hospitals' update distances ({'generated data' if args.quick else 'real data'})", "",
              f"`{command}` on {cpu}, {args.threads} threads.", "",
