@@ -123,6 +123,10 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     return load_job_config(flat)
 
 
+class RunStopped(RuntimeError):
+    """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
+
+
 class HospitalStrategy(Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
@@ -166,6 +170,7 @@ class HospitalStrategy(Strategy):
         self._round_started = 0.0
         self._identity_seconds = 0.0
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
+        self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
         self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
 
@@ -331,6 +336,7 @@ class HospitalStrategy(Strategy):
         so a wrapper's changes (e.g. DP noise) are what hospitals receive."""
         if len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
+        self._grid = grid
         asked_from = time.time()
         self.discover(grid)
         self._round_started = time.time()
@@ -347,6 +353,10 @@ class HospitalStrategy(Strategy):
         chosen, limit = {h.name for h in self._chosen}, self.reply_limit()
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
+            if hospital is None and message.has_error():  # the SuperLink's own: the message never reached a reply
+                log.warning("round %d: a training message was not answered: %s", server_round,
+                            message.error.reason)
+                continue
             if hospital is None or hospital.name not in chosen:
                 log.warning("round %d: reply from node %d, which was not asked to train, ignored", server_round,
                             message.metadata.src_node_id)
@@ -374,9 +384,28 @@ class HospitalStrategy(Strategy):
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
                                             self._round_started, self._bytes_down)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
-        if self.on_round_end is not None and not self._in_own_loop:
-            self.on_round_end(self.engine, record)
+        if not self._in_own_loop:
+            self.round_ended(record)
         return as_arrayrecord(self.engine.method.global_arrays), round_metricrecord(record)
+
+    def round_ended(self, record: dict[str, Any]) -> None:
+        """Hand the finished round to ``on_round_end`` (checkpoint, result files), unless the run was stopped.
+
+        ``flwr stop`` deletes the run's pending messages at the SuperLink before this ServerApp learns of the
+        stop, so the round in flight can end with hospitals missing that were never going to be late. Saved, it
+        would be the round a resume continues from. A round that lacks a chosen hospital is therefore saved only
+        after one call to the SuperLink, which it refuses once the run is stopped, has succeeded."""
+        if self.on_round_end is None:
+            return
+        lost = [*record["missing"], *record["refused"]]
+        if lost and self._grid is not None:
+            try:
+                self._grid.get_node_ids()
+            except Exception as error:  # the SuperLink's refusal (HTTP 401 on a stopped run) or no SuperLink
+                raise RunStopped(f"round {record['round']} ended without {', '.join(lost)} and the "
+                                 f"SuperLink no longer serves this run ({type(error).__name__}: {error}); the "
+                                 "round is not saved, so a resume repeats it") from error
+        self.on_round_end(self.engine, record)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -498,8 +527,7 @@ class HospitalStrategy(Strategy):
                         result.evaluate_metrics_serverapp[rnd] = central
                         record["central"] = dict(central)
                 del arrays  # the checkpoint below reads the engine's model
-                if self.on_round_end is not None:
-                    self.on_round_end(self.engine, record)
+                self.round_ended(record)
         finally:
             self._in_own_loop = False
         result.arrays = as_arrayrecord(self.engine.method.global_arrays)

@@ -74,14 +74,19 @@ def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_p
             < manifest["sites"][name]["samples"]
     assert history[-1]["test"]["num-examples"] == manifest["sites"]["test"]["samples"]
 
+    # every round of the stopped-and-resumed run is whole (a round the stop cut short was not saved, and was
+    # repeated on resume), so its model must equal the straight run's bit for bit
+    resumed_history = read_history(stopped_dir)
+    assert [r["round"] for r in resumed_history] == list(range(1, ROUNDS + 1))
+    assert [(r["round"], sorted(r["aggregated"]), r["missing"], r["refused"]) for r in resumed_history] == \
+        [(rnd, ["hospital-00", "hospital-01"], [], {}) for rnd in range(1, ROUNDS + 1)]
     straight, resumed = load_checkpoint(tmp_path / "results" / "straight"), load_checkpoint(stopped_dir)
     model_keys = [k for k in straight if k.startswith("method/global/")]
     assert model_keys
     for key in model_keys:
         np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
-    assert [r["round"] for r in read_history(stopped_dir)] == list(range(1, ROUNDS + 1))
     # the broken hospital never joined; the server's log names its file
-    assert all(set(r["chosen"]) == {"hospital-00", "hospital-01"} for r in read_history(stopped_dir))
+    assert all(set(r["chosen"]) == {"hospital-00", "hospital-01"} for r in resumed_history)
     assert "hospital-broken" in server_log and "data.npz: cannot read npz" in server_log
 
 

@@ -378,3 +378,55 @@ def test_simulation_engine_gets_a_window_and_a_deployment_all_messages_at_once()
     assert messages_in_flight(job, simulation, queries=True) == SIMULATION_QUERIES_IN_FLIGHT > SIMULATION_IN_FLIGHT
     assert messages_in_flight(job, FakeGrid({})) == messages_in_flight(job, FakeGrid({}), queries=True) == 0
     assert messages_in_flight(job.model_copy(update={"messages_in_flight": 7}), simulation) == 7
+
+
+class StoppedMidRoundGrid(FakeGrid):
+    """As Flower's SuperLink when ``flwr stop`` lands in round ``stop_in``: it deletes the run's messages, so the
+    replies still pending come back as its own MESSAGE_UNAVAILABLE errors, and every later call of this
+    ServerApp is refused (``stopped=False``: only the messages are lost, the run goes on)."""
+
+    def __init__(self, nodes, stop_in: int, stopped: bool = True):
+        super().__init__(nodes)
+        self.stop_in, self.stopped, self.trains = stop_in, stopped, 0
+        self.cut_off = False
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.trains += any(m.metadata.message_type == MessageType.TRAIN for m in messages)
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_ins_message
+
+        if self.trains != self.stop_in or self.cut_off:
+            return super().pull_messages(message_ids)
+        self.cut_off = True  # the first hospital's reply was in before the stop, the others' are lost with it
+        node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in self.sent}
+        first, *lost = sorted(message_ids, key=node_of.get)
+        replies = list(super().pull_messages([first]))
+        return replies + [create_message_error_unavailable_ins_message(mid, 1) for mid in lost]
+
+    def get_node_ids(self):
+        if self.cut_off and self.stopped:
+            raise RuntimeError("401 Unauthorized: Runtime task-token authentication failed.")
+        return super().get_node_ids()
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["run-stopped", "messages-lost-run-on"])
+def test_a_round_cut_short_by_a_stop_is_never_saved_and_one_that_only_lost_a_hospital_is(tmp_path, stopped):
+    from strategies.base import RunStopped
+
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    saved = []
+    strategy = FedAvgStrategy(min_train_nodes=1, run_config=config,
+                              on_round_end=lambda engine, record: saved.append(record["round"]))
+    grid = StoppedMidRoundGrid(simulated_hospitals(config, 2), stop_in=2, stopped=stopped)
+    if stopped:
+        with pytest.raises(RunStopped, match=r"round 2 ended without hospital-01 .* not saved, so a resume repeats"):
+            strategy.start(grid, num_rounds=3)
+        assert saved == [1]  # the checkpoint a resume continues from is round 1's, whole
+    else:  # a hospital lost in transit while the run is on: the round goes on without it and is saved
+        strategy.start(grid, num_rounds=3)
+        assert saved == [1, 2, 3]
+        assert strategy.engine.history[1]["missing"] == ["hospital-01"]
+        assert strategy.engine.history[1]["aggregated"] == ["hospital-00"]
