@@ -280,10 +280,13 @@ def test_real_brats_cases_are_divided_between_test_server_and_hospitals(tmp_path
 
     cfg = load_job_config({**TINY, "dataset": "brats", "data-dir": str(shared_data("brats"))})
     split = simulation_split(cfg)
-    assert (len(split.test), len(split.server), len(split.pool)) == (2, 2, 4)
-    assert len(set(split.test + split.server + split.pool)) == 8
-    with pytest.raises(DataError, match="hospital-04: 4 cases are left for 5 hospitals"):
-        hospital_cases(cfg, 4, 5)
+    # 17 cases (14 HGG, 3 LGG): round(0.2 x 17) = 3 test, round(0.2 x 17) = 3 server, 11 for the hospitals
+    assert (len(split.test), len(split.server), len(split.pool)) == (3, 3, 11)
+    assert len(set(split.test + split.server + split.pool)) == 17
+    assert split.test == ("Brats18_TCIA02_606_1", "Brats18_TCIA13_623_1", "Brats18_TCIA02_370_1")  # seed 42's draw
+    assert [len(hospital_cases(cfg, i, 4)) for i in range(4)] == [3, 3, 3, 2]  # dealt round-robin
+    with pytest.raises(DataError, match="hospital-11: 11 cases are left for 12 hospitals"):
+        hospital_cases(cfg, 11, 12)
 
 
 # --- whole rounds in one process ------------------------------------------------------------------------
