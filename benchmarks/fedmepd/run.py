@@ -1,15 +1,15 @@
 """FedMEPD against its baselines on real BraTS cases (or generated ones), in the layout of the paper's table,
 in one process.
 
-    python -m benchmarks.fedmepd.run --preset cpu                  # two cores, about an hour
+    python -m benchmarks.fedmepd.run --preset cpu --seeds 0 1 2   # two cores, hours
     python -m benchmarks.fedmepd.run --preset generated-cpu --seeds 0 1 2   # 8 hospitals, generated volumes
     python -m benchmarks.fedmepd.run --preset paper                # for a GPU (and a full BraTS folder)
     python -m benchmarks.fedmepd.run --preset paper --one-step     # build the paper's model, take one step
 
 The server trains on its full-modality cases, the hospitals hold the paper's kinds of modality
 subsets (``brain.hospital-modalities``; the first ``--hospitals`` of them), and every method runs on
-the same split, rounds, crops and learning rate. The 8 cases of ``../shared/data/brats`` go 2 to the
-held-out test set, 2 to the server and 1 to each of 4 hospitals. A hospital's final score is that of
+the same split, rounds, crops and learning rate. The 17 cases of ``../shared/data/brats`` go 3 to the
+held-out test set, 2 to the server and 3 to each of 4 hospitals (each seed draws its own split). A hospital's final score is that of
 the model it holds after the last round (``common.inprocess.evaluate_hospitals``) on the test cases
 restricted to its modalities; the server's is the global model's on the full-modality test cases.
 ``generated-cpu`` has 36 generated volumes: 8 test cases, 4 for the server, 3 for each of the paper's
@@ -65,10 +65,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "brain.crops-per-case": 4, "fedmepd.warmup-rounds": 2, "fedmepd.patience": 2,
                       "fedmepd.num-anchors": 2, "fedmepd.anchor-momentum": 0.5},
 }
-#: Simulated hospitals per preset (the 8 real cases leave one for each of 4 hospitals).
+#: Simulated hospitals per preset (the 17 real cases: 3 test, 2 server, 3 for each of 4 hospitals).
 HOSPITALS = {"cpu": 4, "paper": 4, "generated-cpu": 8}
 PROTOCOL = {"task": "brain-tumour-segmentation", "dataset": "brats",
-            "test-fraction": 0.25, "brain.server-fraction": 0.25,
+            "test-fraction": 3 / 17, "brain.server-fraction": 2 / 17,
             "local-epochs": 1, "fraction-train": 1.0, "min-train-hospitals": 1, "min-available-hospitals": 1,
             "fedmepd.num-anchors": 4, "device": "auto"}
 
@@ -80,8 +80,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedMEPD": ("fedmepd", {"strategy": "fedmepd"}),
     "FedMEPD without LACCA": ("fedmepd-no-lacca", {"strategy": "fedmepd", "fedmepd.lacca": False}),
 }
-#: Rows run unless --methods names others (the BraTS table of the README has no LACCA ablation).
-DEFAULT_METHODS = {"cpu": list(METHODS)[:4], "paper": list(METHODS)[:4], "generated-cpu": list(METHODS)}
+#: Rows run unless --methods names others.
+DEFAULT_METHODS = {"cpu": list(METHODS), "paper": list(METHODS)[:4], "generated-cpu": list(METHODS)}
 
 
 def compact(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a run-config key, e.g. --set num-server-rounds=2 --set brain.crop-size=16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared two-core machine)")
     parser.add_argument("--one-step", action="store_true", help="only build the model and take one training step")
-    parser.add_argument("--out", type=Path, help="default: benchmarks/results/fedmepd/brats-<preset>")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/fedmepd/brats17-<preset> (the 17 cases)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         one_step(flat)
         return 0
     out = args.out or ROOT / "benchmarks" / "results" / "fedmepd" / (
-        args.preset if args.preset.startswith("generated") else f"brats-{args.preset}")
+        args.preset if args.preset.startswith("generated") else f"brats17-{args.preset}")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         for name in methods:
