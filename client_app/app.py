@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from common.payload import Payload
-from common.wire import LAYOUTS, from_recorddict, to_recorddict
+from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
 log = logging.getLogger("fedmed")
 app = ClientApp()
@@ -98,8 +98,9 @@ def train(message: Message, context: Context) -> Message:
     reply = answer("train", payload, context)
     if started is not None:  # the round's overhead, attributed (benchmarks/overhead)
         reply.metrics["clientapp-start-seconds"] = round(started, 3)
-    layout = payload.config.get("message-arrays")  # the layout the server chose, both ways
-    return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor"), reply_to=message)
+    layout = payload.config.get("message-arrays")  # the layout and record names the server chose, both ways
+    return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor", RecordKeys.of(message.content)),
+                   reply_to=message)
 
 
 @app.evaluate()
@@ -107,4 +108,4 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Flower's evaluate phase, for strategies that use one: metrics of the received model on local validation data."""
     metrics = answer("evaluate", from_recorddict(message.content), context).metrics
-    return Message(to_recorddict(Payload(metrics=metrics)), reply_to=message)
+    return Message(to_recorddict(Payload(metrics=metrics), keys=RecordKeys.of(message.content)), reply_to=message)

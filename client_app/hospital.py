@@ -13,8 +13,8 @@ from typing import Any, Mapping
 from common.config import JobConfig, hospital_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
-from common.methods.registry import hospital_class
 from common.site import HospitalStateStore, Site, build_site
+from strategies.registry import hospital_class
 
 from .node_config import NodeConfig, load_node_config
 
@@ -58,7 +58,11 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
         return Payload(config=identity)
     method = hospital_method(run_config, node_config, payload)
     if kind == "train":
-        return method.timed_train(int(payload.config["server-round"]), payload)
+        reply = method.timed_train(int(payload.config["server-round"]), payload)
+        weight_key = payload.config.get("weighted-by-key")
+        if isinstance(weight_key, str) and weight_key and weight_key != "num-examples":  # a strategy's weighted_by_key
+            reply.metrics[weight_key] = reply.metrics["num-examples"]
+        return reply
     if kind == "evaluate":
         rnd = int(payload.config.get("server-round", 0))
         if payload.config.get(CROSS_SITE_KEY):  # every model this hospital scores, as '<model>.<metric>'

@@ -12,7 +12,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
+
+from common.settings import ConfigError, Section, hyphenated
+
+__all__ = ["ConfigError", "Section", "JobConfig", "load_job_config"]
 
 TaskName = Literal["classification", "polyp-segmentation", "brain-tumour-segmentation"]
 DatasetName = Literal["synthetic", "ham10000", "npz", "image-mask", "brats"]
@@ -24,124 +28,7 @@ TASK_DATASETS: dict[str, tuple[str, ...]] = {
     "brain-tumour-segmentation": ("synthetic", "brats"),
 }
 
-
-class ConfigError(ValueError):
-    """A run or node configuration that cannot work; the message names the key at fault."""
-
-
-def _hyphen(name: str) -> str:
-    return name.replace("_", "-")
-
-
-class Section(BaseModel):
-    """Base for every config table: hyphenated keys, unknown keys refused, values checked on assignment."""
-
-    model_config = ConfigDict(
-        alias_generator=_hyphen, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True,
-        allow_inf_nan=False,  # a learning rate or timeout of inf/nan is a typo, not a setting
-    )
-
-
-class FedProxSection(Section):
-    mu: float = Field(0.01, ge=0.0, description="Weight of the proximal term (mu/2)||w - w_global||^2.")
-
-
-class FedProInSection(Section):
-    """FedProIn (docs/fedproin.md).
-
-    Ablations: fdl-weight=0 (no FDL), pcl-weight=0 (no PCL), aggregation='fedavg' (no NIA)."""
-
-    num_prototypes: int = Field(2, ge=1, le=4, description="M, learnable prototypes per class (paper: 2 on HAM10000).")
-    task_loss: Literal["dce", "mcel", "mcl"] = Field("dce", description=(
-        "Distance-based cross-entropy over all classes (default, docs/fedproin.md has the measurements), or the "
-        "paper's minimum classification error, or the margin loss."))
-    mcel_xi: float = Field(0.05, gt=0.0, description="xi in sigmoid(xi * (d_true - d_rival)), squared distances.")
-    mcl_margin: float = Field(0.5, ge=0.0, description="Margin of the MCL loss relu(d_true - d_rival + margin).")
-    dce_gamma: float = Field(0.05, gt=0.0, description="gamma in cross-entropy(-gamma * d_class), squared distances.")
-    fdl_weight: float = Field(1.0, ge=0.0, description="lambda_FDL: feature divergence loss (0: off).")
-    pcl_weight: float = Field(1.0, ge=0.0, description="lambda_PCL: prototype contrastive loss (0: off).")
-    pcl_margin: float = Field(0.5, ge=0.0, description="m in relu((d_glob - d_prev) / (d_glob + d_prev) + m).")
-    aggregation: Literal["nia", "fedavg"] = Field("nia", description="Prototypes by normalised influence or FedAvg.")
-    class_balanced: bool = Field(False, description=(
-        "Draw training samples class-balanced, with replacement (the paper's; off by default, docs/fedproin.md)."))
-    class_augmentation: bool = Field(False, description="Augment class c with probability 1 - n_c / n_max (paper's).")
-    prototype_learning_rate: float = Field(0.0, ge=0.0, description="Adam step for prototypes; 0: learning-rate.")
-    prototype_init: Literal["normal", "class-means", "feature-moments"] = Field("normal", description=(
-        "Prototypes at the start: N(0, 1) from the server (paper); or, at each hospital of round 1, K-means "
-        "centres of its class-c features under the received encoder ('class-means'), or N(0, 1) scaled and "
-        "shifted to its features' per-dimension std and mean ('feature-moments')."))
-    keep_optimizer_state: bool = Field(False, description=(
-        "Keep a hospital's Adam moments from one of its rounds to the next (public code), in its state store."))
-    epoch_draws: Literal["samples", "max-class"] = Field("samples", description=(
-        "Class-balanced draws per epoch: as many as the hospital's samples (a FedAvg epoch's cost), or "
-        "n_max x classes present (public code)."))
-    reseed_after: int = Field(0, ge=0, description=(
-        "Re-seed a prototype that no hospital's samples chose for this many rounds in a row (0: never)."))
-    reseed_rule: Literal["split", "far-sample"] = Field("split", description=(
-        "How: the server copies the class's most-used prototype (plus 1 % noise), or ('far-sample') each receiving "
-        "hospital puts it at its class sample farthest from the class's prototypes."))
-
-
-class MoonSection(Section):
-    mu: float = Field(1.0, ge=0.0, description="Weight of MOON's model-contrastive term.")
-    temperature: float = Field(0.5, gt=0.0, description="Temperature of the cosine similarities.")
-
-
-class FedProtoSection(Section):
-    proto_weight: float = Field(1.0, ge=0.0,
-                                description="lambda: weight of MSE(feature, global prototype of its class).")
-
-
-class QFedPolypSection(Section):
-    """QFedPolyp (docs/qfedpolyp.md): each hospital's uplink bit-width, the downlink's, and QAT on/off."""
-
-    bit_widths: str = Field("8", description="Uplink bit-width per hospital in name order, e.g. '8,8,8,16,16'; "
-                                             "one value: every hospital. Each 2..16, or 32 for plain floats. "
-                                             "A hospital's node config 'bit-width' wins over this list.")
-    downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals "
-                                                    "(32: plain floats).")
-    qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training "
-                                        "(quantise='weights'; updates are quantised after full-precision training).")
-    quantise: Literal["weights", "update"] = Field("weights", description=(
-        "What a hospital sends at its bit-width: its trained weights (the paper's), or its round's update "
-        "(trained minus received weights, far narrower per tensor); BatchNorm statistics then go as floats."))
-    error_feedback: bool = Field(False, description=(
-        "quantise='update': a hospital adds what quantisation lost last time to its next update "
-        "(kept in its state folder)."))
-
-    @model_validator(mode="after")
-    def _feedback_needs_updates(self) -> "QFedPolypSection":
-        if self.error_feedback and self.quantise != "update":
-            raise ValueError("qfedpolyp.error-feedback=true needs qfedpolyp.quantise='update'")
-        return self
-
-    @field_validator("bit_widths", mode="before")
-    @classmethod
-    def _single_number(cls, value):
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # bit-widths=8
-
-    @field_validator("bit_widths")
-    @classmethod
-    def _bit_width_list(cls, value: str) -> str:
-        from common.quantization.codec import check_bit_width
-
-        items = [item.strip() for item in value.split(",")]
-        if not all(item.lstrip("-").isdigit() for item in items):
-            raise ValueError(f"{value!r} is not a comma-separated list of integers such as '8,8,8,16,16'")
-        for item in items:
-            check_bit_width(int(item), f"bit-width {item}")
-        return ",".join(items)
-
-    @field_validator("downlink_bit_width")
-    @classmethod
-    def _downlink(cls, value: int) -> int:
-        from common.quantization.codec import check_bit_width
-
-        return check_bit_width(value, "downlink bit-width")
-
-    @property
-    def bit_width_list(self) -> list[int]:
-        return [int(item) for item in self.bit_widths.split(",")]
+_hyphen = hyphenated
 
 
 #: The paper's 8 hospitals (BraTS 2018 table): T1c; T2; FLAIR+T1c; T1+T2; FLAIR+T1c+T1; FLAIR+T1+T2; full; full.
@@ -199,27 +86,6 @@ class BrainSection(Section):
         return tuple(int(item) for item in self.widths.split(","))
 
 
-class FedMEPDSection(Section):
-    """FedMEPD (docs/fedmepd.md): partial personalisation of the fusion decoder and multi-anchor LACCA."""
-
-    patience: int = Field(10, ge=0, description="P: rounds of negative cosine in a row before a filter turns personal.")
-    warmup_rounds: int = Field(30, ge=0, description="Rounds before patience counters and weights start to move.")
-    server_momentum: float = Field(0.3, ge=0.0, le=1.0,
-                                   description="lambda: server decoder = lambda*server + (1-lambda)*hospitals.")
-    weight_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="EMA of the per-filter hospital weights.")
-    num_anchors: int = Field(4, ge=1, description="N_k: anchors per class and scale (K-means clusters).")
-    anchor_momentum: float = Field(0.999, ge=0.0, le=1.0, description="EMA of the anchors after their K-means start.")
-    lacca: bool = Field(True, description="Hospitals calibrate decoder features with the anchors (false: ablation).")
-    server_change_from: Literal["sent", "aggregated"] = Field("sent", description=(
-        "The server's decoder change delta_s is its trained decoder minus the decoder it held before "
-        "aggregating ('sent', the public code's) or minus the aggregate ('aggregated', this project's first rule)."))
-    initial_weight: Literal["one", "share"] = Field("one", description=(
-        "A hospital's filter weights start at 1, an unweighted mean until the warm-up ends (the public code's), "
-        "or at its share of the round's samples."))
-    filter_vector: Literal["kernel", "kernel-and-bias"] = Field("kernel", description=(
-        "What a filter's cosine and norms are computed on: its kernel (the public code's) or kernel and bias."))
-
-
 class ScreeningSection(Section):
     """How the server screens hospital replies before aggregating (docs/faults.md): a hostile or broken
     hospital is refused with a logged reason, the round goes on with the others."""
@@ -242,8 +108,9 @@ class ScreeningSection(Section):
 SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class JobConfig(Section):
-    """Every run-config key. Defaults here equal those in pyproject.toml (a test keeps them in step)."""
+class CoreConfig(Section):
+    """Every run-config key but the methods' own tables (``JobConfig`` adds those). Defaults here equal those in
+    pyproject.toml (a test keeps them in step)."""
 
     run_name: str = Field("", max_length=120, description=(
         "Folder under results-dir (letters, digits, '.', '_', '-'); empty: <task>-<strategy>-<date-time>."))
@@ -255,7 +122,9 @@ class JobConfig(Section):
     strategy: str = "fedavg"
     num_server_rounds: int = Field(5, ge=1)
     local_epochs: int = Field(1, ge=1)
-    fraction_train: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of hospitals trained per round.")
+    fraction_train: float = Field(1.0, ge=0.0, le=1.0, description=(
+        "Fraction of the connected hospitals trained per round, at least min-train-hospitals (0: that many), as "
+        "Flower's FedAvg samples."))
     min_train_hospitals: int = Field(2, ge=1, description="A round needs at least this many replies.")
     min_available_hospitals: int = Field(2, ge=1, description="Wait for this many hospitals before round 1.")
     round_timeout: float = Field(600.0, gt=0.0, description="Seconds to wait for hospital replies per round.")
@@ -308,13 +177,7 @@ class JobConfig(Section):
         "wrappers, which compare each reply with the sent model tensor by tensor)."))
 
     screening: ScreeningSection = ScreeningSection()
-    fedprox: FedProxSection = FedProxSection()
-    fedproin: FedProInSection = FedProInSection()
-    moon: MoonSection = MoonSection()
-    fedproto: FedProtoSection = FedProtoSection()
-    qfedpolyp: QFedPolypSection = QFedPolypSection()
     brain: BrainSection = BrainSection()
-    fedmepd: FedMEPDSection = FedMEPDSection()
 
     @field_validator("run_name")
     @classmethod
@@ -327,14 +190,14 @@ class JobConfig(Section):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
-        from common.methods.registry import method_names  # local: the registry imports this module
+        from strategies.registry import method_names
 
         if value not in method_names():
             raise ValueError(f"unknown strategy {value!r}; choose one of {', '.join(method_names())}")
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "JobConfig":
+    def _consistent(self) -> "CoreConfig":
         if self.dataset not in TASK_DATASETS[self.task]:
             raise ValueError(
                 f"dataset={self.dataset!r} does not fit task={self.task!r}; "
@@ -351,7 +214,7 @@ class JobConfig(Section):
                              f"this job's task is {self.task}")
         if self.min_available_hospitals < self.min_train_hospitals:
             raise ValueError("min-available-hospitals must be at least min-train-hospitals")
-        from common.methods.registry import method_tasks
+        from strategies.registry import method_tasks
 
         if self.task not in method_tasks(self.strategy):
             raise ValueError(f"strategy={self.strategy!r} does not support task={self.task!r}")
@@ -382,29 +245,64 @@ class JobConfig(Section):
             raise ConfigError(f"resume-from: {self.resume_from!r} does not exist")
 
 
-#: Run-config keys the server sends with every message and a hospital takes from it over its own run
-#: config: which method runs and how it trains (the number of rounds sets learning-rate schedules). Data,
-#: model size and paths stay the hospital's own.
-SERVER_SET_KEYS = ("strategy", "num-server-rounds", "local-epochs", "batch-size", "learning-rate", "weight-decay",
-                   "seed", "message-arrays")
-SERVER_SET_SECTIONS = ("fedprox", "fedproin", "moon", "fedproto", "qfedpolyp", "fedmepd")
+def _job_config_type() -> type[CoreConfig]:
+    """The core keys with one table per method that has settings (``strategies/<method>/settings.py``), each
+    method's defaults written once, in its settings class."""
+    from strategies.registry import settings_tables
+
+    tables = {name: (table, table()) for name, table in settings_tables().items()}
+    return create_model("JobConfig", __base__=CoreConfig, __doc__="Every run-config key: the core keys and each "
+                        "method's table (strategies/<method>/settings.py).", **tables)
 
 
-def server_set_keys(cfg: "JobConfig") -> dict[str, Any]:
-    """The part of ``cfg`` a hospital takes from the server (see :data:`SERVER_SET_KEYS`)."""
-    return {k: v for k, v in cfg.to_flat().items() if is_server_set(k)}
+JobConfig = _job_config_type()
 
 
-def is_server_set(key: str) -> bool:
-    return key in SERVER_SET_KEYS or key.split(".")[0] in SERVER_SET_SECTIONS and key in _FLAT_KEYS
+#: Keys that are the server's alone, never sent to hospitals: where it writes, what it resumes from, its test
+#: set and the hospitals' registered keys, how it schedules rounds.
+SERVER_ONLY_KEYS = frozenset({"results-dir", "resume-from", "overwrite-run", "keep-checkpoints", "test-dir",
+                              "hospital-keys", "cross-site-evaluation", "evaluate-every", "messages-in-flight",
+                              "round-timeout", "min-available-hospitals", "min-train-hospitals", "fraction-train"})
+#: Keys a hospital never takes from a message: where it keeps its own memory (a server must not choose where a
+#: hospital writes files).
+HOSPITAL_OWN_KEYS = frozenset({"state-dir"})
+
+
+def hospital_keys(cfg: "JobConfig") -> dict[str, Any]:
+    """The part of the server's job every message carries: all of it but :data:`SERVER_ONLY_KEYS`, so that what a
+    ServerApp sets in Python (a task, a model, a split) reaches the hospitals as it reaches the server."""
+    return {k: v for k, v in cfg.to_flat().items() if k not in SERVER_ONLY_KEYS}
+
+
+def fedmed_keys_of(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of a Flower run config that are fedmed's. An app's own keys (``lr``, ``result-file``) are left out
+    and logged once; a key that looks like a misspelt one of ours (in one of our tables, or close to a key of
+    ours) is a ConfigError naming it."""
+    import difflib
+    import logging
+
+    ours, foreign = {}, []
+    for key, value in run_config.items():
+        if key in _FLAT_KEYS:
+            ours[key] = value
+            continue
+        table = key.split(".")[0] if "." in key else None
+        close = difflib.get_close_matches(key, _FLAT_KEYS, n=1, cutoff=0.85)
+        if table in _TABLES or close:
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"run config key {key!r}: unknown key of fedmed's{hint}")
+        foreign.append(key)
+    if foreign:
+        logging.getLogger("fedmed").info("run-config keys that are not fedmed's, left to the app: %s",
+                                         ", ".join(sorted(foreign)))
+    return ours
 
 
 def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any]) -> "JobConfig":
-    """A hospital's job: its run config, with the server-set keys of the message's config over it.
-
-    Keys that are not fedmed's are left out: the ServerApp validated the run config before round 1,
-    and a user's own ServerApp (docs/own-serverapp.md) may have run-config keys of its own."""
-    overrides = {k: v for k, v in message_config.items() if is_server_set(k)}
+    """A hospital's job: its run config, with the server's job from the message over it (all but
+    :data:`HOSPITAL_OWN_KEYS`). Keys that are not fedmed's are left out: a user's own app (docs/own-serverapp.md)
+    may have run-config keys of its own."""
+    overrides = {k: v for k, v in message_config.items() if k in _FLAT_KEYS and k not in HOSPITAL_OWN_KEYS}
     return load_job_config({k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS})
 
 
@@ -456,3 +354,4 @@ def load_job_config(flat: Mapping[str, Any], *, check_paths: bool = False) -> Jo
 
 
 _FLAT_KEYS = frozenset(JobConfig().to_flat())
+_TABLES = frozenset(key.split(".")[0] for key in _FLAT_KEYS if "." in key)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import JobConfig
-from common.methods.registry import hospital_class
 from common.round_engine import RoundEngine, RoundReply
 from common.site import Site, build_site
+from strategies.registry import hospital_class
 
 log = logging.getLogger("fedmed")
 

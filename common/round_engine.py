@@ -27,7 +27,6 @@ from common.methods.base import (
     pack_json,
     unpack_json,
 )
-from common.methods.registry import server_class
 from common.screening import (
     batchnorm_problem,
     capped_shares,
@@ -37,6 +36,7 @@ from common.screening import (
     update_distance,
 )
 from common.tasks import get_task, task_class
+from strategies.registry import server_class
 
 log = logging.getLogger("fedmed")
 
@@ -54,9 +54,10 @@ class RoundReply:
 def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: int, seed: int,
                      rnd: int) -> list[HospitalInfo]:
     """This round's hospitals: a seeded draw over hospitals sorted by name, so reruns and resumed
-    runs choose the same ones whatever node ids the transport assigned."""
+    runs choose the same ones whatever node ids the transport assigned. How many: as Flower's FedAvg,
+    ``int(fraction * connected)`` and at least ``minimum``."""
     ordered = sorted(hospitals, key=lambda h: h.name)
-    count = min(len(ordered), max(minimum, int(round(fraction * len(ordered)))))
+    count = min(len(ordered), max(minimum, int(fraction * len(ordered))))
     picked = np.random.default_rng([seed, rnd]).choice(len(ordered), size=count, replace=False)
     return [ordered[i] for i in sorted(picked)]
 
@@ -74,8 +75,10 @@ def weighted_mean_metrics(items: list[tuple[float, dict[str, float]]]) -> dict[s
 class RoundEngine:
     """One run's server state: the method, the test set, the round history."""
 
-    def __init__(self, cfg: JobConfig, method: ServerMethod | None = None, test_data: Any = None):
+    def __init__(self, cfg: JobConfig, method: ServerMethod | None = None, test_data: Any = None,
+                 weight_key: str = "num-examples"):
         self.cfg = cfg
+        self.weight_key = weight_key  #: the reply metric holding a hospital's sample count (Flower's weighted_by_key)
         if method is None:
             task_type = task_class(cfg.task)
             self.test_data = task_type.load_test(cfg) if test_data is None else test_data
@@ -111,10 +114,12 @@ class RoundEngine:
         self.method.global_arrays = {k: np.asarray(arrays[k], dtype=v.dtype) for k, v in current.items()}
 
     def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply], started: float,
-                       bytes_down: dict[str, int] | None = None) -> dict[str, Any]:
+                       bytes_down: dict[str, int] | None = None, evaluate: bool = True) -> dict[str, Any]:
         """Check every reply, aggregate the accepted ones, let the server work, evaluate, record.
 
-        ``bytes_down`` is what was sent to each chosen hospital (measured by the transport).
+        ``bytes_down`` is what was sent to each chosen hospital (measured by the transport). ``evaluate=False``
+        leaves the test-set scores to :meth:`evaluate_round`, once the round's model is released (a Flower
+        strategy's ``configure_evaluate``: a DP wrapper adds its noise in between).
         """
         refused: dict[str, str] = {}
         replies = sorted(replies, key=lambda r: r.hospital.name)  # the same result whatever order replies arrive in
@@ -145,12 +150,21 @@ class RoundEngine:
         record["hospital_metrics"] = {u.hospital.name: dict(u.payload.metrics) for u in accepted}
         record["train"] = weighted_mean_metrics([(u.weight, dict(u.payload.metrics)) for u in accepted])
         record["train"].pop("num-examples", None)
-        if rnd % self.cfg.evaluate_every == 0 or rnd == self.cfg.num_server_rounds:
-            record["test"] = self.method.evaluate(self.test_data)
         record["seconds"] = round(time.time() - started, 3)
         self.history.append(record)
-        log.info("round %d/%d: %s", rnd, self.cfg.num_server_rounds, describe(record))
+        if evaluate:
+            self.evaluate_round(record)
         return record
+
+    def evaluate_round(self, record: dict[str, Any]) -> None:
+        """Score the global model on the test set for ``record``'s round (every ``evaluate-every`` rounds, and the
+        last) and log the round."""
+        rnd = record["round"]
+        if rnd % self.cfg.evaluate_every == 0 or rnd == self.cfg.num_server_rounds:
+            started = time.time()
+            record["test"] = self.method.evaluate(self.test_data)
+            record["seconds"] = round(record["seconds"] + time.time() - started, 3)
+        log.info("round %d/%d: %s", rnd, self.cfg.num_server_rounds, describe(record))
 
     def screen(self, replies: list[RoundReply], refused: dict[str, str]) -> list[HospitalUpdate]:
         """The replies that pass every check (the method's and ``common.screening``'s), each with its share of
@@ -161,7 +175,7 @@ class RoundEngine:
             if reply.payload is None:
                 refused[name] = f"hospital reported an error: {reply.error}"
                 continue
-            update = HospitalUpdate(reply.hospital, reply.payload)
+            update = HospitalUpdate(reply.hospital, reply.payload, weight_key=self.weight_key)
             try:
                 reason, distance = self.screen_one(update)
             except Exception as error:  # a reply no check foresaw: refused, never the round's end
@@ -186,7 +200,7 @@ class RoundEngine:
         metrics = update.payload.metrics
         reason = metrics_problem(metrics)
         if reason is None:
-            reason = sample_count_problem(metrics.get("num-examples"), update.hospital.num_examples)
+            reason = sample_count_problem(metrics.get(self.weight_key), update.hospital.num_examples, self.weight_key)
         if reason:
             return reason, None
         try:

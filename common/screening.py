@@ -20,15 +20,15 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from common.payload import NamedArrays
 
 
-def sample_count_problem(reported: Any, declared: int) -> str | None:
-    """A reply's ``num-examples`` must be a positive finite number no larger than the count the hospital
+def sample_count_problem(reported: Any, declared: int, key: str = "num-examples") -> str | None:
+    """A reply's sample count (``key``) must be a positive finite number no larger than the count the hospital
     declared when it joined (it weighs the hospital's update in every average)."""
     if isinstance(reported, bool) or not isinstance(reported, (int, float, np.integer, np.floating)):
-        return f"num-examples={reported!r} is not a number"
+        return f"{key}={reported!r} is not a number"
     if not math.isfinite(reported) or reported <= 0:
-        return f"num-examples={reported!r} is not a positive finite number"
+        return f"{key}={reported!r} is not a positive finite number"
     if reported > declared:
-        return f"num-examples={reported!r} is more than the {declared} training samples it declared when it joined"
+        return f"{key}={reported!r} is more than the {declared} training samples it declared when it joined"
     return None
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,38 @@ class MalformedPayload(ValueError):
     """A RecordDict that is not one of ours (unexpected records or undecodable content)."""
 
 
+@dataclass(frozen=True)
+class RecordKeys:
+    """The names of the model's ArrayRecord and of the ConfigRecord (Flower's ``arrayrecord_key`` and
+    ``configrecord_key``): a strategy chooses them, every message says which they are, replies use the same."""
+
+    arrays: str = MODEL_RECORD
+    config: str = CONFIG_RECORD
+
+    def as_config(self) -> dict[str, str]:
+        return {"fedmed.arrayrecord-key": self.arrays, "fedmed.configrecord-key": self.config}
+
+    @classmethod
+    def of(cls, content: RecordDict) -> "RecordKeys":
+        """The names a received message uses: its one ConfigRecord says which they are (default: Flower's)."""
+        configs = [(name, record) for name, record in content.items() if isinstance(record, ConfigRecord)]
+        if len(configs) != 1:
+            return cls()
+        name, config = configs[0]
+        if config.get("fedmed.configrecord-key") != name:  # not a message of ours naming its records
+            return cls()
+        arrays = config.get("fedmed.arrayrecord-key", MODEL_RECORD)
+        return cls(arrays if isinstance(arrays, str) and arrays else MODEL_RECORD, name)
+
+    def record_name(self, group: str) -> str:
+        return self.arrays if group == MODEL_GROUP else group
+
+
+DEFAULT_KEYS = RecordKeys()
+
+
 def record_name(group: str) -> str:
-    return MODEL_RECORD if group == MODEL_GROUP else group
+    return DEFAULT_KEYS.record_name(group)
 
 
 def metric_value(key: str, value: Any) -> int | float | list:
@@ -148,21 +179,22 @@ def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str) -> NamedA
     return arrays
 
 
-def to_recorddict(payload: Payload, layout: str = "per-tensor") -> RecordDict:
-    """``payload`` as Flower records, its arrays in ``layout`` (one of :data:`LAYOUTS`)."""
+def to_recorddict(payload: Payload, layout: str = "per-tensor", keys: RecordKeys = DEFAULT_KEYS) -> RecordDict:
+    """``payload`` as Flower records, its arrays in ``layout`` (one of :data:`LAYOUTS`), the model and config
+    records named by ``keys``."""
     if layout not in LAYOUTS:
         raise ValueError(f"message layout {layout!r} is not one of {LAYOUTS}")
     content = RecordDict()
     config = dict(payload.config)
     for group, arrays in payload.arrays.items():
+        name = keys.record_name(group)
         if layout == "packed":
-            content[record_name(group)] = ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)})
+            content[name] = ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)})
         elif layout == "flat":
-            content[record_name(group)], config[FLAT_LAYOUT + record_name(group)] = flatten_arrays(arrays)
+            content[name], config[FLAT_LAYOUT + name] = flatten_arrays(arrays)
         else:
-            content[record_name(group)] = ArrayRecord({k: Array(np.require(v, requirements="C"))
-                                                       for k, v in arrays.items()})
-    content[CONFIG_RECORD] = ConfigRecord(config)
+            content[name] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()})
+    content[keys.config] = ConfigRecord(config)
     content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
     return content
 
@@ -176,21 +208,23 @@ def declared_nbytes(array: Array) -> int:
     return max(declared, len(array.data))
 
 
-def from_recorddict(content: RecordDict, limit: int | None = None) -> Payload:
-    """The payload in a message's content (either layout); MalformedPayload for records of the wrong kind or
-    content, or for arrays that would take more than ``limit`` bytes (checked before any is decoded)."""
+def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordKeys | None = None) -> Payload:
+    """The payload in a message's content (any layout); MalformedPayload for records of the wrong kind or
+    content, or for arrays that would take more than ``limit`` bytes (checked before any is decoded). ``keys``:
+    the record names (default: those the message's own config names)."""
+    keys = keys or RecordKeys.of(content)
     if limit is not None:
         total = sum(declared_nbytes(a) for r in content.values() if isinstance(r, ArrayRecord) for a in r.values())
         if total > limit:
             raise MalformedPayload(f"its arrays take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB allowed "
                                    "(screening.max-reply-mb)")
     payload = Payload()
-    config = content.get(CONFIG_RECORD)
+    config = content.get(keys.config)
     flat_layouts = {k: v for k, v in config.items() if k.startswith(FLAT_LAYOUT)} \
         if isinstance(config, ConfigRecord) else {}
     for name, record in content.items():
         if isinstance(record, ArrayRecord):
-            group = MODEL_GROUP if name == MODEL_RECORD else name
+            group = MODEL_GROUP if name == keys.arrays else name
             if set(record) == {PACKED_ARRAY}:
                 payload.arrays[group] = unpack_arrays(record[PACKED_ARRAY], name, limit)
                 continue
@@ -201,7 +235,7 @@ def from_recorddict(content: RecordDict, limit: int | None = None) -> Payload:
                 payload.arrays[group] = {key: array.numpy() for key, array in record.items()}
             except Exception as error:  # an Array whose bytes are not an array
                 raise MalformedPayload(f"record {name!r} cannot be decoded: {type(error).__name__}: {error}") from None
-        elif isinstance(record, ConfigRecord) and name == CONFIG_RECORD:
+        elif isinstance(record, ConfigRecord) and name == keys.config:
             payload.config = {k: v for k, v in record.items() if not k.startswith(FLAT_LAYOUT)}
         elif isinstance(record, MetricRecord) and name == METRICS_RECORD:
             payload.metrics = dict(record)

@@ -13,9 +13,9 @@ import time
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.methods.registry import strategy_class
 from common.round_engine import RoundEngine
 from strategies import strategy_arguments
+from strategies.registry import strategy_class
 
 from .checkpoint import save_checkpoint
 from .evaluation import write_cross_site

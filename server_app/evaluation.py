@@ -115,8 +115,8 @@ def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8
     from common.data.brain_sources import load_folder_cases
     from common.data.brats import parse_modalities
     from common.methods.base import unpack_json
-    from common.methods.registry import server_class
     from common.tasks import get_task, task_class
+    from strategies.registry import server_class
 
     from .checkpoint import checkpoint_dir, load_checkpoint
 

@@ -1,21 +1,41 @@
-"""Our Flower strategies, one module per method. Each is a Flower ``Strategy`` that owns its method:
+"""Our Flower strategies, one package per method (``strategies/<method>/``: settings, server half, hospital half,
+strategy), listed in ``strategies/registry.py``. Each strategy is a Flower ``Strategy`` that owns its method:
 
     from strategies import FedProInStrategy
     strategy = FedProInStrategy(fraction_train=0.5, min_train_nodes=2, num_prototypes=2)
     result = strategy.start(grid, initial_arrays=strategy.initial_arrays(), num_rounds=10)
 
-The hospitals run fedmed's ClientApp (``client_app.app:app``). See docs/own-serverapp.md.
+The strategy classes are loaded when first asked for, so ``strategies.<method>.server`` and ``.hospital`` (plain
+PyTorch/NumPy) import without Flower, e.g. on a GPU machine that has none. See docs/own-serverapp.md.
 """
 
-from .base import HospitalStrategy, strategy_arguments
-from .fedavg import FedAvgStrategy
-from .fedmepd import FederatedDecoderStrategy, FedMEPDStrategy, LocalOnlyStrategy, SharedEncoderFedAvgStrategy
-from .fedproin import FedProInStrategy
-from .fedproto import FedProtoStrategy
-from .fedprox import FedProxStrategy
-from .moon import MoonStrategy
-from .qfedpolyp import QFedPolypStrategy
+from __future__ import annotations
+
+from typing import Any
+
+_HELPERS = {"HospitalStrategy": "strategies.base:HospitalStrategy",
+            "strategy_arguments": "strategies.base:strategy_arguments"}
+
+
+def _exports() -> dict[str, str]:
+    from .registry import methods
+
+    return {**_HELPERS, **{spec.strategy.rpartition(":")[2]: spec.strategy for spec in methods().values()}}
+
+
+def __getattr__(name: str) -> Any:
+    path = _exports().get(name)
+    if path is None:
+        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    from .registry import load
+
+    return load(path)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_exports()})
+
 
 __all__ = ["HospitalStrategy", "strategy_arguments", "FedAvgStrategy", "FedProxStrategy", "MoonStrategy",
-           "FedProtoStrategy", "FedProInStrategy", "QFedPolypStrategy", "FedMEPDStrategy",
+           "FedProtoStrategy", "FedProInStrategy", "FedBNStrategy", "QFedPolypStrategy", "FedMEPDStrategy",
            "SharedEncoderFedAvgStrategy", "FederatedDecoderStrategy", "LocalOnlyStrategy"]

@@ -15,7 +15,6 @@ polling, resume) and under Flower's own loop, e.g. inside Flower's DP wrappers.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -27,11 +26,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, load_job_config, server_set_keys
+from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
-from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
+from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
+from strategies.registry import method_tasks
 
 from .records import arrays_of, as_arrayrecord, round_metricrecord
 
@@ -39,6 +39,7 @@ log = logging.getLogger("fedmed")
 
 RoundCallback = Callable[[RoundEngine, dict[str, Any]], None]
 EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
+MetricsAggregation = Callable[[list[RecordDict], str], "MetricRecord | None"]
 
 
 def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None,
@@ -116,9 +117,15 @@ def messages_in_flight(job: JobConfig, grid: Grid, queries: bool = False) -> int
 
 def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **settings: Any) -> JobConfig:
     """The job a strategy runs: ``run_config`` (a fedmed run config, flat or validated; default: every
-    default) with the strategy's method and its arguments over it; ConfigError names a bad argument."""
-    base = run_config.to_flat() if isinstance(run_config, JobConfig) else dict(run_config or {})
+    default) with the strategy's method and its arguments over it; ConfigError names a bad argument.
+
+    ``run_config`` may be a whole Flower run config (``context.run_config``) holding the app's own keys too:
+    those are left to the app (logged once); a key that looks like one of ours misspelt is refused."""
+    base = run_config.to_flat() if isinstance(run_config, JobConfig) else fedmed_keys_of(run_config or {})
     flat = {**base, "strategy": method}
+    tasks = method_tasks(method)
+    if "task" not in flat and JobConfig.model_fields["task"].default not in tasks:
+        flat["task"] = tasks[0]  # QFedPolypStrategy() is for polyp segmentation, whatever the default task
     flat.update({key: value for key, value in settings.items() if value is not None})
     return load_job_config(flat)
 
@@ -138,27 +145,43 @@ class HospitalStrategy(Strategy):
     """
 
     method_name: ClassVar[str] = ""
-    section: ClassVar[str | None] = None  #: the run-config table of the method's own arguments
-    renamed: ClassVar[dict[str, str]] = {}  #: argument -> field of that table, where the names differ
+    #: the method's settings table (``strategies/<method>/settings.py``): its fields are the strategy's own keyword
+    #: arguments, with their defaults, and ``section`` is the run-config table they set
+    settings_type: ClassVar[type | None] = None
+    section: ClassVar[str | None] = None
+    renamed: ClassVar[dict[str, str]] = {}  #: argument -> settings field, where Flower's name differs (proximal_mu)
     RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
     QUERY_PATIENCE = 45.0  # seconds before an identity query without reply is sent again
 
     def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
-                 min_evaluate_nodes: int = 1, min_available_nodes: int = 2,
+                 min_evaluate_nodes: int = 1, min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
+                 arrayrecord_key: str = "arrays", configrecord_key: str = "config",
+                 train_metrics_aggr_fn: MetricsAggregation | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
                  run_config: Mapping[str, Any] | JobConfig | None = None, settings: Mapping[str, Any] | None = None,
-                 on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0):
+                 on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0, **method_settings: Any):
         if not self.method_name:
             raise TypeError("HospitalStrategy is a base class: use one of the strategies in strategies/")
         if not 0.0 <= fraction_evaluate <= 1.0:
             raise ConfigError(f"fraction_evaluate={fraction_evaluate!r} must be between 0 and 1")
+        own = self.own_arguments()
+        unknown = sorted(set(method_settings) - set(own))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r} "
+                            f"(its method's own: {', '.join(own) or 'none'})")
         self.job = job_config(self.method_name, run_config, **{
             "fraction-train": fraction_train, "min-train-hospitals": min_train_nodes,
-            "min-available-hospitals": min_available_nodes, **dict(settings or {})})
+            "min-available-hospitals": min_available_nodes, **dict(settings or {}),
+            **self.method_settings(**method_settings)})
         if not self.job.run_name:  # hospitals keep their memory in a folder named after the run
             self.job = self.job.model_copy(update={"run_name": f"{self.job.task}-{self.method_name}-"
                                                                f"{time.strftime('%Y%m%d-%H%M%S')}"})
         self.fraction_evaluate = fraction_evaluate
         self.min_evaluate_nodes = min_evaluate_nodes
+        self.weighted_by_key = weighted_by_key
+        self.records = RecordKeys(arrayrecord_key, configrecord_key)
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         self.on_round_end = on_round_end
         self.wait_for_nodes = wait_for_nodes
         self.hospitals: dict[int, HospitalInfo] = {}  # node id -> identity
@@ -172,16 +195,25 @@ class HospitalStrategy(Strategy):
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
         self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
         self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
+        self._refusals: dict[int, str] = {}  # node id -> why it could not say which hospital it is
+        self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
+        self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:
-        """The method's own keyword arguments -> the fields of its run-config table they set."""
-        if not cls.section:
+        """The method's own keyword arguments -> the fields of its settings table they set (the table's fields,
+        under Flower's name where it has one: FedProx's ``proximal_mu``)."""
+        if cls.settings_type is None:
             return {}
-        own = [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
-               if parameter.kind is parameter.KEYWORD_ONLY and name not in BASE_ARGUMENTS]
-        return {name: cls.renamed.get(name, name) for name in own}
+        by_field = {field: argument for argument, field in cls.renamed.items()}
+        return {by_field.get(field, field): field for field in cls.settings_type.model_fields}
+
+    @classmethod
+    def argument_defaults(cls) -> dict[str, Any]:
+        """The method's own arguments with their defaults, from its settings table (their one source)."""
+        fields = cls.settings_type.model_fields if cls.settings_type is not None else {}
+        return {argument: fields[field].default for argument, field in cls.own_arguments().items()}
 
     @classmethod
     def method_settings(cls, **values: Any) -> dict[str, Any]:
@@ -189,13 +221,43 @@ class HospitalStrategy(Strategy):
         fields = cls.own_arguments()
         return {f"{cls.section}.{fields[name].replace('_', '-')}": value for name, value in values.items()}
 
+    def __getattr__(self, name: str) -> Any:
+        """The method's own settings as attributes, as Flower's FedProx has ``proximal_mu``."""
+        if name.startswith("_") or "job" not in self.__dict__:
+            raise AttributeError(name)
+        field = type(self).own_arguments().get(name)
+        if field is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self.job, self.section), field)
+
+    # Flower's attribute names for what the job holds
+    @property
+    def fraction_train(self) -> float:
+        return self.job.fraction_train
+
+    @property
+    def min_train_nodes(self) -> int:
+        return self.job.min_train_hospitals
+
+    @property
+    def min_available_nodes(self) -> int:
+        return self.job.min_available_hospitals
+
+    @property
+    def arrayrecord_key(self) -> str:
+        return self.records.arrays
+
+    @property
+    def configrecord_key(self) -> str:
+        return self.records.config
+
     # --- the method's server half ----------------------------------------------------------------
     @property
     def engine(self) -> RoundEngine:
         """The method's round engine, built on first use (it loads the server's test set, and for
         FedMEPD its own training cases, from the run config)."""
         if self._engine is None:
-            self._engine = RoundEngine(self.job)
+            self._engine = RoundEngine(self.job, weight_key=self.weighted_by_key)
         return self._engine
 
     def initial_arrays(self) -> ArrayRecord:
@@ -208,8 +270,11 @@ class HospitalStrategy(Strategy):
         log.info("resuming %s after round %d", self.job.run_name, len(self.engine.history))
 
     def hospital_config(self, server_round: int) -> dict[str, Any]:
-        """Round config every message carries: the method, how hospitals train, the round's identity."""
-        return {**server_set_keys(self.job), "server-round": server_round, "run-name": self.job.run_name}
+        """Round config every message carries: the job as this strategy holds it (so settings given in Python reach
+        the hospitals; ``common.config.hospital_keys`` leaves out what is the server's alone), the round, and the
+        record names and weighting key the replies must use."""
+        return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
+                **self.records.as_config(), "weighted-by-key": self.weighted_by_key}
 
     # --- hospitals --------------------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
@@ -251,7 +316,8 @@ class HospitalStrategy(Strategy):
             nonce = new_nonce()
             self._nonces.setdefault(node, []).append(nonce)  # a late reply to an earlier query still verifies
             config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0), NONCE_KEY: nonce})
-            messages.append(Message(RecordDict({"config": config}), message_type=MessageType.QUERY, dst_node_id=node))
+            messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
+                                    dst_node_id=node))
         return messages
 
     def learn_identity(self, node: int, reply: Message) -> None:
@@ -260,13 +326,16 @@ class HospitalStrategy(Strategy):
         if reply.has_error():
             log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
             self.unusable[node] = time.time()
+            self._refusals[node] = reply.error.reason
             return
         try:
             hospital = self.identity_of(node, reply)
         except ValueError as error:
             log.warning("node %d gave no usable identity (%s); it is not asked to train", node, error)
             self.unusable[node] = time.time()
+            self._refusals[node] = str(error)
             return
+        self._refusals.pop(node, None)
         for old_node, old in list(self.hospitals.items()):
             if old.name != hospital.name:
                 continue
@@ -315,7 +384,7 @@ class HospitalStrategy(Strategy):
             payload = self.engine.downlink(server_round, info)
             payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {}),
                               "message-arrays": layout}  # the hospital replies in the same layout
-            content = to_recorddict(payload, layout)
+            content = to_recorddict(payload, layout, self.records)
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
@@ -332,13 +401,18 @@ class HospitalStrategy(Strategy):
     # --- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Hospitals of this round and their messages; ``arrays`` (if any) become the global model first,
-        so a wrapper's changes (e.g. DP noise) are what hospitals receive."""
+        """Hospitals of this round and their messages; ``arrays`` (the current global model, as Flower's loop
+        and ours pass it) become the method's global model first, so a wrapper's or a subclass's changes (e.g.
+        DP noise) are what hospitals receive."""
         if len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
         self._grid = grid
         asked_from = time.time()
         self.discover(grid)
+        if not self.engine.history and len(self.hospitals) < self.job.min_train_hospitals and self._refusals:
+            raise ConfigError(f"round {server_round} cannot start: {len(self.hospitals)} hospital(s) can train, "
+                              f"min_train_nodes={self.job.min_train_hospitals}; nodes that refused the job: "
+                              + "; ".join(f"node {node}: {reason}" for node, reason in sorted(self._refusals.items())))
         self._round_started = time.time()
         self._identity_seconds = self._round_started - asked_from
         self._chosen = self.engine.select(server_round, list(self.hospitals.values()))
@@ -366,7 +440,9 @@ class HospitalStrategy(Strategy):
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content, limit), None, up))
+                round_replies.append(RoundReply(hospital, from_recorddict(message.content, limit, self.records),
+                                                None, up))
+                self._replies[hospital.name] = message.content
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
         return round_replies
@@ -381,12 +457,47 @@ class HospitalStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The next global model and the round's metrics, as Flower's: ``(None, None)`` when no reply was accepted,
+        no arrays when too few were (``min_train_nodes``: the model stays as it was). The round is recorded, scored
+        on the test set and saved once its model is released (:meth:`configure_evaluate`), so what a subclass or a
+        DP wrapper makes of these arrays is the model that is scored, saved and sent next."""
+        self._replies = {}
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
-                                            self._round_started, self._bytes_down)
+                                            self._round_started, self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
-        if not self._in_own_loop:
-            self.round_ended(record)
-        return as_arrayrecord(self.engine.method.global_arrays), round_metricrecord(record)
+        self._record = record
+        if not record["aggregated"]:
+            return None, None
+        metrics = round_metricrecord(record)
+        if self.train_metrics_aggr_fn is not None:
+            own = self.train_metrics_aggr_fn([self._replies[name] for name in record["aggregated"]],
+                                             self.weighted_by_key)
+            metrics = MetricRecord({**metrics, **dict(own or {})})
+        if "skipped" in record:
+            return None, metrics
+        return as_arrayrecord(self.engine.method.global_arrays), metrics
+
+    def release(self, server_round: int, arrays: ArrayRecord) -> None:
+        """``arrays`` are round ``server_round``'s released global model (a wrapper's or a subclass's take on what
+        :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set."""
+        record = self._record
+        if record is None or record["round"] != server_round:
+            return
+        if len(arrays) and "skipped" not in record:
+            self.engine.adopt_global_arrays(arrays_of(arrays), f"global model released after round {server_round}")
+        self.engine.evaluate_round(record)
+
+    def test_metrics(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """The server's test-set metrics of round ``server_round``'s model, to pass as ``evaluate_fn`` to Flower's
+        own loop (a DP wrapper's ``start``): the round's recorded scores (``arrays`` were released to the method in
+        ``configure_evaluate``); round 0 scores ``arrays`` as given."""
+        if server_round == 0:
+            self.engine.adopt_global_arrays(arrays_of(arrays), "initial arrays")
+            return MetricRecord(numbers(self.engine.method.evaluate(self.engine.test_data)))
+        for record in reversed(self.engine.history):
+            if record["round"] == server_round:
+                return MetricRecord(numbers(record.get("test", {}))) if record.get("test") else None
+        return None
 
     def round_ended(self, record: dict[str, Any]) -> None:
         """Hand the finished round to ``on_round_end`` (checkpoint, result files), unless the run was stopped.
@@ -409,8 +520,10 @@ class HospitalStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """Flower's evaluate phase, when ``fraction_evaluate > 0`` (hospitals already score the received
-        model inside their training reply)."""
+        """The round's released model (``arrays``, what Flower's loop and ours will send next) is scored on the
+        test set; then Flower's evaluate phase, when ``fraction_evaluate > 0`` (hospitals already score the
+        received model inside their training reply)."""
+        self.release(server_round, arrays)
         if self.fraction_evaluate <= 0 or not self.hospitals:
             self._evaluated = []
             return []
@@ -419,7 +532,7 @@ class HospitalStrategy(Strategy):
         return self.hospital_messages(server_round, self._evaluated, config, MessageType.EVALUATE)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        scores = []
+        scores: list[tuple[float, dict[str, Any], RecordDict]] = []
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
             if hospital is None or hospital not in self._evaluated:
@@ -428,17 +541,23 @@ class HospitalStrategy(Strategy):
                 log.warning("round %d: %s could not evaluate: %s", server_round, hospital.name, message.error.reason)
                 continue
             try:
-                metrics = from_recorddict(message.content, self.reply_limit()).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
-            scores.append((max(float(metrics.get("num-examples", 0) or 0), 1.0), metrics))
-        if not scores:
-            return None
-        aggregated = weighted_mean_metrics(scores)
-        if self.engine.history and self.engine.history[-1]["round"] == server_round:
-            self.engine.history[-1]["evaluate"] = aggregated
-        return MetricRecord(aggregated)
+            scores.append((max(float(metrics.get(self.weighted_by_key, 0) or 0), 1.0), metrics, message.content))
+        aggregated = weighted_mean_metrics([(weight, metrics) for weight, metrics, _ in scores]) if scores else None
+        if scores and self.evaluate_metrics_aggr_fn is not None:
+            aggregated = dict(self.evaluate_metrics_aggr_fn([content for *_, content in scores], self.weighted_by_key)
+                              or {})
+        record = self._record
+        if record is not None and record["round"] == server_round:
+            if aggregated:
+                record["evaluate"] = aggregated
+            self._record = None
+            if not self._in_own_loop:
+                self.round_ended(record)
+        return MetricRecord(aggregated) if aggregated else None
 
     def cross_site_evaluation(self, grid: Grid, timeout: float) -> dict[str, Any]:
         """Every connected hospital scores the final models on its own validation data (Flower evaluate
@@ -458,7 +577,7 @@ class HospitalStrategy(Strategy):
             try:
                 if message.has_error():
                     raise MalformedPayload(message.error.reason)
-                metrics = from_recorddict(message.content, self.reply_limit()).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
                 scores[hospital.name] = models_of(metrics)
             except (MalformedPayload, ValueError) as error:
                 failed[hospital.name] = str(error)
@@ -478,15 +597,19 @@ class HospitalStrategy(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None, evaluate_fn: EvaluateFn | None = None) -> Result:
-        """Flower's round loop, from the engine's next round (1, or the round after a resumed checkpoint)
-        to ``num_rounds`` (default: the run config's), each round waiting at most ``timeout`` seconds
+        """Flower's round loop (``Strategy.start``), from the engine's next round (1, or the round after a resumed
+        checkpoint) to ``num_rounds`` (default: the run config's), each round waiting at most ``timeout`` seconds
         (default: the run config's round timeout) for replies.
 
-        ``initial_arrays`` replace the method's initial model (same names and shapes; counters such as
-        BatchNorm's ``num_batches_tracked`` may be included); ``train_config`` and ``evaluate_config``
-        travel in every train and evaluate message (their keys win over ours, e.g. ``local-epochs``);
-        ``evaluate_fn(round, arrays)`` scores the global model before round 1 and after every round,
-        and its metrics are in the Result and in each round's record (``central``).
+        As in Flower's loop, ``configure_train`` is given the current global model and what ``aggregate_train``
+        returns (a subclass's change included) is the next one: scored on the test set (the round's
+        ``evaluate_metrics_serverapp``, with ``evaluate_fn``'s metrics), checkpointed (``on_round_end``) and sent
+        next. ``initial_arrays`` replace the method's initial model (same names and shapes; counters such as
+        BatchNorm's ``num_batches_tracked`` may be included); ``train_config`` and ``evaluate_config`` travel in
+        every train and evaluate message (their keys win over ours, e.g. ``local-epochs``); ``evaluate_fn(round,
+        arrays)`` scores the global model before round 1 and after every round. What ours adds: hospitals by
+        name, faster polling, messages a few at a time in simulation, and resume. A run in which no round
+        aggregated any hospital raises :class:`NoHospitalAggregated`, so Flower reports it failed.
         """
         num_rounds = num_rounds or self.job.num_server_rounds
         timeout = timeout or self.job.round_timeout
@@ -500,50 +623,68 @@ class HospitalStrategy(Strategy):
         evaluate_config = evaluate_config or ConfigRecord()
         self.summary()
         result = Result()
+        arrays = self.initial_arrays()
         if evaluate_fn is not None and self.engine.next_round == 1:
-            central = evaluate_fn(0, self.initial_arrays())
+            central = evaluate_fn(0, arrays)
             if central is not None:
                 result.evaluate_metrics_serverapp[0] = central
+        first = self.engine.next_round
         self._in_own_loop = True
         in_flight = messages_in_flight(self.job, grid)
         retry_unavailable_objects_sooner()
         try:
-            for rnd in range(self.engine.next_round, num_rounds + 1):
-                # the engine holds the global model: no copy of it as this round's arrays (ArrayRecord() adopts
-                # nothing), the sent messages are dropped as they go and each reply once it is decoded
-                replies = send_and_receive(grid, list(self.configure_train(rnd, ArrayRecord(), train_config, grid)),
+            for rnd in range(first, num_rounds + 1):
+                replies = send_and_receive(grid, list(self.configure_train(rnd, arrays, train_config, grid)),
                                            timeout, in_flight)
-                arrays, metrics = self.aggregate_train(rnd, drain(replies))
-                result.train_metrics_clientapp[rnd] = metrics
+                aggregated, metrics = self.aggregate_train(rnd, drain(replies))
+                if aggregated is not None:
+                    arrays = aggregated
+                if metrics is not None:
+                    result.train_metrics_clientapp[rnd] = metrics
+                record = self._record
                 evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
-                if evaluation:
-                    evaluated = self.aggregate_evaluate(rnd, send_and_receive(grid, evaluation, timeout, in_flight))
-                    if evaluated is not None:
-                        result.evaluate_metrics_clientapp[rnd] = evaluated
-                record = self.engine.history[-1]
+                evaluated = self.aggregate_evaluate(
+                    rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
+                if evaluated is not None:
+                    result.evaluate_metrics_clientapp[rnd] = evaluated
+                central = numbers(record.get("test", {}))
                 if evaluate_fn is not None:
-                    central = evaluate_fn(rnd, arrays)
-                    if central is not None:
-                        result.evaluate_metrics_serverapp[rnd] = central
-                        record["central"] = dict(central)
-                del arrays  # the checkpoint below reads the engine's model
+                    own = evaluate_fn(rnd, arrays)
+                    if own is not None:
+                        record["central"] = dict(own)
+                        central.update(dict(own))
+                if central:
+                    result.evaluate_metrics_serverapp[rnd] = MetricRecord(central)
                 self.round_ended(record)
         finally:
             self._in_own_loop = False
-        result.arrays = as_arrayrecord(self.engine.method.global_arrays)
+        result.arrays = arrays
+        if first <= num_rounds and not any(r["aggregated"] for r in self.engine.history if r["round"] >= first):
+            raise NoHospitalAggregated(
+                f"no round of {first}..{num_rounds} aggregated any hospital: "
+                + "; ".join(f"round {r['round']}: " + (", ".join(f"{h} refused ({why})" for h, why in
+                                                            r["refused"].items()) or f"missing {r['missing']}"
+                                                        if r["refused"] or r["missing"] else "no hospital chosen")
+                            for r in self.engine.history[-3:]))
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
         return result
+
+
+class NoHospitalAggregated(RuntimeError):
+    """A run none of whose rounds aggregated any hospital: a failed run, whatever Flower's loop thinks."""
+
+
+def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics dict, as a MetricRecord takes them."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v == v and abs(v) != float("inf")}
 
 
 def drain(messages: list[Message]) -> Iterator[Message]:
     """The messages one by one, each dropped from the list as it is handed out (so it can be freed once used)."""
     while messages:
         yield messages.pop(0)
-
-
-BASE_ARGUMENTS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes",
-                  "min_available_nodes", "run_config", "settings", "on_round_end", "wait_for_nodes", "kwargs")
 
 
 def models_of(metrics: Mapping[str, Any]) -> dict[str, dict[str, float]]:

@@ -40,7 +40,7 @@ def test_wrong_type_is_named():
 
 def test_impossible_values_are_named():
     with pytest.raises(ConfigError, match="'fraction-train'"):
-        load_job_config({"fraction-train": 0.0})
+        load_job_config({"fraction-train": -0.1})  # 0 is Flower's: min-train-hospitals of them
     with pytest.raises(ConfigError, match="'fedprox.mu'"):
         load_job_config({"fedprox.mu": -1.0})
 

@@ -11,9 +11,12 @@ import torch
 
 from common.config import ConfigError, load_job_config
 from common.data.containers import DataError
-from common.methods.anchors import MultiAnchors, class_vectors
-from common.methods.fedmepd import server_decoder_change
-from common.methods.filter_personalisation import (
+from common.models.lacca import LACCA
+from common.models.rfnet import MultimodalSegNet
+from common.tasks.brain import region_masks
+from strategies.fedmepd.anchors import MultiAnchors, class_vectors
+from strategies.fedmepd.decoder import server_decoder_change
+from strategies.fedmepd.filter_personalisation import (
     FilterPersonalisation,
     aggregate_filters,
     filter_cosines,
@@ -23,9 +26,6 @@ from common.methods.filter_personalisation import (
     pack_mask,
     unpack_mask,
 )
-from common.models.lacca import LACCA
-from common.models.rfnet import MultimodalSegNet
-from common.tasks.brain import region_masks
 
 TINY = {"task": "brain-tumour-segmentation", "strategy": "fedmepd", "batch-size": 2, "brain.widths": "4,8,16,32",
         "brain.crop-size": 16, "brain.synthetic-size": 24, "brain.synthetic-cases": 12, "brain.crops-per-case": 2,
@@ -292,10 +292,11 @@ def test_real_brats_cases_are_divided_between_test_server_and_hospitals(tmp_path
 # --- whole rounds in one process ------------------------------------------------------------------------
 def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_path):
     from common.inprocess import run_rounds, simulated_sites
-    from common.methods.fedmepd import FedMEPDHospital, decoder_part
-    from common.methods.filter_personalisation import filter_layers
     from common.round_engine import RoundEngine
     from server_app.checkpoint import load_checkpoint, save_checkpoint
+    from strategies.fedmepd.decoder import decoder_part
+    from strategies.fedmepd.filter_personalisation import filter_layers
+    from strategies.fedmepd.hospital import FedMEPDHospital
 
     cfg = tiny(num_server_rounds=3, **{"brain.hospital-modalities": "t1ce;t2;flair,t1"}, **{"fedmepd.patience": 1})
     straight = run_rounds(cfg, simulated_sites(cfg, 3, state_root=tmp_path / "straight"))
@@ -338,8 +339,8 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
 def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     from common.inprocess import simulated_sites
     from common.methods.base import HospitalInfo
-    from common.methods.fedmepd import FedMEPDHospital
     from common.round_engine import RoundEngine, RoundReply
+    from strategies.fedmepd.hospital import FedMEPDHospital
 
     cfg = tiny(num_server_rounds=1, min_train_hospitals=1,
                **{"brain.hospital-modalities": "t1ce;t2;flair,t1", "fedmepd.warmup-rounds": 5})

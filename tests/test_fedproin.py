@@ -13,19 +13,19 @@ from common.config import JobConfig
 from common.data.containers import LabelledImages
 from common.inprocess import run_rounds, simulated_sites
 from common.methods.base import HospitalInfo, Payload
-from common.methods.fedproin import (
-    FedProInHospital,
-    fedproin_regulariser,
-    influence_counts,
-    normalised_influence_aggregation,
-    prototype_contrastive_loss,
-)
 from common.models.prototype_net import PrototypeNet
 from common.round_engine import RoundEngine, RoundReply
 from common.site import HospitalStateStore, Site
 from common.tasks.base import images_to_tensor
-from common.tasks.class_balance import augment_by_class, augmentation_probabilities, balanced_draws
-from common.tasks.prototype_classification import (
+from strategies.fedproin.class_balance import augment_by_class, augmentation_probabilities, balanced_draws
+from strategies.fedproin.hospital import (
+    FedProInHospital,
+    fedproin_regulariser,
+    influence_counts,
+    prototype_contrastive_loss,
+)
+from strategies.fedproin.server import normalised_influence_aggregation
+from strategies.fedproin.task import (
     PrototypeClassificationTask,
     distance_cross_entropy,
     margin_classification,

@@ -13,7 +13,6 @@ import torch
 from common.arrays import model_arrays, weighted_average
 from common.config import ConfigError, JobConfig
 from common.methods.base import HospitalInfo, Payload
-from common.methods.qfedpolyp import BIT_WIDTH_KEY, PACKED, assign_bit_width
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import (
     VALID_BIT_WIDTHS,
@@ -27,6 +26,7 @@ from common.quantization.codec import (
 )
 from common.quantization.fake_quant import fake_quantize, quantization_aware
 from common.round_engine import RoundEngine, RoundReply
+from strategies.qfedpolyp.messages import BIT_WIDTH_KEY, PACKED, assign_bit_width
 
 
 def sample_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -9,10 +9,11 @@ import pytest
 
 from common.config import ConfigError, load_job_config
 from common.inprocess import simulated_sites
-from common.methods.qfedpolyp import PACKED, STATISTICS, QFedPolypHospital, is_statistic
 from common.quantization.codec import decode_model, encode_model
 from common.round_engine import RoundEngine, RoundReply
 from common.site import HospitalStateStore
+from strategies.qfedpolyp.hospital import QFedPolypHospital
+from strategies.qfedpolyp.messages import PACKED, STATISTICS, is_statistic
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,7 +130,7 @@ def test_error_feedback_needs_update_quantisation():
 
 
 def test_update_mode_trains_in_full_precision(monkeypatch):
-    import common.methods.qfedpolyp as qfedpolyp
+    import strategies.qfedpolyp.hospital as qfedpolyp
 
     seen = []
     real = qfedpolyp.quantization_aware

@@ -4,8 +4,6 @@ re-identified after a restart, and unknown, failing, malformed and silent nodes 
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
@@ -165,9 +163,10 @@ def test_a_hospital_applies_the_training_keys_the_server_sends(tmp_path):
 
     own = run_config(tmp_path, SMALL_CLASSIFICATION)
     cfg = hospital_job_config(own, {"strategy": "fedproin", "local-epochs": 2, "fedproin.fdl-weight": 0.5,
-                                    "data-dir": "/elsewhere", "qfedpolyp.bit-width": 4, "note": "x"})
+                                    "image-size": 32, "state-dir": "/elsewhere", "qfedpolyp.bit-width": 4, "note": "x"})
     assert (cfg.strategy, cfg.local_epochs, cfg.fedproin.fdl_weight) == ("fedproin", 2, 0.5)
-    assert cfg.data_dir == "" and cfg.image_size == 16  # data, paths and model size stay the hospital's own
+    assert cfg.image_size == 32  # the server's model, as its ServerApp set it
+    assert cfg.state_dir == own["state-dir"]  # where the hospital writes stays its own
 
 
 def test_hospital_restarted_under_a_new_node_id_is_recognised_by_name(tmp_path):
@@ -261,14 +260,25 @@ def test_identity_replies_without_a_usable_name_are_skipped(tmp_path, caplog):
     assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01"]
 
 
-def test_own_arguments_default_to_the_run_config_defaults_and_are_validated():
+def test_own_arguments_come_from_the_methods_settings_and_are_validated():
+    from strategies.registry import load, methods
+
     defaults = JobConfig()
-    for strategy_type in [getattr(strategies, name) for name in strategies.__all__ if name.endswith("Strategy")]:
-        section = getattr(defaults, strategy_type.section) if strategy_type.section else None
-        parameters = inspect.signature(strategy_type.__init__).parameters
-        for argument, field in strategy_type.own_arguments().items():
-            assert parameters[argument].default == getattr(section, field), (strategy_type.__name__, argument)
-    assert FedProxStrategy(proximal_mu=0.3).job.fedprox.mu == 0.3
+    for spec in methods().values():
+        strategy_type = load(spec.strategy)
+        assert strategy_type.method_name == spec.name
+        if spec.settings is None:
+            assert strategy_type.own_arguments() == {}
+            continue
+        assert strategy_type.settings_type is load(spec.settings) and strategy_type.section == spec.section
+        section = getattr(defaults, strategy_type.section)
+        for argument, default in strategy_type.argument_defaults().items():  # the run config's defaults, one source
+            assert default == getattr(section, strategy_type.own_arguments()[argument]), (spec.name, argument)
+            assert getattr(strategy_type(), argument) == default  # an attribute, as Flower's FedProx.proximal_mu
+    fedprox = FedProxStrategy(proximal_mu=0.3)
+    assert fedprox.job.fedprox.mu == 0.3 and fedprox.proximal_mu == 0.3
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_prototype'"):
+        FedProInStrategy(num_prototype=3)
     with pytest.raises(ConfigError, match="fedproin.num-prototypes"):
         FedProInStrategy(num_prototypes=9)
     with pytest.raises(ConfigError, match="does not support task"):

@@ -115,10 +115,10 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     from flwr.supercore.task_identity import TaskIdentity
 
     from common.methods.base import Payload
-    from common.methods.qfedpolyp import PACKED, STATISTICS, split_statistics
     from common.quantization.codec import encode_model
     from common.wire import message_nbytes, to_recorddict
     from server_app.checkpoint import load_checkpoint
+    from strategies.qfedpolyp.messages import PACKED, STATISTICS, split_statistics
 
     for attribute in ("run_id", "task_id", "node_id"):  # set by Flower inside its processes; not here
         if getattr(TaskIdentity, f"_{attribute}") is None:

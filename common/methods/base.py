@@ -44,6 +44,7 @@ class HospitalUpdate:
     hospital: HospitalInfo
     payload: Payload
     share: float | None = None  #: its share of the aggregate, set by the round engine after screening
+    weight_key: str = "num-examples"  #: the metric holding its sample count (a strategy's weighted_by_key)
 
     @property
     def weight(self) -> float:
@@ -55,7 +56,7 @@ class HospitalUpdate:
     def num_examples(self) -> int:
         """The reported sample count (0 when it is not a finite number); the round engine refuses a reply whose
         count is not positive or exceeds what the hospital declared (``common.screening``) before ``check``."""
-        value = self.payload.metrics.get("num-examples", 0)
+        value = self.payload.metrics.get(self.weight_key, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             return 0
         return int(value) if np.isfinite(value) else 0

@@ -1,0 +1,82 @@
+"""Data sets by name or import path: ``dataset='ham10000'`` (a format we read) or ``dataset='package.module:loader'``
+(a consortium's own), with ``dataset-args`` (a JSON object, from the run config and, over it, the hospital's node
+config) handed to the loader.
+
+A loader is called once per process with a :class:`DataRequest` and returns, for a hospital, its
+``(train, validation)`` data sets and, for the server, its held-out test set (or ``None``: no test set, the server
+then scores nothing itself). A data set is one of ours (``common.data.containers``) or any map-style torch
+``Dataset`` of ``(image, target)`` items (``common.data.torch_data``). The built-in formats are loaders of the same
+kind (:data:`BUILT_IN`), so the server, the hospitals, ``fedmed partition`` and ``fedmed evaluate`` read them the
+same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+from .containers import DataError
+
+if TYPE_CHECKING:
+    from common.config import JobConfig
+
+#: the formats we read, each a loader of the task's (``common.tasks.base.Task.builtin_data``)
+BUILT_IN = ("synthetic", "ham10000", "npz", "image-mask", "brats")
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What a loader is asked for: whose data, where it lives, and the run's settings."""
+
+    role: Literal["hospital", "server"]
+    job: "JobConfig"
+    hospital: str = ""  #: the hospital's name ("" for the server)
+    data_dir: str = ""  #: the hospital's own folder (deployment), or the run's whole data set (simulation)
+    partition_id: int | None = None  #: simulation: which part of the whole data set is this hospital's
+    num_partitions: int | None = None
+    seed: int = 0  #: a seed for this hospital's own split (train/validation), the same on every rerun
+    args: Mapping[str, Any] = field(default_factory=dict)  #: ``dataset-args`` (run config, then node config over it)
+
+
+def is_custom(dataset: str) -> bool:
+    return dataset not in BUILT_IN
+
+
+def dataset_arguments(cfg: "JobConfig", node_arguments: str = "") -> dict[str, Any]:
+    """``dataset-args`` of the run config with the node config's over them."""
+    from common.models.networks import parse_arguments
+
+    return {**parse_arguments(cfg.dataset_args, "dataset-args"), **parse_arguments(node_arguments, "dataset-args")}
+
+
+def call_loader(request: DataRequest):
+    """The user's loader's answer to ``request``; DataError naming the loader for anything it raises or returns
+    that is not data."""
+    from common.models.networks import load_factory
+
+    name = request.job.dataset
+    loader = load_factory(name, "dataset")
+    try:
+        answer = loader(request)
+    except DataError:
+        raise
+    except Exception as error:
+        who = request.hospital or "the server"
+        raise DataError(f"dataset {name!r} failed for {who}: {type(error).__name__}: {error}") from error
+    if request.role == "hospital":
+        if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+            raise DataError(f"dataset {name!r} returned {type(answer).__name__} for {request.hospital}, not a "
+                            "(train, validation) pair")
+        return tuple(wrap(part, f"{request.hospital} {kind}", request.job) for part, kind in
+                     zip(answer, ("train", "validation")))
+    return None if answer is None else wrap(answer, "server test set", request.job)
+
+
+def wrap(data: Any, where: str, cfg: "JobConfig"):
+    """Our containers as they are; a torch Dataset as :class:`~common.data.torch_data.TorchData`."""
+    from .containers import LabelledImages, SegmentationImages
+    from .torch_data import TorchData
+
+    if isinstance(data, (LabelledImages, SegmentationImages, TorchData, list)):
+        return data
+    return TorchData(data, where, workers=cfg.data_workers)

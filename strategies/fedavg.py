@@ -1,9 +1,0 @@
-"""FedAvg through Flower: the core is ``common.methods.fedavg``."""
-
-from .base import HospitalStrategy
-
-
-class FedAvgStrategy(HospitalStrategy):
-    """Federated averaging weighted by the hospitals' sample counts (McMahan et al. 2017)."""
-
-    method_name = "fedavg"

@@ -1,0 +1,16 @@
+"""FedBN (Li et al. 2021): FedAvg in which every hospital keeps its normalisation layers (BatchNorm's affine
+parameters and running statistics) to itself, a personalised baseline for multi-centre data whose scanners and
+stains shift each site's feature statistics.
+
+``norm_layers.py`` which state entries are a model's normalisation layers, ``server.py`` and ``hospital.py`` the two
+halves, ``strategy.py`` the Flower strategy. Adding it touched nothing outside this package but one line in
+``strategies/registry.py`` (docs/ARCHITECTURE.md).
+"""
+
+from strategies.registry import TWO_D, MethodSpec
+
+METHODS = (
+    MethodSpec("fedbn", TWO_D, server="strategies.fedbn.server:FedBNServer",
+               hospital="strategies.fedbn.hospital:FedBNHospital", strategy="strategies.fedbn.strategy:FedBNStrategy",
+               summary="FedAvg with every hospital's normalisation layers kept local"),
+)

@@ -1,0 +1,11 @@
+"""FedProto (Tan et al. 2022): hospitals keep their own models and share only per-class mean features."""
+
+from strategies.registry import MethodSpec
+
+METHODS = (
+    MethodSpec("fedproto", ("classification",), server="strategies.fedproto.server:FedProtoServer",
+               hospital="strategies.fedproto.hospital:FedProtoHospital",
+               strategy="strategies.fedproto.strategy:FedProtoStrategy",
+               summary="Personal models that share per-class mean features (prototypes)",
+               settings="strategies.fedproto.settings:FedProtoSettings", section="fedproto", model_needs="features"),
+)

@@ -1,0 +1,10 @@
+"""MOON (Li et al. 2021): FedAvg plus a model-contrastive term on each hospital's representation."""
+
+from strategies.registry import MethodSpec
+
+METHODS = (
+    MethodSpec("moon", ("classification",), server="strategies.fedavg.server:FedAvgServer",
+               hospital="strategies.moon.hospital:MoonHospital", strategy="strategies.moon.strategy:MoonStrategy",
+               summary="FedAvg with a model-contrastive term on the representation",
+               settings="strategies.moon.settings:MoonSettings", section="moon", model_needs="features"),
+)

@@ -1,0 +1,13 @@
+"""QFedPolyp (docs/qfedpolyp.md): quantisation-aware training, per-hospital bit-widths, bit-width-tagged packed
+payloads (``common/quantization``), FedAvg of the rebuilt models, and an INT8 model for inference."""
+
+from strategies.registry import MethodSpec
+
+METHODS = (
+    MethodSpec("qfedpolyp", ("polyp-segmentation",), server="strategies.qfedpolyp.server:QFedPolypServer",
+               hospital="strategies.qfedpolyp.hospital:QFedPolypHospital",
+               strategy="strategies.qfedpolyp.strategy:QFedPolypStrategy",
+               summary="Quantisation-aware training, per-hospital b-bit packed uploads, FedAvg",
+               settings="strategies.qfedpolyp.settings:QFedPolypSettings", section="qfedpolyp",
+               model_needs="quantisable"),
+)

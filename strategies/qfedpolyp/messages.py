@@ -1,0 +1,41 @@
+"""What QFedPolyp's messages carry: the packed model (or update) both ways, the BatchNorm statistics of an update,
+and each hospital's assigned bit-width."""
+
+from __future__ import annotations
+
+from common.arrays import NamedArrays
+from common.config import ConfigError
+from common.methods.base import HospitalInfo
+from common.quantization.codec import check_bit_width
+
+PACKED = "packed-model"  #: the array group holding an encoded model (or update), both ways
+STATISTICS = "statistics"  #: update mode: BatchNorm running statistics as plain floats (a quantised change of a
+#: variance could make it negative; they are a fraction of a percent of the bytes)
+BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital
+
+
+def is_statistic(name: str) -> bool:
+    return name.endswith(("running_mean", "running_var"))
+
+
+def split_statistics(arrays: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
+    """(weights, BatchNorm running statistics) of a model's arrays."""
+    return ({k: v for k, v in arrays.items() if not is_statistic(k)},
+            {k: v for k, v in arrays.items() if is_statistic(k)})
+
+
+def assign_bit_width(hospital: HospitalInfo, roster: list[str], widths: list[int]) -> int:
+    """The hospital's own declaration (node config ``bit-width``) if it made one, else its entry of
+    ``widths`` by its rank among ``roster``'s names (a single entry applies to every hospital)."""
+    declared = hospital.properties.get("bit-width")
+    if declared:
+        return check_bit_width(declared, f"node config of {hospital.name} key 'bit-width'")
+    if len(widths) == 1:
+        return widths[0]
+    names = sorted(set(roster) | {hospital.name})
+    rank = names.index(hospital.name)
+    if rank >= len(widths):
+        raise ConfigError(f"qfedpolyp.bit-widths: lists {len(widths)} bit-widths, but {hospital.name} is hospital "
+                          f"number {rank + 1} in name order ({', '.join(names)}); give one bit-width per hospital, "
+                          f"a single value for all, or set 'bit-width' in that hospital's node config")
+    return widths[rank]

@@ -1,0 +1,61 @@
+"""QFedPolyp's settings: the ``[qfedpolyp]`` run-config table and ``QFedPolypStrategy``'s own arguments."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from common.settings import Section
+
+
+class QFedPolypSettings(Section):
+    """QFedPolyp (docs/qfedpolyp.md): each hospital's uplink bit-width, the downlink's, and QAT on/off."""
+
+    bit_widths: str = Field("8", description="Uplink bit-width per hospital in name order, e.g. '8,8,8,16,16'; "
+                                             "one value: every hospital. Each 2..16, or 32 for plain floats. "
+                                             "A hospital's node config 'bit-width' wins over this list.")
+    downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals "
+                                                    "(32: plain floats).")
+    qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training "
+                                        "(quantise='weights'; updates are quantised after full-precision training).")
+    quantise: Literal["weights", "update"] = Field("weights", description=(
+        "What a hospital sends at its bit-width: its trained weights (the paper's), or its round's update "
+        "(trained minus received weights, far narrower per tensor); BatchNorm statistics then go as floats."))
+    error_feedback: bool = Field(False, description=(
+        "quantise='update': a hospital adds what quantisation lost last time to its next update "
+        "(kept in its state folder)."))
+
+    @model_validator(mode="after")
+    def _feedback_needs_updates(self) -> "QFedPolypSettings":
+        if self.error_feedback and self.quantise != "update":
+            raise ValueError("qfedpolyp.error-feedback=true needs qfedpolyp.quantise='update'")
+        return self
+
+    @field_validator("bit_widths", mode="before")
+    @classmethod
+    def _single_number(cls, value):
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # bit-widths=8
+
+    @field_validator("bit_widths")
+    @classmethod
+    def _bit_width_list(cls, value: str) -> str:
+        from common.quantization.codec import check_bit_width
+
+        items = [item.strip() for item in value.split(",")]
+        if not all(item.lstrip("-").isdigit() for item in items):
+            raise ValueError(f"{value!r} is not a comma-separated list of integers such as '8,8,8,16,16'")
+        for item in items:
+            check_bit_width(int(item), f"bit-width {item}")
+        return ",".join(items)
+
+    @field_validator("downlink_bit_width")
+    @classmethod
+    def _downlink(cls, value: int) -> int:
+        from common.quantization.codec import check_bit_width
+
+        return check_bit_width(value, "downlink bit-width")
+
+    @property
+    def bit_width_list(self) -> list[int]:
+        return [int(item) for item in self.bit_widths.split(",")]

@@ -1,0 +1,91 @@
+"""The one list of methods. Each method is a package under ``strategies/`` that declares its ``METHODS`` (a
+``MethodSpec`` per strategy it offers) in its ``__init__``; adding a method is that package and one line in
+:data:`METHOD_PACKAGES`.
+
+Classes are named by import path and loaded when first used, so validating a config imports neither torch
+models nor Flower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import import_module
+from typing import Any
+
+TWO_D = ("classification", "polyp-segmentation")
+BRAIN = ("brain-tumour-segmentation",)
+
+#: Every method package, in the order the docs list them.
+METHOD_PACKAGES = ("strategies.fedavg", "strategies.fedprox", "strategies.moon", "strategies.fedproto",
+                   "strategies.fedproin", "strategies.fedbn", "strategies.qfedpolyp", "strategies.fedmepd")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What the rest of fedmed needs to know of a method, each class as ``"module:Class"``."""
+
+    name: str  #: the run config's ``strategy`` value
+    tasks: tuple[str, ...]  #: the tasks it can train
+    server: str  #: its server half, a ``common.methods.base.ServerMethod``
+    hospital: str  #: its hospital half, a ``common.methods.base.HospitalMethod``
+    strategy: str  #: its Flower strategy, a ``strategies.base.HospitalStrategy``
+    summary: str
+    settings: str | None = None  #: its settings table (``common.settings.Section``), the one source of its defaults
+    section: str | None = None  #: the run-config table of those settings (``fedproin`` for ``fedproin.*``)
+    model_needs: str = "any"  #: what it needs of a model (``common.models.requirements``), checked before round 1
+
+
+@cache
+def methods() -> dict[str, MethodSpec]:
+    specs: dict[str, MethodSpec] = {}
+    for package in METHOD_PACKAGES:
+        for spec in import_module(package).METHODS:
+            if spec.name in specs:
+                raise RuntimeError(f"{package} registers method {spec.name!r} a second time")
+            specs[spec.name] = spec
+    return specs
+
+
+def method_names() -> list[str]:
+    return sorted(methods())
+
+
+def method_spec(name: str) -> MethodSpec:
+    if name not in methods():
+        raise KeyError(f"unknown strategy {name!r}; choose one of {', '.join(method_names())}")
+    return methods()[name]
+
+
+def method_tasks(name: str) -> tuple[str, ...]:
+    return method_spec(name).tasks
+
+
+def settings_tables() -> dict[str, Any]:
+    """Run-config table name -> its settings class, for every method that has settings (one table may serve
+    several methods, e.g. FedMEPD's and its ablations')."""
+    tables: dict[str, Any] = {}
+    for spec in methods().values():
+        if spec.settings:
+            tables.setdefault(spec.section or spec.name, load(spec.settings))
+    return tables
+
+
+def load(path: str):
+    """``"package.module:attribute"`` -> the attribute."""
+    module, _, attribute = path.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"{path!r} is not 'package.module:name'")
+    return getattr(import_module(module), attribute)
+
+
+def server_class(name: str):
+    return load(method_spec(name).server)
+
+
+def hospital_class(name: str):
+    return load(method_spec(name).hospital)
+
+
+def strategy_class(name: str):
+    return load(method_spec(name).strategy)

@@ -1,0 +1,187 @@
+"""Our strategies behave as Flower's do (``flwr.serverapp.strategy``), on a fake Grid: a subclass with arguments of
+its own works; what ``configure_train`` is given is the current global model and what ``aggregate_train`` returns
+(a subclass's change, a DP wrapper's noise) is the next one, the one scored, saved and sent; ``(None, None)`` when
+nothing was accepted; the server's test metrics in ``evaluate_metrics_serverapp``; Flower's attributes; settings
+given in Python reach the hospitals; a run that aggregated nobody fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Error, Message, MessageType
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+from common.config import ConfigError
+from common.wire import from_recorddict
+from strategies import FedAvgStrategy, FedProInStrategy, QFedPolypStrategy
+from strategies.base import NoHospitalAggregated
+from strategies.records import arrays_of
+
+from .fake_grid import FakeGrid, simulated_hospitals
+from .test_strategies import SMALL_CLASSIFICATION, SMALL_POLYP, run_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class HalvingFedProIn(FedProInStrategy):
+    """A user's subclass: an argument of its own, and an aggregate_train that changes the next global model."""
+
+    def __init__(self, shrink: float, **kwargs):
+        super().__init__(**kwargs)
+        self.shrink = shrink
+        self.given: list[dict[str, np.ndarray]] = []
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self.given.append(arrays_of(arrays))
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        return ArrayRecord({k: Array(v * self.shrink if v.dtype.kind == "f" else v)
+                            for k, v in arrays_of(arrays).items()}), metrics
+
+
+def sent_models(grid: FakeGrid) -> list[dict[str, np.ndarray]]:
+    return [from_recorddict(m.content).arrays["model"] for m in grid.sent_of_type(MessageType.TRAIN)]
+
+
+def test_a_subclass_with_its_own_argument_decides_the_next_global_model(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    saved = []
+    strategy = HalvingFedProIn(shrink=0.5, num_prototypes=3, run_config=config,
+                               on_round_end=lambda engine, record: saved.append(
+                                   {k: v.copy() for k, v in engine.method.global_arrays.items()}))
+    assert strategy.shrink == 0.5 and strategy.num_prototypes == 3
+    grid = FakeGrid(simulated_hospitals(config, 2))
+    initial = strategy.initial_arrays()
+    scored = []
+    evaluate = strategy.engine.method.evaluate
+    strategy.engine.method.evaluate = lambda test: scored.append(dict(strategy.engine.method.global_arrays)) or \
+        evaluate(test)
+    result = strategy.start(grid, initial_arrays=initial, num_rounds=2)
+
+    after_round_1 = saved[0]
+    assert strategy.given[1].keys() == after_round_1.keys()
+    for name, value in after_round_1.items():  # configure_train of round 2 is given round 1's released model ...
+        np.testing.assert_array_equal(strategy.given[1][name], value)
+        np.testing.assert_array_equal(sent_models(grid)[2][name], value)  # ... and that is what hospitals get
+    assert strategy.given[0]["prototypes"].shape[1] == 3  # round 1 is given the initial model, not an empty record
+    final = arrays_of(result.arrays)
+    for name, value in saved[1].items():  # the checkpointed model is the one the subclass returned
+        np.testing.assert_array_equal(final[name], value)
+    assert len(scored) == 2
+    for rnd in (0, 1):  # each round's test metrics are of the model the subclass returned
+        for name, value in saved[rnd].items():
+            np.testing.assert_array_equal(scored[rnd][name], value)
+
+
+def test_under_flowers_dp_wrapper_the_noised_model_is_the_one_scored_and_saved(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    saved = []
+    strategy = FedAvgStrategy(run_config=config, on_round_end=lambda engine, record: saved.append(
+        ({k: v.copy() for k, v in engine.method.global_arrays.items()}, dict(record.get("test", {})))))
+    wrapped = DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier=5.0, clipping_norm=0.5,
+                                                        num_sampled_clients=2)
+    grid = FakeGrid(simulated_hospitals(config, 2))
+    result = wrapped.start(grid, initial_arrays=strategy.initial_arrays(), num_rounds=2,
+                           evaluate_fn=strategy.test_metrics)
+    released = arrays_of(result.arrays)
+    checkpointed, test = saved[-1]
+    for name, value in released.items():  # the checkpoint holds the released (noised) model
+        np.testing.assert_array_equal(checkpointed[name], value)
+    second = sent_models(grid)[2]
+    for name, value in saved[0][0].items():  # and round 2 trained the noised model of round 1
+        np.testing.assert_array_equal(second[name], value)
+    assert result.evaluate_metrics_serverapp[2]["accuracy"] == test["accuracy"]
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
+
+
+def failing(message: Message) -> Message:
+    if message.metadata.message_type == MessageType.TRAIN:
+        return Message(Error(code=1, reason="disk full"), reply_to=message)
+    return None
+
+
+def test_nothing_accepted_is_none_none_and_a_run_that_aggregated_nobody_fails(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    nodes = simulated_hospitals(config, 2)
+    answers = {node: (lambda message, handler=handler: failing(message) if message.metadata.message_type
+                      == MessageType.TRAIN else handler(message)) for node, handler in nodes.items()}
+    strategy = FedAvgStrategy(run_config=config)
+    before = arrays_of(strategy.initial_arrays())
+    grid = FakeGrid(answers)
+    list(strategy.configure_train(1, strategy.initial_arrays(), None, grid))
+    replies = grid.pull_messages([m.metadata.message_id for m in grid.sent_of_type(MessageType.TRAIN)])
+    assert strategy.aggregate_train(1, replies) == (None, None)
+    for name, value in before.items():
+        np.testing.assert_array_equal(strategy.engine.method.global_arrays[name], value)
+
+    with pytest.raises(NoHospitalAggregated, match="hospital-00 refused .*disk full"):
+        FedAvgStrategy(run_config=config).start(FakeGrid(answers), num_rounds=2)
+
+
+def test_server_test_metrics_flowers_attributes_and_fraction_zero(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    strategy = FedAvgStrategy(fraction_train=0.0, min_train_nodes=2, min_available_nodes=3, run_config=config)
+    assert (strategy.fraction_train, strategy.min_train_nodes, strategy.min_available_nodes) == (0.0, 2, 3)
+    assert (strategy.weighted_by_key, strategy.arrayrecord_key, strategy.configrecord_key) == (
+        "num-examples", "arrays", "config")
+    grid = FakeGrid(simulated_hospitals(config, 3))
+    result = strategy.start(grid, num_rounds=2)
+    assert [len(r["chosen"]) for r in strategy.engine.history] == [2, 2]  # fraction 0: min_train_nodes of 3
+    for rnd in (1, 2):
+        assert result.evaluate_metrics_serverapp[rnd]["accuracy"] == strategy.engine.history[rnd - 1]["test"][
+            "accuracy"]
+        assert "test.accuracy" not in result.train_metrics_clientapp[rnd]  # the server's metrics are not clients'
+
+
+def test_record_names_weighting_key_and_metric_aggregation_are_flowers(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    seen = []
+
+    def total_samples(records, weighting_key):
+        seen.append(weighting_key)
+        return {"samples": sum(r["metrics"][weighting_key] for r in records)}
+
+    strategy = FedAvgStrategy(arrayrecord_key="weights", configrecord_key="settings", weighted_by_key="n",
+                              train_metrics_aggr_fn=total_samples, run_config=config)
+    grid = FakeGrid(simulated_hospitals(config, 2))
+    result = strategy.start(grid, num_rounds=1)
+    message = grid.sent_of_type(MessageType.TRAIN)[0]
+    assert "weights" in message.content.array_records and "settings" in message.content.config_records
+    reply = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN][0]
+    assert "weights" in reply.content.array_records and reply.content["metrics"]["n"] > 0
+    assert seen == ["n"] and result.train_metrics_clientapp[1]["samples"] == sum(
+        strategy.hospitals[node].num_examples for node in strategy.hospitals)
+
+
+def test_settings_given_in_python_reach_the_hospitals(tmp_path):
+    hospitals_config = run_config(tmp_path, SMALL_CLASSIFICATION)  # what the hospitals' run config says
+    polyp = {k: v for k, v in run_config(tmp_path, SMALL_POLYP).items() if k != "strategy"}
+    strategy = QFedPolypStrategy(bit_widths="4", run_config=polyp)  # the task is chosen in Python only
+    grid = FakeGrid(simulated_hospitals(hospitals_config, 2))
+    strategy.start(grid, num_rounds=1)
+    assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01"]
+    assert "dice" in strategy.engine.history[0]["test"]
+
+
+def test_hospitals_that_refuse_the_job_stop_the_run_before_round_1(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    strategy = FedAvgStrategy(run_config=config)
+    grid = FakeGrid(simulated_hospitals(config, 2, **{"data-dir": str(tmp_path / "missing")}))
+    with pytest.raises(ConfigError, match="round 1 cannot start: 0 hospital.*node 101: .*missing.*does not exist"):
+        list(strategy.configure_train(1, strategy.initial_arrays(), None, grid))
+    assert not grid.sent_of_type(MessageType.TRAIN)
+
+
+def test_a_whole_flower_run_config_is_accepted_and_a_misspelt_key_of_ours_is_not(tmp_path, caplog):
+    config = {**run_config(tmp_path, SMALL_CLASSIFICATION), "lr": 0.1, "result-file": "x.json"}
+    with caplog.at_level("INFO", logger="fedmed"):
+        strategy = FedProInStrategy(run_config=config)
+    assert strategy.job.image_size == 16 and "left to the app: lr, result-file" in caplog.text
+    with pytest.raises(ConfigError, match="'num-server-round'.*did you mean 'num-server-rounds'"):
+        FedProInStrategy(run_config={**config, "num-server-round": 3})
+    with pytest.raises(ConfigError, match="'fedproin.num-prototype'"):
+        FedProInStrategy(run_config={**config, "fedproin.num-prototype": 3})
