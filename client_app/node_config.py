@@ -27,6 +27,9 @@ class NodeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     modalities: str = Field("", description="Brain task: the MRI modalities this hospital has, e.g. 'flair,t1ce'.")
     bit_width: int = Field(0, ge=0, le=32, description="QFedPolyp: this hospital's bit-width (0: from run config).")
+    dataset_args: str = Field("", description=(
+        "A loader of the job's own (dataset='package.module:loader'): keyword arguments of this hospital's, a JSON "
+        "object over the run config's dataset-args (e.g. where its label file is)."))
     identity_key: str = Field("", description="Deployment: the hospital's private key (the one given to "
                                                "flower-supernode --auth-supernode-private-key); it signs the "
                                                "hospital's name for servers that check hospital-keys.")

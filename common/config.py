@@ -19,7 +19,6 @@ from common.settings import ConfigError, Section, hyphenated
 __all__ = ["ConfigError", "Section", "JobConfig", "load_job_config"]
 
 TaskName = Literal["classification", "polyp-segmentation", "brain-tumour-segmentation"]
-DatasetName = Literal["synthetic", "ham10000", "npz", "image-mask", "brats"]
 
 #: Which data set formats each task can read.
 TASK_DATASETS: dict[str, tuple[str, ...]] = {
@@ -137,13 +136,25 @@ class CoreConfig(Section):
     learning_rate: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
 
-    dataset: DatasetName = "synthetic"
+    dataset: str = Field("synthetic", description=(
+        "A format we read (synthetic, ham10000, npz, image-mask, brats) or a loader of your own, "
+        "'package.module:loader' (common/data/loaders.py says what it is given and returns)."))
+    dataset_args: str = Field("", description=(
+        "Keyword arguments for a loader of your own, a JSON object (a hospital's node config may add its own)."))
+    data_workers: int = Field(-1, ge=-1, description=(
+        "Processes reading a torch Dataset of your own while a hospital trains (-1: 4 on a GPU, none on the "
+        "CPU); batches go to a GPU from pinned memory."))
     data_dir: str = Field("", description="Simulation: the whole data set, partitioned across hospitals.")
     test_dir: str = Field("", description="Server's held-out test set (deployment); empty: split off data-dir.")
     image_size: int = Field(32, ge=8, le=1024)
     num_classes: int = Field(0, ge=0, description="0: take it from the data set.")
-    classifier: Literal["resnet18", "small-cnn"] = Field(
-        "resnet18", description="Classification network: MONAI ResNet-18, or a ~25k-parameter CNN (load tests).")
+    model: str = Field("", description=(
+        "The network: built in (classification: resnet18, MONAI's ResNet-18, or small-cnn, ~25k parameters for "
+        "load tests; polyp-segmentation: polyp-unet; brain-tumour-segmentation: rfnet), or a factory of your own, "
+        "'package.module:factory' (common/models/networks.py); empty: the task's built-in default."))
+    model_args: str = Field("", description=(
+        "Keyword arguments of the network's factory over the ones the task gives it (num_classes, in_channels, "
+        "out_channels, spatial_dims, image_size), a JSON object, e.g. '{\"spatial_dims\": 2}'."))
     resnet_width: float = Field(1.0, gt=0.0, le=4.0, description=(
         "Channel multiplier of the ResNet-18 (MONAI widen_factor): 1.0 is the standard network (45 MB); "
         "0.25 (16-32-64-128 channels, 128-d features) is the CPU benchmark preset's; 1.5 (100 MB) the large-model "
@@ -198,12 +209,23 @@ class CoreConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "CoreConfig":
-        if self.dataset not in TASK_DATASETS[self.task]:
+        custom_data = ":" in self.dataset
+        if not custom_data and self.dataset not in TASK_DATASETS[self.task]:
             raise ValueError(
-                f"dataset={self.dataset!r} does not fit task={self.task!r}; "
-                f"use one of {', '.join(TASK_DATASETS[self.task])}"
-            )
-        if self.task == "polyp-segmentation":
+                f"dataset={self.dataset!r} does not fit task={self.task!r}; use one of "
+                f"{', '.join(TASK_DATASETS[self.task])}, or a loader of your own as 'package.module:loader'")
+        from common.models.networks import TASK_BUILT_IN, parse_arguments
+
+        if self.model and ":" not in self.model and self.model not in TASK_BUILT_IN[self.task]:
+            raise ValueError(f"model={self.model!r} is not a built-in network of task={self.task!r} "
+                             f"({', '.join(TASK_BUILT_IN[self.task])}) nor a factory of your own, "
+                             "'package.module:factory'")
+        for key, text in (("model-args", self.model_args), ("dataset-args", self.dataset_args)):
+            try:
+                parse_arguments(text, key)
+            except ConfigError as error:
+                raise ValueError(str(error)) from None
+        if self.task == "polyp-segmentation" and self.model in ("", "polyp-unet"):
             from common.models.unet2d import PolypUNet  # local: torch is not needed to read a config
 
             if self.image_size % PolypUNet.SIZE_MULTIPLE:
@@ -231,7 +253,7 @@ class CoreConfig(Section):
 
     def check_paths(self) -> None:
         """Paths the server itself reads must exist (checked before round 1)."""
-        if self.dataset != "synthetic" and not self.data_dir and not self.test_dir:
+        if self.dataset in ("ham10000", "npz", "image-mask", "brats") and not self.data_dir and not self.test_dir:
             raise ConfigError(f"data-dir: dataset={self.dataset!r} needs data-dir (simulation) or test-dir")
         for key in ("data_dir", "test_dir"):
             value = getattr(self, key)
@@ -342,10 +364,20 @@ def describe_validation_error(error: ValidationError, what: str = "run config") 
     return "; ".join(lines)
 
 
+#: keys renamed since a checkpoint may have been written: old -> new (read as the new key)
+RENAMED_KEYS = {"classifier": "model"}
+
+
+def upgrade_keys(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config written before a key was renamed, with the new names (an old run resumes as it was)."""
+    return {RENAMED_KEYS.get(key, key): value for key, value in flat.items()
+            if not (key in RENAMED_KEYS and RENAMED_KEYS[key] in flat)}
+
+
 def load_job_config(flat: Mapping[str, Any], *, check_paths: bool = False) -> JobConfig:
     """Validate a flat Flower run config; raise :class:`ConfigError` naming every bad key."""
     try:
-        config = JobConfig.model_validate(unflatten(flat))
+        config = JobConfig.model_validate(unflatten(upgrade_keys(flat)))
     except ValidationError as error:
         raise ConfigError(describe_validation_error(error)) from None
     if check_paths:
@@ -353,5 +385,5 @@ def load_job_config(flat: Mapping[str, Any], *, check_paths: bool = False) -> Jo
     return config
 
 
-_FLAT_KEYS = frozenset(JobConfig().to_flat())
+_FLAT_KEYS = frozenset(JobConfig().to_flat()) | frozenset(RENAMED_KEYS)
 _TABLES = frozenset(key.split(".")[0] for key in _FLAT_KEYS if "." in key)

@@ -451,8 +451,19 @@ def format_config(values: Mapping[str, Any]) -> str:
         elif isinstance(value, (int, float)):
             parts.append(f"{key}={value}")
         else:
-            parts.append(f"{key}={json.dumps(str(value))}")
+            parts.append(f"{key}={quoted(key, str(value))}")
     return " ".join(parts)
+
+
+def quoted(key: str, text: str) -> str:
+    """``text`` as Flower's command-line parser reads a string (a TOML string that holds no quote of its own kind:
+    a JSON object such as model-args goes in single quotes); ValueError naming ``key`` for what it cannot carry."""
+    if '"' not in text and "\n" not in text:
+        return json.dumps(text)
+    if "'" not in text and "\n" not in text:
+        return f"'{text}'"
+    raise ValueError(f"run config key {key!r}: {text!r} holds both ' and \" (or a line break), which Flower's "
+                     "--run-config cannot carry; put the value in a file")
 
 
 def flwr(home: FlowerHome, *args: str, timeout: float = 120.0, cwd: Path | None = None) -> subprocess.CompletedProcess:

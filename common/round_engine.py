@@ -27,6 +27,7 @@ from common.methods.base import (
     pack_json,
     unpack_json,
 )
+from common.models.requirements import check_network
 from common.screening import (
     batchnorm_problem,
     capped_shares,
@@ -36,7 +37,7 @@ from common.screening import (
     update_distance,
 )
 from common.tasks import get_task, task_class
-from strategies.registry import server_class
+from strategies.registry import method_spec, server_class
 
 log = logging.getLogger("fedmed")
 
@@ -82,8 +83,10 @@ class RoundEngine:
         if method is None:
             task_type = task_class(cfg.task)
             self.test_data = task_type.load_test(cfg) if test_data is None else test_data
-            task = get_task(cfg, task_type.describe(self.test_data))
+            task = get_task(cfg, task_type.describe(self.test_data) if self.test_data is not None
+                            else task_type.spec_without_test_set(cfg))
             method = server_class(cfg.strategy)(cfg, task)
+            check_network(method.task, method_spec(cfg.strategy).model_needs, self.test_data)  # before round 1
             method.initialize()
         else:
             self.test_data = test_data
@@ -160,7 +163,8 @@ class RoundEngine:
         """Score the global model on the test set for ``record``'s round (every ``evaluate-every`` rounds, and the
         last) and log the round."""
         rnd = record["round"]
-        if rnd % self.cfg.evaluate_every == 0 or rnd == self.cfg.num_server_rounds:
+        due = rnd % self.cfg.evaluate_every == 0 or rnd == self.cfg.num_server_rounds
+        if due and self.test_data is not None:  # a loader of the job's own may give the server no test set
             started = time.time()
             record["test"] = self.method.evaluate(self.test_data)
             record["seconds"] = round(record["seconds"] + time.time() - started, 3)

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 
 from common.payload import NamedArrays
 
@@ -108,6 +107,8 @@ def robust_average(arrays: list[Mapping[str, np.ndarray]], rule: str, trim_fract
     for name, first in arrays[0].items():
         stacked = np.stack([np.asarray(item[name]) for item in arrays])
         if rule == "trimmed-mean" and first.dtype.kind == "f":
+            from flwr.serverapp.strategy.fedtrimmedavg import trim_mean  # Flower's own rule, where Flower is
+
             value = trim_mean(stacked.astype(np.float64), trim_fraction)
         else:
             value = np.median(stacked, axis=0)

@@ -106,7 +106,7 @@ class Site:
 
 def build_site(cfg, name: str, *, partition_id: int | None = None, num_partitions: int | None = None,
                data_dir: str | None = None, state_dir: str | Path | None = None, device: str = "auto",
-               properties: dict[str, Any] | None = None) -> Site:
+               properties: dict[str, Any] | None = None, node_arguments: str = "") -> Site:
     """Load a hospital's data and wrap it with its device and state folder."""
     from common.tasks import task_class
 
@@ -114,5 +114,5 @@ def build_site(cfg, name: str, *, partition_id: int | None = None, num_partition
     properties = task_class(cfg.task).hospital_properties(cfg, partition_id, dict(properties or {}))
     train, val = task_class(cfg.task).load_hospital_data(
         cfg, partition_id=partition_id, num_partitions=num_partitions, data_dir=data_dir,
-        properties=properties, seed=seed)
+        properties=properties, seed=seed, hospital=name, node_arguments=node_arguments)
     return Site(name, train, val, resolve_device(device), properties, HospitalStateStore(state_dir), seed=cfg.seed)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.config import ConfigError, JobConfig, flatten, load_job_config
+from common.config import ConfigError, JobConfig, flatten, load_job_config, upgrade_keys
 from common.methods.base import unpack_json
 
 from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint
@@ -30,6 +30,15 @@ MAY_CHANGE_ON_RESUME = frozenset({"run-name", "num-server-rounds", "round-timeou
                                   "state-dir", "keep-checkpoints", "device", "evaluate-every", "message-arrays",
                                   "overwrite-run", "hospital-keys", "min-available-hospitals",
                                   "messages-in-flight"})
+def comparable(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat run config with the task's default network named (``model=''`` and ``model='resnet18'`` build the same
+    classifier), so that a resume compares networks, not spellings."""
+    from common.models.networks import TASK_DEFAULT
+
+    task = flat.get("task", "classification")
+    return {**flat, "model": flat.get("model") or TASK_DEFAULT.get(task, "")}
+
+
 RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots")
 
 
@@ -46,7 +55,7 @@ def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:
             previous = unpack_json(checkpoint["run/config"])
         except (CheckpointError, KeyError, ValueError) as error:
             raise ConfigError(f"resume-from: {error}") from None
-        previous, now = flatten(previous), cfg.to_flat()
+        previous, now = comparable(upgrade_keys(flatten(previous))), comparable(cfg.to_flat())
         changed = [key for key in sorted(previous)  # keys added to fedmed since the checkpoint are not compared
                    if key not in MAY_CHANGE_ON_RESUME and previous[key] != now.get(key)]
         if changed:

@@ -44,7 +44,7 @@ def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_p
                               "device": "cpu"}, executor=executor)
              for name, folder in (("hospital-00", sites / "hospital-00"), ("hospital-01", sites / "hospital-01"),
                                   ("hospital-broken", broken))]
-    job = {"strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
+    job = {"strategy": "fedproin", "model": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
            "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "round-timeout": 300.0,
            "results-dir": str(tmp_path / "results")}
     with stopped_at_exit(superlink, *nodes):
@@ -126,7 +126,7 @@ def test_a_failed_checkpoint_write_is_logged_and_the_run_goes_on(tmp_path, monke
     from server_app.results import read_history
 
     cfg = JobConfig(run_name="r", results_dir=str(tmp_path), synthetic_samples=40, image_size=8,
-                    classifier="small-cnn")
+                    model="small-cnn")
     engine = RoundEngine(cfg)
     engine.history.append({"round": 1, "chosen": [], "aggregated": [], "missing": [], "refused": {},
                            "traffic": {}, "bytes_up": 0, "bytes_down": 0, "seconds": 0.1})

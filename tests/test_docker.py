@@ -87,7 +87,7 @@ def consortium(tmp_path, image):
 
 
 def run_config(name: str, rounds: int, **extra) -> dict:
-    return {"dataset": "npz", "test-dir": "/data/test", "classifier": "small-cnn", "image-size": 16,
+    return {"dataset": "npz", "test-dir": "/data/test", "model": "small-cnn", "image-size": 16,
             "batch-size": 16, "num-server-rounds": rounds, "min-available-hospitals": 3, "min-train-hospitals": 2,
             "run-name": name, "hospital-keys": "/hospital-keys", **extra}
 

@@ -36,7 +36,7 @@ from strategies.fedproin.task import (
 @pytest.fixture
 def cfg():
     return JobConfig(run_name="test", strategy="fedproin", num_server_rounds=2, synthetic_samples=120, image_size=16,
-                     batch_size=16, min_partition_size=5, classifier="small-cnn")
+                     batch_size=16, min_partition_size=5, model="small-cnn")
 
 
 # --- aggregation ----------------------------------------------------------------------------------

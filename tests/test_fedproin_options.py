@@ -79,7 +79,7 @@ def test_feature_moments_scale_the_shared_normal_draws_to_the_features():
 
 def test_hospitals_initialise_from_their_features_in_round_one_only():
     cfg = JobConfig(run_name="init", strategy="fedproin", synthetic_samples=120, image_size=16, batch_size=16,
-                    min_partition_size=5, classifier="small-cnn", local_epochs=1,
+                    min_partition_size=5, model="small-cnn", local_epochs=1,
                     fedproin={"prototype-init": "class-means"})
     site = simulated_sites(cfg, 2)[0]
     server = RoundEngine(cfg).method
@@ -122,7 +122,7 @@ def reply(server, name: str, influence: list[list[int]]) -> HospitalUpdate:
 
 def test_server_splits_the_busiest_prototype_into_one_nobody_used():
     cfg = JobConfig(run_name="split", strategy="fedproin", synthetic_samples=120, image_size=16,
-                    classifier="small-cnn", fedproin={"reseed-after": 2})
+                    model="small-cnn", fedproin={"reseed-after": 2})
     server = RoundEngine(cfg).method
     classes = server.global_arrays["prototypes"].shape[0]
     usage = [[3, 0], [0, 0]] + [[2, 1]] * (classes - 2)  # 0#1 nobody's nearest; class 1 held by nobody
@@ -140,7 +140,7 @@ def test_server_splits_the_busiest_prototype_into_one_nobody_used():
 
 def test_server_asks_for_reseeding_after_the_configured_unused_rounds_and_remembers_across_a_resume():
     cfg = JobConfig(run_name="reseed", strategy="fedproin", synthetic_samples=120, image_size=16,
-                    classifier="small-cnn", fedproin={"reseed-after": 2, "reseed-rule": "far-sample"})
+                    model="small-cnn", fedproin={"reseed-after": 2, "reseed-rule": "far-sample"})
     server = RoundEngine(cfg).method
     classes = server.global_arrays["prototypes"].shape[0]
     usage = [[3, 0]] + [[2, 1]] * (classes - 1)  # prototype 0#1 nobody's nearest
@@ -161,7 +161,7 @@ def test_server_asks_for_reseeding_after_the_configured_unused_rounds_and_rememb
 
 def test_a_federation_with_reseeding_runs_and_records_it():
     cfg = JobConfig(run_name="reseed-run", strategy="fedproin", num_server_rounds=3, synthetic_samples=120,
-                    image_size=16, batch_size=16, min_partition_size=5, classifier="small-cnn",
+                    image_size=16, batch_size=16, min_partition_size=5, model="small-cnn",
                     fedproin={"reseed-after": 1, "num-prototypes": 4, "reseed-rule": "far-sample"})
     engine = run_rounds(cfg, simulated_sites(cfg, 2))
     unused_after_1 = engine.history[0]["method"]["unused-prototypes"]
@@ -191,7 +191,7 @@ def test_optimizer_state_round_trips_through_named_arrays():
 
 def test_hospital_keeps_its_adam_steps_across_its_rounds(tmp_path):
     cfg = JobConfig(run_name="adam", strategy="fedproin", synthetic_samples=120, image_size=16, batch_size=16,
-                    min_partition_size=5, classifier="small-cnn", local_epochs=1,
+                    min_partition_size=5, model="small-cnn", local_epochs=1,
                     fedproin={"keep-optimizer-state": True})
     reference = simulated_sites(cfg, 2)[0]
     site = Site("hospital-00", reference.train, reference.val, CPU, state=HospitalStateStore(tmp_path))

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 def test_two_round_fedproin_simulation(tmp_path):
     results, state = tmp_path / "results", tmp_path / "state"
-    job = {**TINY_JOB, "strategy": "fedproin", "classifier": "small-cnn", "num-server-rounds": 2,
+    job = {**TINY_JOB, "strategy": "fedproin", "model": "small-cnn", "num-server-rounds": 2,
            "fraction-train": 0.7, "run-name": "fedproin", "results-dir": str(results), "state-dir": str(state),
            "cross-site-evaluation": True}
     with simulation_superlink(tmp_path) as home:

@@ -23,7 +23,7 @@ from strategies import FedAvgStrategy, QFedPolypStrategy
 from .fake_grid import FakeGrid, hospital_node, simulated_hospitals
 
 SMALL = dict(run_name="t", num_server_rounds=2, synthetic_samples=120, image_size=16, batch_size=16,
-             min_partition_size=5, classifier="small-cnn")
+             min_partition_size=5, model="small-cnn")
 HONEST = ["h-a", "h-b", "h-c"]
 DECLARED = 40
 
@@ -146,7 +146,7 @@ def test_forged_prototypes_influence_and_means_are_refused():
 
 
 def test_a_forged_quantisation_step_is_refused():
-    cfg = JobConfig(**{**SMALL, "image_size": 16, "synthetic_samples": 30}, task="polyp-segmentation",
+    cfg = JobConfig(**{**SMALL, "image_size": 16, "synthetic_samples": 30, "model": ""}, task="polyp-segmentation",
                     strategy="qfedpolyp")
     engine = RoundEngine(cfg)
     reference = engine.method.global_arrays

@@ -83,7 +83,7 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
 
             run_dir = tmp_path / "results" / "consortium"
             run_id = submit_run(home, "consortium", {
-                "strategy": "fedproin", "classifier": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
+                "strategy": "fedproin", "model": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
                 "image-size": 16, "batch-size": 16, "num-server-rounds": MOST_ROUNDS, "min-available-hospitals": 3,
                 "min-train-hospitals": 2, "round-timeout": 60.0, "run-name": "consortium",
                 "results-dir": str(tmp_path / "results"), "hospital-keys": str(tmp_path / "keys")})

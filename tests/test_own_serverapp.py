@@ -31,6 +31,8 @@ def test_a_users_own_serverapp_runs_fedproin_in_simulation(tmp_path):
         for hospital in ("hospital-00", "hospital-01"):
             assert len(metrics[f"method.influence.{hospital}"]) == 4 * 2  # classes x prototypes per class
             assert metrics[f"bytes-up.{hospital}"] > 0
-        assert 0.0 <= metrics["test.accuracy"] <= 1.0 and metrics["hospitals-aggregated"] == 2
+        assert metrics["hospitals-aggregated"] == 2
     assert all(m["prototype-spread"] > 0 for m in summary["central"].values())
+    for rnd in ("1", "2"):  # the server's test-set metrics sit beside the app's own evaluate_fn metrics
+        assert 0.0 <= summary["central"][rnd]["accuracy"] <= 1.0
     assert "prototypes" in summary["arrays"]

@@ -20,7 +20,7 @@ from strategies.moon.hospital import model_contrastive_loss
 @pytest.fixture
 def cfg():
     return JobConfig(run_name="test", num_server_rounds=2, synthetic_samples=120, image_size=16, batch_size=16,
-                     min_partition_size=5, classifier="small-cnn", fraction_train=0.7)
+                     min_partition_size=5, model="small-cnn", fraction_train=0.7)
 
 
 def test_moon_loss_prefers_the_global_representation():

@@ -11,7 +11,7 @@ from common.round_engine import RoundEngine
 from server_app.checkpoint import checkpoint_dir, save_checkpoint
 from server_app.run_config import load_run_config
 
-TINY = {"synthetic-samples": 40, "image-size": 8, "classifier": "small-cnn", "run-name": "r"}
+TINY = {"synthetic-samples": 40, "image-size": 8, "model": "small-cnn", "run-name": "r"}
 
 
 def finished_run(tmp_path, rounds=(1, 2), **extra) -> JobConfig:
@@ -55,7 +55,7 @@ def test_a_resume_continues_in_its_own_folder_and_keeps_its_name(tmp_path):
     assert resumed.run_dir == cfg.run_dir and len(checkpoint["run/history"]) > 0
 
 
-@pytest.mark.parametrize("key,value", [("test-fraction", 0.3), ("classifier", "resnet18"), ("learning-rate", 0.5)])
+@pytest.mark.parametrize("key,value", [("test-fraction", 0.3), ("model", "resnet18"), ("learning-rate", 0.5)])
 def test_a_resume_that_changes_the_data_model_or_method_is_refused_naming_the_key(tmp_path, key, value):
     cfg = finished_run(tmp_path)
     with pytest.raises(ConfigError, match=f"resume-from: key '{key}' was .* now {value!r}"):
@@ -87,7 +87,7 @@ def test_a_checkpoint_holding_nan_is_refused_naming_the_file_and_entry(tmp_path)
 
 def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
     small = RoundEngine(load_job_config({**TINY, "results-dir": str(tmp_path)}))
-    other = RoundEngine(load_job_config({**TINY, "classifier": "resnet18", "resnet-width": 0.25}))
+    other = RoundEngine(load_job_config({**TINY, "model": "resnet18", "resnet-width": 0.25}))
     with pytest.raises(ValueError, match="the checkpoint's global model: missing"):
         other.load_state_dict(small.state_dict())
     assert other.history == []

@@ -20,7 +20,7 @@ from common.launch import ProcessInfo, marked_processes, process_table, process_
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a run that would take many minutes: it is stopped long before its end
-LONG_RUN = {"classifier": "small-cnn", "image-size": 8, "synthetic-samples": 60, "batch-size": 16,
+LONG_RUN = {"model": "small-cnn", "image-size": 8, "synthetic-samples": 60, "batch-size": 16,
             "min-partition-size": 5, "num-server-rounds": 2000, "run-name": "long"}
 
 

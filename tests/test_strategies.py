@@ -29,7 +29,7 @@ from strategies.records import arrays_of
 
 from .fake_grid import FakeGrid, hospital_node, simulated_hospitals
 
-SMALL_CLASSIFICATION = {"classifier": "small-cnn", "image-size": 16, "synthetic-samples": 120, "batch-size": 16,
+SMALL_CLASSIFICATION = {"model": "small-cnn", "image-size": 16, "synthetic-samples": 120, "batch-size": 16,
                         "min-partition-size": 5}
 SMALL_POLYP = {"task": "polyp-segmentation", "synthetic-samples": 30, "image-size": 16, "batch-size": 8,
                "min-partition-size": 5}

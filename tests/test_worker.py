@@ -16,7 +16,7 @@ from common.payload import Payload, payload_from_bytes, payload_to_bytes
 from common.round_engine import RoundEngine
 from tests.flower_processes import TINY_JOB
 
-JOB = {**TINY_JOB, "classifier": "small-cnn", "run-name": "worker-test"}
+JOB = {**TINY_JOB, "model": "small-cnn", "run-name": "worker-test"}
 
 
 def test_payload_bytes_round_trip_exactly():

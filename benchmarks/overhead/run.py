@@ -73,7 +73,7 @@ LARGE_MODEL_SAMPLES = 40  # per hospital: the large-model rows measure traffic a
 
 
 def fedmed_job(hospitals: int, rounds: int, results: Path, **extra) -> dict:
-    return {"classifier": "small-cnn", "image-size": IMAGE_SIZE, "batch-size": 16, "num-server-rounds": rounds,
+    return {"model": "small-cnn", "image-size": IMAGE_SIZE, "batch-size": 16, "num-server-rounds": rounds,
             "min-available-hospitals": hospitals, "min-train-hospitals": min(2, hospitals), "evaluate-every": 1000,
             "val-fraction": 0.1, "min-partition-size": 5, "run-name": "overhead", "results-dir": str(results),
             "round-timeout": 900.0, **extra}
@@ -185,7 +185,7 @@ def run_large_model(width: float, rounds: int, work: Path, hospitals: int = 2) -
                              {"hospital": f"hospital-{i:02d}", "data-dir": str(sites / f"hospital-{i:02d}"),
                               "state-dir": str(work / "state" / f"h{i}"), "device": "cpu"})
              for i in range(hospitals)]
-    job = fedmed_job(hospitals, rounds, work / "results", dataset="npz", classifier="resnet18",
+    job = fedmed_job(hospitals, rounds, work / "results", dataset="npz", model="resnet18",
                      **{"resnet-width": width, "image-size": 32, "batch-size": 16, "test-dir": str(sites / "test")})
     try:
         with PeakMemory([link, *nodes]) as peak:

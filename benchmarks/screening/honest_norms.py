@@ -42,7 +42,7 @@ POLYP = {"task": "polyp-segmentation", "dataset": "image-mask", "data-dir": str(
 BRAIN = {"task": "brain-tumour-segmentation", "batch-size": 2, "brain.widths": "4,8,16,32", "brain.crop-size": 16,
          "brain.synthetic-size": 24, "brain.synthetic-cases": 24, "evaluate-every": 100, "device": "cpu",
          "fedmepd.warmup-rounds": 2, "fedmepd.patience": 1, "fedmepd.num-anchors": 2}
-QUICK_CLASSIFICATION = {"image-size": 16, "synthetic-samples": 400, "classifier": "small-cnn", "evaluate-every": 100}
+QUICK_CLASSIFICATION = {"image-size": 16, "synthetic-samples": 400, "model": "small-cnn", "evaluate-every": 100}
 QUICK_POLYP = {"task": "polyp-segmentation", "image-size": 16, "synthetic-samples": 100, "batch-size": 8,
                "evaluate-every": 100, "min-train-hospitals": 5, "min-available-hospitals": 5}
 

@@ -8,6 +8,7 @@ from ``dataset.targets`` (torchvision's convention) where it has them, else once
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from typing import Any, Iterable, Iterator
 
@@ -104,9 +105,9 @@ class TorchData:
     def batches(self, order: Iterable[np.ndarray], device: torch.device,
                 segmentation: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, targets) for each index array of ``order``, read by a DataLoader (``workers`` processes)."""
+        workers = self.workers if self.workers >= 0 else (min(4, os.cpu_count() or 1) if device.type == "cuda" else 0)
         loader = DataLoader(self.dataset, batch_sampler=[[int(i) for i in index] for index in order],
-                            num_workers=self.workers, pin_memory=device.type == "cuda",
-                            collate_fn=self._collate)
+                            num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate)
         for images, targets in loader:
             x = images.to(device, non_blocking=True).float()
             if segmentation:
@@ -115,7 +116,9 @@ class TorchData:
             else:
                 yield x, targets.to(device, non_blocking=True).long().view(-1)
 
-    def _collate(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
-        images, targets = zip(*items)
-        images = [img if isinstance(img, torch.Tensor) else torch.as_tensor(np.asarray(img)) for img in images]
-        return torch.stack(images), torch.stack([torch.as_tensor(t) for t in targets])
+
+def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image, target) items -> (images, targets) tensors (a module-level function: worker processes pickle it)."""
+    images, targets = zip(*items)
+    images = [img if isinstance(img, torch.Tensor) else torch.as_tensor(np.asarray(img)) for img in images]
+    return torch.stack(images), torch.stack([torch.as_tensor(t) for t in targets])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .resnet import FEATURE_DIM, build_resnet18_encoder, encoder_feature_dim
+from .resnet import FEATURE_DIM
 
 
 def squared_distances(features: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
@@ -36,18 +36,3 @@ class PrototypeNet(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C) class scores: minus the squared distance to the class's nearest prototype."""
         return -self.distances(x).min(dim=2).values
-
-
-def build_prototype_net(num_classes: int, prototypes_per_class: int, in_channels: int = 3, image_size: int = 128,
-                        classifier: str = "resnet18", width: float = 1.0) -> PrototypeNet:
-    """MONAI's ResNet-18 encoder (512-d at width 1, post-ReLU, not normalised) with (C, M, d) prototypes.
-
-    ``classifier='small-cnn'`` takes the small CNN without its last layer instead (tests, demos).
-    """
-    if classifier == "small-cnn":
-        from .small_cnn import build_small_cnn
-
-        network = build_small_cnn(1, in_channels)
-        return PrototypeNet(network[:-1], num_classes, prototypes_per_class, network[-1].in_features)
-    return PrototypeNet(build_resnet18_encoder(in_channels, image_size, width=width), num_classes,
-                        prototypes_per_class, encoder_feature_dim(width))

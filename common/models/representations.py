@@ -42,6 +42,20 @@ def classifier_features(model: torch.nn.Module) -> FeatureTap:
     return FeatureTap(classifier_head(model)[1], use_input=True)
 
 
+def headless(classifier: torch.nn.Module, name: str = "the model") -> tuple[torch.nn.Module, int]:
+    """``classifier`` with its last linear layer replaced by the identity, and that layer's input size: the
+    network's feature vector, where the prototype methods put their prototypes."""
+    try:
+        head_name, head = classifier_head(classifier)
+    except ValueError:
+        raise ValueError(f"model {name!r} has no linear layer: the prototype methods need a classifier whose last "
+                         "linear layer reads a feature vector (e.g. torch.nn.Linear(d, num_classes))") from None
+    parent_name, _, attribute = head_name.rpartition(".")
+    parent = classifier.get_submodule(parent_name) if parent_name else classifier
+    setattr(parent, attribute, torch.nn.Identity())
+    return classifier, int(head.in_features)
+
+
 class ClassifierFeatures(torch.nn.Module):
     """A classifier that returns the feature its last linear layer reads, instead of class scores."""
 

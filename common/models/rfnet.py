@@ -18,6 +18,7 @@ a multiple of 8 voxels on each side (three halvings).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from monai.networks.blocks import Convolution, ResidualUnit
@@ -180,16 +181,22 @@ class MultimodalSegNet(nn.Module):
     """
 
     def __init__(self, widths: tuple[int, ...] = (16, 32, 64, 128), num_classes: int = 4,
-                 modalities: tuple[str, ...] = MODALITIES, shared_encoder: bool = False, lacca: bool = False):
+                 modalities: tuple[str, ...] = MODALITIES, shared_encoder: bool = False, lacca: bool = False,
+                 encoder: Callable[[tuple[int, ...]], nn.Module] | None = None,
+                 decoder: Callable[[tuple[int, ...], int], nn.Module] | None = None):
+        """``encoder(widths)`` and ``decoder(widths, num_classes)`` build a consortium's own modality encoder and
+        fusion decoder in place of ours; they must keep :class:`ModalityEncoder`'s and :class:`FusionDecoder`'s
+        ``forward`` (checked on a crop before round 1: ``common.models.requirements``)."""
         super().__init__()
         self.widths = tuple(widths)
         self.modalities = tuple(m for m in MODALITIES if m in modalities)
         self.shared_encoder = shared_encoder
+        make_encoder = encoder or ModalityEncoder
         if shared_encoder:
-            self.encoder = ModalityEncoder(self.widths)
+            self.encoder = make_encoder(self.widths)
         else:
-            self.encoders = nn.ModuleDict({m: ModalityEncoder(self.widths) for m in self.modalities})
-        self.decoder = FusionDecoder(self.widths, num_classes)
+            self.encoders = nn.ModuleDict({m: make_encoder(self.widths) for m in self.modalities})
+        self.decoder = (decoder or FusionDecoder)(self.widths, num_classes)
         self.aux_decoder = AuxiliaryDecoder(self.widths, num_classes)
         self.lacca = nn.ModuleList(LACCA(w, h) for w, h in zip(self.widths, LACCA_HEADS)) if lacca else None
 

@@ -72,6 +72,18 @@ class Task(ABC):
         """Take the model spec from a received round config (hospital side)."""
         self.spec.update({k.removeprefix("model."): v for k, v in config.items() if k.startswith("model.")})
 
+    @property
+    def network_name(self) -> str:
+        """The job's network: its ``model``, or the task's built-in default."""
+        from common.models.networks import TASK_DEFAULT
+
+        return self.cfg.model or TASK_DEFAULT[self.name]
+
+    def network_model_args(self) -> dict[str, Any]:
+        from common.models.networks import parse_arguments
+
+        return parse_arguments(self.cfg.model_args, "model-args")
+
     @abstractmethod
     def build_model(self) -> torch.nn.Module:
         ...
@@ -92,10 +104,25 @@ class Task(ABC):
     # --- data -------------------------------------------------------------------------------------
     @classmethod
     def load_test(cls, cfg: JobConfig):
-        """The server's held-out test set."""
+        """The server's held-out test set: a loader of the job's own (``dataset='package.module:loader'``; it may
+        give none), or the built-in format's."""
+        from common.data.loaders import DataRequest, call_loader, dataset_arguments, is_custom
+
+        if is_custom(cfg.dataset):
+            return call_loader(DataRequest("server", cfg, data_dir=cfg.test_dir or cfg.data_dir,
+                                           seed=cfg.seed, args=dataset_arguments(cfg)))
+        return cls.builtin_test(cfg)
+
+    @classmethod
+    def builtin_test(cls, cfg: JobConfig):
         from common.data.sources import server_test_set
 
         return server_test_set(cfg)
+
+    @classmethod
+    def spec_without_test_set(cls, cfg: JobConfig) -> dict[str, Any]:
+        """The model spec when the server holds no test set (a loader that gives it none): from the run config."""
+        return {}
 
     @classmethod
     def hospital_properties(cls, cfg: JobConfig, partition_id: int | None,
@@ -107,8 +134,22 @@ class Task(ABC):
     @classmethod
     def load_hospital_data(cls, cfg: JobConfig, *, partition_id: int | None = None, num_partitions: int | None = None,
                            data_dir: str | None = None, properties: dict[str, Any] | None = None,
-                           seed: int = 0) -> tuple[Any, Any]:
-        """A hospital's (train, val): its own folder in deployment, its partition in simulation."""
+                           seed: int = 0, hospital: str = "", node_arguments: str = "") -> tuple[Any, Any]:
+        """A hospital's (train, val): from a loader of the job's own, or in the built-in format from its own folder
+        (deployment) or its partition of the whole data set (simulation)."""
+        from common.data.loaders import DataRequest, call_loader, dataset_arguments, is_custom
+
+        if is_custom(cfg.dataset):
+            return call_loader(DataRequest("hospital", cfg, hospital=hospital, data_dir=data_dir or cfg.data_dir,
+                                           partition_id=partition_id, num_partitions=num_partitions, seed=seed,
+                                           args=dataset_arguments(cfg, node_arguments)))
+        return cls.builtin_hospital_data(cfg, partition_id=partition_id, num_partitions=num_partitions,
+                                         data_dir=data_dir, properties=properties, seed=seed)
+
+    @classmethod
+    def builtin_hospital_data(cls, cfg: JobConfig, *, partition_id: int | None = None,
+                              num_partitions: int | None = None, data_dir: str | None = None,
+                              properties: dict[str, Any] | None = None, seed: int = 0) -> tuple[Any, Any]:
         from common.data.sources import load_folder, simulated_hospital, train_val
 
         if data_dir:

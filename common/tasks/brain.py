@@ -24,6 +24,7 @@ from monai.transforms import Compose, RandCropByPosNegLabeld, RandFlipd, Spatial
 from common.data.brats import MODALITIES, BratsCase, parse_modalities
 from common.data.containers import DataError
 from common.metrics import SegmentationScores
+from common.models.networks import load_factory
 from common.models.rfnet import MultimodalSegNet, SegmentationOutputs
 
 from .base import Task
@@ -69,8 +70,14 @@ class BrainTumourTask(Task):
     def build_model(self, modalities: tuple[str, ...] = MODALITIES, lacca: bool = False) -> MultimodalSegNet:
         """The network with encoders for ``modalities``; ``model.shared-encoder`` in the spec gives the
         FedAvg baseline's one encoder for all."""
+        parts = {}  # a consortium's own encoder and decoder factories: model-args '{"encoder": "pkg.mod:fn", ...}'
+        for part, path in self.network_model_args().items():
+            if part not in ("encoder", "decoder"):
+                raise ValueError(f"model-args: the brain network takes 'encoder' and 'decoder' factories, not {part!r}")
+            parts[part] = load_factory(str(path), f"model-args {part}")
         return MultimodalSegNet(self.cfg.brain.width_tuple, int(self.spec.get("num-classes", NUM_CLASSES)),
-                                modalities, shared_encoder=bool(self.spec.get("shared-encoder", False)), lacca=lacca)
+                                modalities, shared_encoder=bool(self.spec.get("shared-encoder", False)), lacca=lacca,
+                                **parts)
 
     def adopt_spec(self, config: dict[str, Any]) -> None:
         super().adopt_spec(config)
@@ -79,7 +86,7 @@ class BrainTumourTask(Task):
 
     # --- data -------------------------------------------------------------------------------------
     @classmethod
-    def load_test(cls, cfg) -> list[BratsCase]:
+    def builtin_test(cls, cfg) -> list[BratsCase]:
         from common.data.brain_sources import test_cases
 
         return test_cases(cfg)
@@ -99,8 +106,8 @@ class BrainTumourTask(Task):
         return {**properties, "modalities": ",".join(modalities)}
 
     @classmethod
-    def load_hospital_data(cls, cfg, *, partition_id=None, num_partitions=None, data_dir=None, properties=None,
-                           seed: int = 0) -> tuple[list[BratsCase], list[BratsCase]]:
+    def builtin_hospital_data(cls, cfg, *, partition_id=None, num_partitions=None, data_dir=None, properties=None,
+                              seed: int = 0) -> tuple[list[BratsCase], list[BratsCase]]:
         from common.data import brain_sources
 
         modalities = parse_modalities(str((properties or {}).get("modalities", "")) or ",".join(MODALITIES))

@@ -1,4 +1,5 @@
-"""Image classification (skin lesions, blood cells, generated textures) with MONAI's ResNet-18."""
+"""Image classification (skin lesions, blood cells, generated textures) with MONAI's ResNet-18 or any network of
+the consortium's own (``model='package.module:factory'``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from common.data.containers import DataError, LabelledImages
+from common.data.torch_data import TorchData
 from common.metrics import classification_metrics
-from common.models.resnet import build_resnet18_classifier, load_pretrained
+from common.models.networks import build_network
+from common.models.representations import headless
+from common.models.resnet import build_resnet18_encoder, encoder_feature_dim, load_pretrained
 from common.models.small_cnn import build_small_cnn
 
 from .base import Task, images_to_tensor, index_batches, random_flips
@@ -20,19 +24,49 @@ class ClassificationTask(Task):
     name = "classification"
 
     @staticmethod
-    def describe(data: LabelledImages) -> dict[str, Any]:
-        return {"num-classes": len(data.class_names), "in-channels": int(data.images.shape[-1]),
+    def describe(data) -> dict[str, Any]:
+        channels = data.in_channels if hasattr(data, "in_channels") else int(data.images.shape[-1])
+        return {"num-classes": len(data.class_names), "in-channels": channels,
                 "class-names": ",".join(data.class_names)}
 
     @property
     def num_classes(self) -> int:
         return int(self.spec["num-classes"])
 
+    @classmethod
+    def spec_without_test_set(cls, cfg) -> dict[str, Any]:
+        if not cfg.num_classes:
+            raise ValueError(f"dataset {cfg.dataset!r} gives the server no test set, so num-classes must say how many "
+                             "classes the model has")
+        return {"num-classes": cfg.num_classes, "in-channels": 3,
+                "class-names": ",".join(str(c) for c in range(cfg.num_classes))}
+
+    def network_arguments(self) -> dict[str, Any]:
+        """What the task offers a network's factory (it takes those its signature names)."""
+        offered = {"num_classes": self.num_classes, "out_channels": self.num_classes, "spatial_dims": 2,
+                   "in_channels": int(self.spec.get("in-channels", 3)), "image_size": self.cfg.image_size}
+        if self.network_name == "resnet18":
+            offered["width"] = self.cfg.resnet_width
+        return offered
+
+    def build_classifier(self) -> torch.nn.Module:
+        """The job's network as a classifier (image -> class scores)."""
+        return build_network(self.network_name, self.network_arguments(), self.network_model_args())
+
     def build_model(self) -> torch.nn.Module:
+        return self.build_classifier()
+
+    def build_encoder(self) -> tuple[torch.nn.Module, int]:
+        """The network without its classifier head and the length of the feature vector it gives (what the
+        prototype methods put their prototypes on): the built-in ResNet-18 up to its pooling, any other network
+        with its last linear layer taken out (that layer's input is the feature)."""
         in_channels = int(self.spec.get("in-channels", 3))
-        if self.cfg.classifier == "small-cnn":
-            return build_small_cnn(self.num_classes, in_channels)
-        return build_resnet18_classifier(self.num_classes, in_channels, self.cfg.image_size, self.cfg.resnet_width)
+        if self.network_name == "resnet18":
+            return (build_resnet18_encoder(in_channels, self.cfg.image_size, width=self.cfg.resnet_width),
+                    encoder_feature_dim(self.cfg.resnet_width))
+        if self.network_name == "small-cnn":  # built with one class, as it always was: the same draws of the seed
+            return headless(build_small_cnn(1, in_channels), self.network_name)
+        return headless(self.build_classifier(), self.network_name)
 
     def initial_model(self) -> torch.nn.Module:
         """The built network with the job's pretrained encoder weights, if any (a ``fc`` head is not loaded:
@@ -40,9 +74,9 @@ class ClassificationTask(Task):
         model = self.build_model()
         if not self.cfg.encoder_weights:
             return model
-        if self.cfg.classifier != "resnet18":
-            raise ValueError(f"encoder-weights: pretrained weights are for the ResNet-18; classifier is "
-                             f"{self.cfg.classifier!r}")
+        if self.network_name != "resnet18":
+            raise ValueError(f"encoder-weights: pretrained weights are for the built-in ResNet-18; model is "
+                             f"{self.network_name!r} (load your own weights in your model's factory)")
         try:
             load_pretrained(getattr(model, "encoder", model), self.cfg.encoder_weights)
         except (OSError, ValueError, RuntimeError) as error:
@@ -57,7 +91,11 @@ class ClassificationTask(Task):
 
     def batches(self, data: LabelledImages, batch_size: int, device: torch.device, rng: np.random.Generator | None,
                 train: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for index in index_batches(len(data), batch_size, rng if train else None, drop_last=train):
+        order = index_batches(len(data), batch_size, rng if train else None, drop_last=train)
+        if isinstance(data, TorchData):  # a data set of the consortium's own: its transforms augment
+            yield from data.batches(order, device)
+            return
+        for index in order:
             x = images_to_tensor(data.images[index], device)
             if train and rng is not None:
                 (x,) = random_flips(rng, x)

@@ -9,8 +9,9 @@ import torch
 from monai.losses import DiceLoss
 
 from common.data.containers import SegmentationImages
+from common.data.torch_data import TorchData
 from common.metrics import SegmentationScores
-from common.models.unet2d import PolypUNet
+from common.models.networks import build_network
 
 from .base import Task, images_to_tensor, index_batches, random_flips
 
@@ -23,15 +24,22 @@ class PolypSegmentationTask(Task):
         self._dice_loss = DiceLoss(sigmoid=True, smooth_nr=1.0, smooth_dr=1.0)
 
     @staticmethod
-    def describe(data: SegmentationImages) -> dict[str, Any]:
-        return {"in-channels": int(data.images.shape[-1])}
+    def describe(data) -> dict[str, Any]:
+        return {"in-channels": data.in_channels if hasattr(data, "in_channels") else int(data.images.shape[-1])}
 
     def build_model(self) -> torch.nn.Module:
-        return PolypUNet(in_channels=int(self.spec.get("in-channels", 3)))
+        """The polyp U-Net, or the job's own segmentation network (one output channel of logits)."""
+        offered = {"in_channels": int(self.spec.get("in-channels", 3)), "out_channels": 1, "spatial_dims": 2,
+                   "image_size": self.cfg.image_size}
+        return build_network(self.network_name, offered, self.network_model_args())
 
     def batches(self, data: SegmentationImages, batch_size: int, device: torch.device,
                 rng: np.random.Generator | None, train: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for index in index_batches(len(data), batch_size, rng if train else None, drop_last=False):
+        order = index_batches(len(data), batch_size, rng if train else None, drop_last=False)
+        if isinstance(data, TorchData):  # a data set of the consortium's own: its transforms augment
+            yield from data.batches(order, device, segmentation=True)
+            return
+        for index in order:
             x = images_to_tensor(data.images[index], device)
             y = torch.from_numpy(data.masks[index]).to(device).unsqueeze(1).float()
             if train and rng is not None:

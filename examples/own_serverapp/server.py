@@ -18,10 +18,8 @@ def prototype_spread(server_round: int, arrays: ArrayRecord) -> MetricRecord:  #
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    own_keys = {"result-file"}  # this app's own run-config keys; the rest is fedmed's
-    fedmed_config = {k: v for k, v in context.run_config.items() if k not in own_keys}
     strategy = FedProInStrategy(fraction_train=1.0, min_train_nodes=2, min_available_nodes=2, num_prototypes=2,
-                                fdl_weight=1.0, pcl_weight=1.0, run_config=fedmed_config)
+                                fdl_weight=1.0, pcl_weight=1.0, run_config=context.run_config)  # own keys left alone
     result = strategy.start(grid, initial_arrays=strategy.initial_arrays(), num_rounds=2,
                             train_config=ConfigRecord({"local-epochs": 1}), evaluate_fn=prototype_spread)
     summary = {"train": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from common.data.containers import LabelledImages
-from common.models.prototype_net import build_prototype_net
+from common.data.torch_data import TorchData
+from common.models.prototype_net import PrototypeNet
 from common.tasks.base import images_to_tensor, index_batches, random_flips
 from common.tasks.classification import ClassificationTask
 
@@ -55,9 +56,10 @@ class PrototypeClassificationTask(ClassificationTask):
     name = "classification"
 
     def build_model(self) -> torch.nn.Module:
-        return build_prototype_net(self.num_classes, self.cfg.fedproin.num_prototypes,
-                                   int(self.spec.get("in-channels", 3)), self.cfg.image_size, self.cfg.classifier,
-                                   self.cfg.resnet_width)
+        """The network's encoder (its feature vector: ``ClassificationTask.build_encoder``) with (C, M, d)
+        prototypes on top."""
+        encoder, feature_dim = self.build_encoder()
+        return PrototypeNet(encoder, self.num_classes, self.cfg.fedproin.num_prototypes, feature_dim)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         settings = self.cfg.fedproin
@@ -93,10 +95,13 @@ class PrototypeClassificationTask(ClassificationTask):
         else:
             order = rng.permutation(len(data))
         probabilities = augmentation_probabilities(counts) if settings.class_augmentation else None
-        for positions in index_batches(len(order), batch_size, None, drop_last=True):
-            index = order[positions]
-            labels = data.labels[index]
-            (x,) = random_flips(rng, images_to_tensor(data.images[index], device))
+        batches = [order[positions] for positions in index_batches(len(order), batch_size, None, drop_last=True)]
+        if isinstance(data, TorchData):  # a data set of the consortium's own: its transforms flip and crop
+            pairs = data.batches(batches, device)
+        else:
+            pairs = ((random_flips(rng, images_to_tensor(data.images[index], device))[0],
+                      torch.from_numpy(data.labels[index]).to(device)) for index in batches)
+        for x, y in pairs:
             if probabilities is not None:
-                x = augment_by_class(x, labels, probabilities, rng)
-            yield x, torch.from_numpy(labels).to(device)
+                x = augment_by_class(x, y.cpu().numpy(), probabilities, rng)
+            yield x, y

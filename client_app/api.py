@@ -1,0 +1,133 @@
+"""The hospital-side API: fedmed's methods in a ClientApp of your own, with your own mods and logging.
+
+    from flwr.clientapp import ClientApp
+    from client_app.api import Hospital
+
+    app = ClientApp(mods=[my_size_limit_mod])
+
+    @app.query()
+    def query(message, context):
+        return Hospital(context).answer(message)
+
+    @app.train()
+    def train(message, context):
+        reply = Hospital(context).answer(message)
+        my_audit_log.write(...)
+        return reply
+
+    @app.evaluate()
+    def evaluate(message, context):
+        return Hospital(context).answer(message)
+
+A :class:`Hospital` is the method's hospital half (``strategies/<method>/hospital.py``) over this hospital's network
+and data, both named in the run config (``model``, ``dataset``: built in, or ``package.module:factory`` of your
+own) and its node config (``data-dir``, ``state-dir``...). Which method runs comes with every message from the
+server's strategy. fedmed's own ClientApp (``client_app/app.py``) is these three handlers and nothing else.
+Any failure becomes an error reply whose reason names the hospital and the file or key at fault, so the server
+logs it and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
+
+from common.payload import Payload
+from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
+
+log = logging.getLogger("fedmed")
+
+HOSPITAL_ERROR = 1  #: ``Error.code`` of a failure inside the hospital's answer
+
+
+class Hospital:
+    """This hospital's answers to the server's messages: who it is (query), training, evaluation."""
+
+    def __init__(self, context: Context):
+        self.context = context
+
+    @property
+    def name(self) -> str:
+        node = self.context.node_config
+        return str(node.get("hospital") or f"partition {node.get('partition-id', '?')}")
+
+    def answer(self, message: Message) -> Message:
+        """The reply to ``message`` (query, train or evaluate), or an error reply naming this hospital."""
+        kind = message.metadata.message_type.split(".")[0]
+        handlers = {MessageType.QUERY: self.query, MessageType.TRAIN: self.train, MessageType.EVALUATE: self.evaluate}
+        try:
+            if kind not in handlers:
+                raise ValueError(f"message type {message.metadata.message_type!r} is not one fedmed answers")
+            return handlers[kind](message)
+        except Exception as error:  # reported to the server, which logs it and carries on
+            what = "" if type(error).__name__ == "WorkerFailed" else f"{type(error).__name__}: "  # already says
+            reason = f"hospital {self.name}: {what}{error}"
+            log.error("%s\n%s", reason, traceback.format_exc())
+            return Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+
+    def query(self, message: Message) -> Message:
+        identity = self.payload_answer("query", from_recorddict(message.content))
+        return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
+
+    def train(self, message: Message) -> Message:
+        started = seconds_before_handler()
+        payload = from_recorddict(message.content)
+        reply = self.payload_answer("train", payload)
+        if started is not None:  # the round's overhead, attributed (benchmarks/overhead)
+            reply.metrics["clientapp-start-seconds"] = round(started, 3)
+        layout = payload.config.get("message-arrays")  # the layout and record names the server chose, both ways
+        return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor",
+                                     RecordKeys.of(message.content)), reply_to=message)
+
+    def evaluate(self, message: Message) -> Message:
+        """Flower's evaluate phase: metrics of the received model on this hospital's validation data."""
+        metrics = self.payload_answer("evaluate", from_recorddict(message.content)).metrics
+        return Message(to_recorddict(Payload(metrics=metrics), keys=RecordKeys.of(message.content)),
+                       reply_to=message)
+
+    def payload_answer(self, kind: str, payload: Payload) -> Payload:
+        """The method's hospital half answers the payload: here, or in the hospital's warm worker when Flower
+        runs every message in a fresh process (``client_app/worker.py``)."""
+        if uses_worker(self.context):
+            from .worker import ask_worker
+
+            return ask_worker(kind, payload, self.context.run_config, self.context.node_config)
+        from . import hospital  # torch, the methods and the data loaders
+
+        return hospital.answer(kind, payload, self.context.run_config, self.context.node_config)
+
+
+def uses_worker(context: Context) -> bool:
+    """Deployment, unless the node config says ``warm-worker=false``: Flower runs each message in a fresh
+    ``flwr-clientapp`` process, so the work goes to the hospital's warm worker. Simulation keeps its
+    ClientApp processes alive, so the work stays in them."""
+    from .node_config import WARM_WORKER_BY_DEFAULT
+
+    warm = context.node_config.get("warm-worker", WARM_WORKER_BY_DEFAULT)
+    return Path(sys.argv[0]).name == "flwr-clientapp" and warm is True
+
+
+def seconds_before_handler() -> float | None:
+    """In a deployment, what the message cost before our handler ran: since the ``flwr-clientapp`` process
+    started (Flower's SuperExec starts one per message), or since ``fedmed-supernode``'s executor acquired
+    the task (``deploy/fedmed_supernode.py``); None in simulation."""
+    if Path(sys.argv[0]).name == "flwr-clientapp":
+        return seconds_since_process_start()
+    acquired = os.environ.get("FEDMED_TASK_ACQUIRED")  # set by the executor while it runs a task
+    return max(0.0, time.time() - float(acquired)) if acquired else None
+
+
+def seconds_since_process_start() -> float:
+    """How long ago this process started (Linux; 0 elsewhere)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))

@@ -1,0 +1,128 @@
+"""An INT8 model of any segmentation network, on a maintained path: the float network exported to ONNX
+(``torch.onnx.export``, the dynamo exporter), then statically quantised by ONNX Runtime (QDQ format, int8 weights
+per output channel, activation ranges from calibration images), and run by ONNX Runtime's CPU kernels.
+
+Unlike PyTorch's eager-mode quantisation (deprecated, and tied to a network written for it: fused
+conv-BN-ReLU blocks, quantised concatenations), this takes the network as it is: ONNX Runtime fuses what it can
+and keeps in float what has no int8 kernel. The file carries its metadata (image size, threshold, provenance) in
+the ONNX model's ``metadata_props``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+INPUT, OUTPUT = "image", "logits"
+METADATA_KEY = "fedmed"
+
+
+def require_onnxruntime():
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime
+    except ImportError as error:
+        raise RuntimeError(f"the INT8 model needs ONNX Runtime ({error}); install fedmed-hospitals[int8]") from None
+    return onnxruntime
+
+
+def export_float(model: nn.Module, example: torch.Tensor, path: Path) -> Path:
+    """The float network as an ONNX file with a dynamic batch size; ValueError naming what the exporter refused."""
+    model = model.cpu().eval()
+    batch = torch.export.Dim("batch", min=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(model, (example[:1].cpu(),), str(path), input_names=[INPUT], output_names=[OUTPUT],
+                              dynamo=True, dynamic_shapes=({0: batch},), verbose=False, optimize=True)
+        except Exception as error:
+            raise ValueError(f"the network cannot be exported to ONNX for the INT8 model: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:300]}") from None
+    return path
+
+
+def quantise(float_path: Path, int8_path: Path, calibration: Iterable[np.ndarray], per_channel: bool = True) -> Path:
+    """ONNX Runtime's static quantisation of ``float_path`` with ``calibration`` batches (N, C, H, W) float32."""
+    require_onnxruntime()
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    batches = [{INPUT: np.ascontiguousarray(b, dtype=np.float32)} for b in calibration]
+    if not batches:
+        raise ValueError("INT8 calibration needs at least one image")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(batches)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    prepared = float_path.with_suffix(".prepared.onnx")
+    quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=False)
+    quantize_static(str(prepared), str(int8_path), Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    extra_options={"ActivationSymmetric": False, "WeightSymmetric": True})
+    return int8_path
+
+
+def with_metadata(path: Path, metadata: dict[str, Any]) -> Path:
+    import onnx
+
+    model = onnx.load(str(path))
+    entry = model.metadata_props.add()
+    entry.key, entry.value = METADATA_KEY, json.dumps(metadata)
+    onnx.save(model, str(path))
+    return path
+
+
+def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str | Path,
+                metadata: dict[str, Any]) -> Path:
+    """``model`` as an INT8 ONNX file at ``out``; ``calibration`` yields normalised input batches (N, C, H, W)."""
+    batches = [b.detach().cpu().float().numpy() for b in calibration]
+    if not batches:
+        raise ValueError("INT8 calibration needs at least one image")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        float_path = export_float(model, torch.from_numpy(batches[0]), Path(work) / "float.onnx")
+        quantise(float_path, out, batches)
+    return with_metadata(out, {"engine": "onnxruntime", "calibration-images": int(sum(len(b) for b in batches)),
+                               **metadata})
+
+
+class OnnxSegmenter:
+    """An exported ONNX model as a callable on torch batches (logits out), with its metadata."""
+
+    def __init__(self, path: str | Path, threads: int = 0):
+        ort = require_onnxruntime()
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such model file")
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as error:
+            raise ValueError(f"{path}: not an ONNX model ({str(error).splitlines()[0]})") from None
+        found = self.session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
+        if found is None:
+            raise ValueError(f"{path}: has no fedmed metadata; export it with `fedmed export-int8`")
+        self.metadata: dict[str, Any] = json.loads(found)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.session.run([OUTPUT], {INPUT: x.detach().cpu().float().numpy()})[0])
+
+    def eval(self) -> "OnnxSegmenter":
+        return self
+
+    def to(self, *_args, **_kwargs) -> "OnnxSegmenter":
+        return self  # it runs on the CPU, in ONNX Runtime
