@@ -65,6 +65,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedProx": ("fedprox", {}),
     "MOON": ("moon", {}),
     "FedProto": ("fedproto", {}),
+    "FedBN": ("fedbn", {}),
     "FedProIn": ("fedproin", {}),
     "Centralised": ("centralised", {}),
 }
@@ -110,7 +111,7 @@ REFERENCES = {"solo": run_solo, "centralised": run_centralised}
 #: what made the runs that record no command (the first table, before commands were recorded)
 MAIN_COMMAND = "python -m benchmarks.fedproin.run --preset cpu --dataset {dataset} --threads 2"
 #: Methods scored with every hospital's own model (ten test-set passes): evaluated twice per run only.
-PER_HOSPITAL_EVALUATION = ("solo", "fedproto")
+PER_HOSPITAL_EVALUATION = ("solo", "fedproto", "fedbn")
 
 
 def job_config(base: dict[str, Any], strategy: str, overrides: dict[str, Any]) -> JobConfig:

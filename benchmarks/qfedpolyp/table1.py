@@ -69,9 +69,15 @@ SOURCES = {"kvasir_seg_256": "Kvasir-SEG", "cvc_clinicdb_256": "CVC-ClinicDB"}
 CONVERGENCE_TOLERANCE = 0.01
 
 
+#: rows of another method, at 32 bits: name -> strategy (a personalised baseline for multi-centre polyp data)
+OTHER_METHODS = {"fedbn": "fedbn"}
+
+
 def parse_config(config: str) -> dict[str, Any]:
     """``'4,4,4,4,4/update+ef/down4'`` -> the qfedpolyp settings: uplink bit-widths, then optionally
     ``update`` (send the round's update) with ``+ef`` (error feedback), and ``down<b>`` (downlink bit-width)."""
+    if config in OTHER_METHODS:
+        return {}
     widths, *options = config.split("/")
     settings: dict[str, Any] = {"bit_widths": widths}
     for option in options:
@@ -86,7 +92,8 @@ def parse_config(config: str) -> dict[str, Any]:
 
 def job_config(base: dict[str, Any], config: str, out: Path) -> JobConfig:
     name = config.replace(",", "-").replace("/", "_").replace("+", "-")
-    cfg = JobConfig(**{**base, "run_name": name, "results_dir": str(out / "runs")})
+    strategy = OTHER_METHODS.get(config, base["strategy"])
+    cfg = JobConfig(**{**base, "strategy": strategy, "run_name": name, "results_dir": str(out / "runs")})
     return cfg.model_copy(update={"qfedpolyp": cfg.qfedpolyp.model_copy(update=parse_config(config))})
 
 
@@ -123,9 +130,13 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     for attribute in ("run_id", "task_id", "node_id"):  # set by Flower inside its processes; not here
         if getattr(TaskIdentity, f"_{attribute}") is None:
             setattr(TaskIdentity, attribute, 1)
+    last = history[-1]
+    if cfg.strategy != "qfedpolyp":  # the run's own measured bytes (its messages are the model at 32 bits)
+        traffic = last["traffic"]
+        return {**{h: int(t["up"]) for h, t in traffic.items()},
+                "downlink, each": int(np.mean([t["down"] for t in traffic.values()]))}
     state = load_checkpoint(cfg.run_dir)
     model = {k.removeprefix("method/global/"): v for k, v in state.items() if k.startswith("method/global/")}
-    last = history[-1]
     sizes = {}
     for hospital, bits in last["method"]["bit-widths"].items():
         if cfg.qfedpolyp.quantise == "update":  # an update's codes take what the weights' take, plus statistics
@@ -155,7 +166,8 @@ def summarise(config: str, cfg: JobConfig, history: list[dict[str, Any]], second
     if abs(sum(up.values()) - counted) > 0.01 * counted + 20_000 * len(up):  # Flower's per-Array framing
         raise RuntimeError(f"{config}: message bytes {sum(up.values())} differ from the run's count {counted}")
     last_dice = [r["test"]["dice"] for r in history if "test" in r][-5:]
-    row: dict[str, Any] = {"config": config, "bits": [int(b) for b in config.split("/")[0].split(",")],
+    bits = [32] * NUM_HOSPITALS if config in OTHER_METHODS else [int(b) for b in config.split("/")[0].split(",")]
+    row: dict[str, Any] = {"config": config, "bits": bits,
                            "rounds": len(history), "uplink_bytes": int(sum(up.values())),
                            "downlink_bytes": int(down_each * len(up)), "uplink_bytes_per_hospital": up,
                            "dice": final["dice"], "iou": final["iou"], "dice_last5": float(np.mean(last_dice)),
