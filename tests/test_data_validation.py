@@ -197,3 +197,197 @@ def test_partition_into_a_folder_that_is_not_empty_is_refused(tmp_path, small_cl
         export_partitions(small_classification, 2, out)  # hospital-02 of the first export would stay
     assert sorted(p.name for p in out.iterdir()) == ["hospital-00", "hospital-01", "hospital-02", "manifest.json",
                                                      "test"]
+
+
+# --- BraTS: modalities on different grids -------------------------------------------------------------------------
+
+def aligned_case(folder, affines=None, shapes=None):
+    """Case_1 with flair, t1 and seg on one 6x6x6 grid, unless ``affines`` / ``shapes`` give a file its own."""
+    import nibabel as nib
+
+    case = folder / "Case_1"
+    case.mkdir(parents=True)
+    affines, shapes = affines or {}, shapes or {}
+    for kind in ("flair", "t1", "seg"):
+        shape = shapes.get(kind, (6, 6, 6))
+        volume = np.zeros(shape, np.float32)
+        volume[1:5, 1:5, 1:5] = 1.0 if kind == "seg" else RNG.random((4, 4, 4)) + 1
+        nib.save(nib.Nifti1Image(volume, affines.get(kind, np.eye(4))), case / f"Case_1_{kind}.nii.gz")
+    return case
+
+
+def test_brats_case_on_one_grid_loads_within_the_tolerance(tmp_path):
+    nearly = np.eye(4)
+    nearly[0, 3] = 1e-5  # header rounding
+    case = load_case(aligned_case(tmp_path, {"t1": nearly}), ("flair", "t1"))
+    assert case.image.shape[0] == 4 and case.present.tolist() == [True, False, True, False]
+
+
+def scaled(x, y, z):
+    return np.diag([x, y, z, 1.0])
+
+
+def flipped():
+    affine = np.eye(4)
+    affine[0, 0], affine[0, 3] = -1.0, 5.0
+    return affine
+
+
+def shifted():
+    affine = np.eye(4)
+    affine[:3, 3] = (0.0, 2.0, 0.0)
+    return affine
+
+
+@pytest.mark.parametrize("kind, affine, shape, message", [
+    ("t1", None, (6, 6, 5), r"Case_1_t1.nii.gz: differs from Case_1_flair.nii.gz: shape \(6, 6, 5\) against "
+                            r"\(6, 6, 6\)"),
+    ("t1", scaled(1, 1, 2), None, r"Case_1_t1.nii.gz: differs from Case_1_flair.nii.gz: voxel size 1x1x2 mm "
+                                  r"against 1x1x1 mm"),
+    ("t1", flipped(), None, r"Case_1_t1.nii.gz: differs from Case_1_flair.nii.gz: orientation LAS against RAS"),
+    ("t1", shifted(), None, r"Case_1_t1.nii.gz: differs from Case_1_flair.nii.gz: affine .* by up to 2 \(origin "
+                            r"0x2x0 mm against 0x0x0 mm\); the volumes are not voxel-aligned"),
+    ("seg", shifted(), None, r"Case_1_seg.nii.gz: differs from Case_1_flair.nii.gz: affine"),
+])
+def test_brats_modalities_on_different_grids_are_refused_naming_the_file(tmp_path, kind, affine, shape, message):
+    case = aligned_case(tmp_path, {kind: affine} if affine is not None else None, {kind: shape} if shape else None)
+    with pytest.raises(DataError, match=message):
+        load_case(case, ("flair", "t1"))
+
+
+def test_brats_volume_too_large_in_its_header_is_refused_before_reading(tmp_path):
+    import nibabel as nib
+
+    case = aligned_case(tmp_path)
+    header = nib.Nifti1Header()
+    header.set_data_shape((2000, 2000, 2000))
+    header.set_data_dtype(np.uint8)
+    (case / "Case_1_t1.nii.gz").unlink()
+    (case / "Case_1_t1.nii").write_bytes(header.binaryblock + b"\0" * 4)  # the header only: 8 GB it does not hold
+    with pytest.raises(DataError, match=r"Case_1_t1.nii: \(2000, 2000, 2000\) is 8000 million voxels, over the limit"):
+        load_case(case, ("flair", "t1"))
+
+
+# --- images too large to decode -----------------------------------------------------------------------------------
+
+def no_decoding(monkeypatch):
+    """Make any decode of pixel data fail the test: sizes must be refused from the header alone."""
+    from PIL import ImageFile
+
+    load = ImageFile.ImageFile.load
+
+    def refuse_large(self):
+        if self.size[0] * self.size[1] > 10**6:
+            raise AssertionError(f"{self.filename}: {self.size} pixels decoded")
+        return load(self)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse_large)
+
+
+def big_png(path, width=12000, height=12000):
+    Image.new("1", (width, height)).save(path)  # 144 megapixels of one colour: a few kB of PNG
+    return path
+
+
+def test_a_144_megapixel_png_is_refused_before_decoding(tmp_path, monkeypatch):
+    folder = polyp_folder(tmp_path / "site", [(disc(), "png", "L"), (disc(), "png", "L")])
+    big_png(folder / "images" / "1.png")
+    assert (folder / "images" / "1.png").stat().st_size < 100_000
+    no_decoding(monkeypatch)
+    with pytest.raises(DataError, match=r"images/1.png: refused as a decompression bomb .*over 50 megapixels"):
+        load_image_mask(folder, 8)
+
+
+def test_an_image_over_the_limit_but_under_pillows_is_refused_from_its_header(tmp_path, monkeypatch):
+    folder = ham_folder(tmp_path, ["ISIC_1", "ISIC_2"])
+    big_png(folder / "images" / "ISIC_2.jpg", 8000, 7000)  # 56 megapixels: Pillow would decode it silently
+    no_decoding(monkeypatch)
+    with pytest.raises(DataError, match=r"ISIC_2.jpg: 8000x7000 pixels \(56 megapixels\) is over the limit of 50 "
+                                        r"megapixels for one image"):
+        load_ham10000(folder, 8)
+
+
+def test_pillows_decompression_bomb_error_names_the_file(tmp_path, monkeypatch):
+    from common.data import image_files
+
+    monkeypatch.setattr(image_files, "MAX_IMAGE_PIXELS", 10**12)  # only Pillow's own limit is left
+    big_png(tmp_path / "huge.png", 14000, 14000)  # 196 megapixels: over twice Pillow's limit, an error there
+    with pytest.raises(DataError, match=r"huge.png: refused as a decompression bomb \(Image size"):
+        image_files.read_rgb(tmp_path / "huge.png", 8)
+
+
+def test_npz_array_too_large_in_its_header_is_refused_before_reading(tmp_path):
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False,
+                                                  "shape": (100_000, 1000, 1000)})
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w") as archive:  # 100 GB declared, nothing behind it
+        archive.writestr("train_images.npy", header.getvalue())
+        archive.writestr("train_labels.npy", b"")
+    with pytest.raises(DataError, match=r"bomb.npz: array 'train_images' \(100000, 1000, 1000\) uint8 would take "
+                                        r"93.1 GiB"):
+        load_npz(tmp_path / "bomb.npz", 8)
+
+
+# --- bad inputs, said clearly ---------------------------------------------------------------------------------------
+
+def test_an_all_foreground_polyp_mask_is_refused_naming_it(tmp_path):
+    full = np.full((8, 8), 255, np.uint8)
+    folder = polyp_folder(tmp_path / "site", [(disc(), "png", "L"), (full, "jpg", "L")])
+    with pytest.raises(DataError, match=r"masks/1.jpg: every pixel of the mask is foreground .* check whether it is "
+                                        r"inverted or not the mask of 1.png"):
+        load_image_mask(folder, 8)
+    big = np.zeros((64, 64), np.uint8)
+    big[:, 1:] = 255  # nearly all foreground: full once shrunk to 4x4, but not in the file; it loads
+    Image.fromarray(big).save(folder / "masks" / "1.jpg")
+    tiny_rgb(folder / "images" / "1.png", size=64)
+    assert load_image_mask(folder, 4).masks[1].all()
+
+
+def with_timeout(seconds=10):
+    """Fail instead of hanging forever if a FIFO is opened."""
+    import signal
+
+    def expired(signum, frame):
+        raise AssertionError("blocked reading a FIFO")
+    signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+
+
+def test_a_fifo_as_the_npz_file_is_refused_naming_it(tmp_path):
+    import signal
+
+    os.mkfifo(tmp_path / "data.npz")
+    with_timeout()
+    try:
+        with pytest.raises(DataError, match=r"data.npz: is a FIFO \(named pipe\), not a regular file; give the npz "
+                                            r"file itself"):
+            load_npz(tmp_path / "data.npz", 8)
+        with pytest.raises(DataError, match=r"data.npz: is a FIFO"):
+            load_npz(tmp_path, 8)  # the folder's one .npz is the FIFO: np.load would wait for a writer forever
+    finally:
+        signal.alarm(0)
+
+
+def test_a_fifo_among_the_images_is_refused_naming_it(tmp_path):
+    import signal
+
+    folder = polyp_folder(tmp_path / "site", [(disc(), "png", "L")])
+    os.mkfifo(folder / "images" / "2.png")
+    os.mkfifo(folder / "masks" / "2.png")
+    with_timeout()
+    try:
+        with pytest.raises(DataError, match=r"images/2.png: is a FIFO \(named pipe\), not a regular file"):
+            load_image_mask(folder, 8)
+    finally:
+        signal.alarm(0)
+
+
+def test_ham10000_data_dir_that_is_the_metadata_file_names_its_folder(tmp_path):
+    folder = ham_folder(tmp_path / "ham", ["ISIC_1"])
+    with pytest.raises(DataError, match=rf"{METADATA_FILE}: is a file, not a folder; a HAM10000 data-dir is the "
+                                        rf"folder that holds {METADATA_FILE} and images/: give its folder .*ham$"):
+        load_ham10000(folder / METADATA_FILE, 8)
+    with pytest.raises(DataError, match=r"0.png: is a file, not a folder; an image/mask data set is a folder"):
+        load_image_mask(polyp_folder(tmp_path / "site", [(disc(), "png", "L")]) / "images" / "0.png", 8)

@@ -3,6 +3,11 @@
 Each case is z-scored per modality inside the brain (voxels non-zero in any loaded modality),
 cropped to the brain's bounding box, optionally downsampled, and its labels {0, 1, 2, 4} remapped
 to {0, 1, 2, 3}. A hospital loads only the modalities it declares.
+
+A case is used voxel by voxel across its files, so before anything is decoded every file's header must agree with
+the case's first file: the same shape, voxel size and orientation, and the same affine (voxel-to-world mapping)
+within :data:`AFFINE_TOLERANCE`. A case whose modalities were resampled or reoriented separately is refused,
+naming the file and how it differs, instead of being trained on misaligned.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from .containers import DataError
-from .image_files import cached_arrays
+from .image_files import cached_arrays, regular_file
 
 #: Modality order of every multimodal tensor in the project (the RFNet/FedMEPD order).
 MODALITIES = ("flair", "t1ce", "t1", "t2")
 BRATS_LABELS = (0, 1, 2, 4)
+#: How far (mm, per entry) two files' affines and voxel sizes may differ and still be one grid (header rounding).
+AFFINE_TOLERANCE = 1e-3
+#: The most voxels one volume may have (checked in its header before it is decompressed): BraTS has 8.9 million.
+MAX_VOLUME_VOXELS = 100_000_000
 
 
 @dataclass
@@ -60,18 +69,71 @@ def find_cases(folder: str | Path) -> list[Path]:
 def volume_path(case_dir: Path, kind: str) -> Path:
     for suffix in (".nii.gz", ".nii"):
         path = case_dir / f"{case_dir.name}_{kind}{suffix}"
-        if path.is_file():
-            return path
+        if path.exists():
+            return regular_file(path, f"{kind} volume")
     raise DataError(f"{case_dir / f'{case_dir.name}_{kind}.nii.gz'}: missing {kind} volume")
+
+
+def _nifti(path: Path):
+    """The NIfTI image with its header read and its voxels not yet (nibabel reads them on demand)."""
+    import nibabel as nib
+
+    try:
+        return nib.load(str(regular_file(path, "NIfTI volume")))
+    except (OSError, EOFError, ValueError, zlib.error, gzip.BadGzipFile, nib.filebasedimages.ImageFileError) as error:
+        raise DataError(f"{path}: cannot read NIfTI volume ({type(error).__name__}: {error})") from None
 
 
 def read_volume(path: Path) -> np.ndarray:
     import nibabel as nib
 
     try:
-        return np.asarray(nib.load(str(path)).dataobj)
+        return np.asarray(_nifti(path).dataobj)
     except (OSError, EOFError, ValueError, zlib.error, gzip.BadGzipFile, nib.filebasedimages.ImageFileError) as error:
+        if isinstance(error, DataError):
+            raise
         raise DataError(f"{path}: cannot read NIfTI volume ({type(error).__name__}: {error})") from None
+
+
+def _mm(values) -> str:
+    return "x".join(f"{float(v):g}" for v in values)
+
+
+def check_alignment(files: list[Path]) -> None:
+    """Every file's header against the first's: shape, voxel size, orientation, then the whole affine (origin and
+    direction) within :data:`AFFINE_TOLERANCE`; a DataError naming the file that differs and how. Volumes over
+    :data:`MAX_VOLUME_VOXELS` are refused too. Only headers are read."""
+    import nibabel as nib
+
+    reference = None
+    for path in files:
+        image = _nifti(path)
+        shape = tuple(int(s) for s in image.shape)
+        if int(np.prod(shape, dtype=np.float64)) > MAX_VOLUME_VOXELS:
+            raise DataError(f"{path}: {shape} is {np.prod(shape, dtype=np.float64) / 1e6:.0f} million voxels, over "
+                            f"the limit of {MAX_VOLUME_VOXELS // 10**6} million for one volume")
+        zooms = tuple(float(z) for z in image.header.get_zooms()[:3])
+        affine = np.asarray(image.affine, dtype=np.float64)
+        if reference is None:
+            reference = (path, shape, zooms, affine)
+            continue
+        first, first_shape, first_zooms, first_affine = reference
+        where = f"{path}: differs from {first.name}:"
+        if shape != first_shape:
+            raise DataError(f"{where} shape {shape} against {first_shape}; every file of a case must be on one grid "
+                            "(resample it onto the others')")
+        if not np.allclose(zooms, first_zooms, rtol=0, atol=AFFINE_TOLERANCE):
+            raise DataError(f"{where} voxel size {_mm(zooms)} mm against {_mm(first_zooms)} mm; every file of a case "
+                            "must be on one grid (resample it onto the others')")
+        axes, first_axes = "".join(nib.aff2axcodes(affine)), "".join(nib.aff2axcodes(first_affine))
+        if axes != first_axes:
+            raise DataError(f"{where} orientation {axes} against {first_axes} (its voxel axes are flipped or swapped "
+                            "against the others'); reorient it onto the others' grid")
+        difference = float(np.abs(affine - first_affine).max())
+        if difference > AFFINE_TOLERANCE:
+            raise DataError(f"{where} affine (voxel-to-world mapping) by up to {difference:g} (origin "
+                            f"{_mm(affine[:3, 3])} mm against {_mm(first_affine[:3, 3])} mm); the volumes are not "
+                            "voxel-aligned: resample it onto the others' grid")
 
 
 def _check_seg_labels(path: Path, seg: np.ndarray) -> None:
@@ -136,6 +198,7 @@ def load_case(case_dir: str | Path, modalities: tuple[str, ...] = MODALITIES, wi
     """Read, normalise and crop one case (cached on disk after the first read)."""
     case_dir = Path(case_dir)
     files = [volume_path(case_dir, m) for m in modalities] + ([volume_path(case_dir, "seg")] if with_label else [])
+    check_alignment(files)
     arrays = cached_arrays(files, f"brats-{','.join(modalities)}-{with_label}-{downsample}",
                            lambda: _decode_case(case_dir, modalities, with_label, downsample))
     return BratsCase(case_dir.name, arrays["image"], arrays.get("label"), modalities)

@@ -2,8 +2,10 @@
 
 ``<out>/test`` is the server's held-out test set (``test-dir``), ``<out>/hospital-NN`` each
 hospital's ``data-dir``, in the data set's own format; ``<out>/manifest.json`` lists what each
-holds. Generated data is written as MedMNIST-style npz (classification) or PNG image/mask pairs
-(polyps), so a deployment can be tried without real data.
+holds. No group (a lesion's images, a video's frames) is split between two of them, and each folder records its
+samples' groups (HAM10000's lesion_id, an image/mask data set's groups.csv, an npz file's ``<split>_groups``), so a
+hospital's own validation split keeps them whole too. Generated data is written as MedMNIST-style npz
+(classification) or PNG image/mask pairs (polyps), so a deployment can be tried without real data.
 """
 
 from __future__ import annotations
@@ -46,11 +48,24 @@ def write_site(cfg: JobConfig, data, folder: Path, split_name: str) -> None:
 
 
 def describe(data) -> dict[str, Any]:
+    groups = int(len(np.unique(data.groups)))
     if isinstance(data, LabelledImages):
         counts = data.class_counts()
-        return {"samples": len(data), "classes": {n: int(c) for n, c in zip(data.class_names, counts)}}
+        return {"samples": len(data), "groups": groups,
+                "classes": {n: int(c) for n, c in zip(data.class_names, counts)}}
     sources, counts = np.unique(data.sources, return_counts=True)
-    return {"samples": len(data), "sources": {str(s): int(c) for s, c in zip(sources, counts)}}
+    return {"samples": len(data), "groups": groups, "sources": {str(s): int(c) for s, c in zip(sources, counts)}}
+
+
+def _check_groups_disjoint(sites: dict[str, Any]) -> None:
+    """No group (a lesion, a video) may have samples in two sites: the test set would hold near-copies of training
+    samples. The splits guarantee it; this keeps a written partition from ever breaking it silently."""
+    owner: dict[str, str] = {}
+    for name, data in sites.items():
+        for group in np.unique(data.groups).tolist():
+            if owner.setdefault(group, name) != name:
+                raise DataError(f"group {group!r} has samples in both {owner[group]} and {name}; the partition must "
+                                "keep groups whole")
 
 
 def _check_output_folder(out: Path) -> None:
@@ -68,13 +83,13 @@ def export_partitions(cfg: JobConfig, num_hospitals: int, out: Path) -> dict[str
     split = simulation_split(cfg)
     manifest: dict[str, Any] = {"dataset": cfg.dataset, "task": cfg.task, "partitioner": cfg.partitioner,
                                 "dirichlet-alpha": cfg.dirichlet_alpha, "seed": cfg.seed, "sites": {}}
-    out.mkdir(parents=True, exist_ok=True)
-    write_site(cfg, split.test, out / "test", "test")
-    manifest["sites"]["test"] = describe(split.test)
+    sites = {"test": split.test}
     for pid, index in enumerate(partition_indices(cfg, split.pool, num_hospitals)):
-        name = f"hospital-{pid:02d}"
-        part = split.pool.subset(index)
-        write_site(cfg, part, out / name, "train")
+        sites[f"hospital-{pid:02d}"] = split.pool.subset(index)
+    _check_groups_disjoint(sites)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in sites.items():
+        write_site(cfg, part, out / name, "test" if name == "test" else "train")
         manifest["sites"][name] = describe(part)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

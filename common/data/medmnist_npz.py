@@ -1,7 +1,8 @@
 """MedMNIST-style ``.npz`` files: ``{train,val,test}_images`` (N, H, W[, C]) uint8 and ``*_labels`` (N, 1).
 
 A file may declare its classes in a ``class_names`` array (the files ``fedmed partition`` writes do), so a
-hospital that lacks a class still has the data set's class count.
+hospital that lacks a class still has the data set's class count, and the groups its samples belong to in
+``<split>_groups`` (samples every split keeps together; without it, one group per sample).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from .containers import DataError, LabelledImages
+from .image_files import MAX_IMAGE_PIXELS, regular_file
 
 SPLITS = ("train", "val", "test")
 
@@ -22,15 +24,51 @@ KNOWN_CLASS_NAMES = {
 }
 
 
+#: The most bytes one array of an npz file may hold once decompressed (checked in its header before it is read: a
+#: compressed npz of zeros is a zip bomb).
+MAX_ARRAY_BYTES = 8 * 2**30
+
+
 def find_npz(path: str | Path) -> Path:
-    """The file itself, or the single ``.npz`` inside a folder."""
+    """The file itself, or the single ``.npz`` inside a folder; never anything but a regular file (a FIFO given as
+    the file would block the reader forever)."""
     path = Path(path)
-    if path.is_file():
-        return path
-    found = sorted(path.glob("*.npz")) if path.is_dir() else []
-    if len(found) != 1:
-        raise DataError(f"{path}: expected one .npz file, found {len(found)}")
-    return found[0]
+    if path.is_dir():
+        found = sorted(path.glob("*.npz"))
+        if len(found) != 1:
+            raise DataError(f"{path}: expected one .npz file in the folder, found {len(found)}")
+        path = found[0]
+    elif not path.exists():
+        raise DataError(f"{path}: npz file (or folder holding one) not found")
+    return regular_file(path, "npz file")
+
+
+def _check_array_sizes(file: Path) -> None:
+    """Every array's shape from its .npy header, before anything is decompressed: refuse an array over
+    :data:`MAX_ARRAY_BYTES` or images over :data:`~common.data.image_files.MAX_IMAGE_PIXELS` each."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            for info in archive.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with archive.open(info) as handle:
+                    version = np.lib.format.read_magic(handle)
+                    if version == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(handle)
+                    else:  # 2.0 (and 3.0, whose header only differs in its text encoding)
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(handle)
+                key = info.filename[:-4]
+                size = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+                if size > MAX_ARRAY_BYTES:
+                    raise DataError(f"{file}: array {key!r} {shape} {dtype} would take {size / 2**30:.1f} GiB "
+                                    f"(more than {MAX_ARRAY_BYTES // 2**30} GiB); split or shrink the data")
+                if key.endswith("_images") and len(shape) >= 3 and shape[1] * shape[2] > MAX_IMAGE_PIXELS:
+                    raise DataError(f"{file}: {key} holds {shape[2]}x{shape[1]} images, over the limit of "
+                                    f"{MAX_IMAGE_PIXELS // 10**6} megapixels per image; downscale them")
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        if isinstance(error, DataError):
+            raise
+        raise DataError(f"{file}: cannot read npz ({error})") from None
 
 
 def _resize(images: np.ndarray, size: int) -> np.ndarray:
@@ -100,6 +138,7 @@ def _inferred_class_count(file: Path, labels_all: list[np.ndarray]) -> int:
 def load_npz(path: str | Path, image_size: int, num_classes: int = 0) -> dict[str, LabelledImages]:
     """Every split present in the file, as LabelledImages (grey images get a channel axis)."""
     file = find_npz(path)
+    _check_array_sizes(file)
     try:
         with np.load(file, allow_pickle=False) as archive:
             contents = {key: archive[key] for key in archive.files}
@@ -129,8 +168,15 @@ def load_npz(path: str | Path, image_size: int, num_classes: int = 0) -> dict[st
         ids = contents.get(f"{split}_ids")
         names = np.array([f"{file.name}:{split}[{i}]" if ids is None else f"{file.name}:{ids[i]}"
                           for i in range(len(labels))])
+        groups = contents.get(f"{split}_groups")
+        if groups is not None and groups.reshape(-1).shape != (len(labels),):
+            raise DataError(f"{file}: {split}_groups has shape {groups.shape}, not one group per sample "
+                            f"({len(labels)})")
+        if groups is None:  # one group per sample, even where ids repeat across splits
+            groups = np.array([f"{file.name}:{split}[{i}]" for i in range(len(labels))])
         try:
-            result[split] = LabelledImages(_resize(images, image_size), labels, class_names, names)
+            result[split] = LabelledImages(_resize(images, image_size), labels, class_names, names,
+                                           groups.reshape(-1).astype(str))
         except DataError as error:
             raise DataError(f"{file}: {error}") from None
     return result
@@ -143,5 +189,6 @@ def write_npz(path: Path, splits: dict[str, LabelledImages]) -> None:
         arrays[f"{split}_images"] = data.images
         arrays[f"{split}_labels"] = data.labels.reshape(-1, 1).astype(np.uint8)
         arrays[f"{split}_ids"] = data.names.astype(str)
+        arrays[f"{split}_groups"] = data.groups.astype(str)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **arrays)

@@ -5,6 +5,9 @@ a held-out test part for the server, the rest partitioned across ``num-partition
 Deployment: a hospital's node config names its own folder, in the data set's native format, and
 the server reads its test set from ``test-dir``. Either way a hospital keeps ``val-fraction`` of
 its samples for validating the models it receives.
+
+Every split here keeps a container's ``groups`` whole (one lesion's images, one video's frames), so no test or
+validation sample has a near-copy on the other side (:mod:`common.data.partition`).
 """
 
 from __future__ import annotations
@@ -71,9 +74,15 @@ def _split(task: str, dataset: str, data_dir: str, image_size: int, num_classes:
         splits = load_npz(data_dir, image_size, num_classes)
         if "test" not in splits:
             raise DataError(f"{data_dir}: the npz file has no test split for the server")
-        return Split(concat([splits[s] for s in ("train", "val") if s in splits]), splits["test"])
+        pool = concat([splits[s] for s in ("train", "val") if s in splits])
+        shared = np.intersect1d(pool.groups, splits["test"].groups)
+        if shared.size:  # only groups the file declares can meet here (by default each sample is its own)
+            raise DataError(f"{data_dir}: the npz file's test split shares {shared.size} group(s) with its train/val "
+                            f"splits (e.g. {str(shared[0])!r}), so the server would test on samples the hospitals "
+                            "train on; split the file by group")
+        return Split(pool, splits["test"])
     data = _load_folder(dataset, data_dir, image_size, num_classes)
-    kept, held_out = stratified_holdout(data.strata, test_fraction, seed)
+    kept, held_out = stratified_holdout(data.strata, test_fraction, seed, groups=data.groups)
     return Split(data.subset(kept), data.subset(held_out))
 
 
@@ -96,7 +105,7 @@ def partition_indices(cfg: JobConfig, pool, num_partitions: int) -> list[np.ndar
             _PARTITIONS.clear()
         cached = _PARTITIONS[key] = (pool, partition(pool.strata, num_partitions, cfg.partitioner,
                                                      alpha=cfg.dirichlet_alpha, min_size=cfg.min_partition_size,
-                                                     seed=cfg.seed))
+                                                     seed=cfg.seed, groups=getattr(pool, "groups", None)))
     return cached[1]
 
 
@@ -109,10 +118,10 @@ def simulated_hospital(cfg: JobConfig, partition_id: int, num_partitions: int):
 
 
 def train_val(data, val_fraction: float, seed: int):
-    """A hospital's own train/validation split (stratified, seeded)."""
+    """A hospital's own train/validation split (stratified, seeded, whole groups)."""
     if val_fraction <= 0 or len(data) < 4:
         return data, data.subset(np.arange(0))
-    kept, held_out = stratified_holdout(data.strata, val_fraction, seed)
+    kept, held_out = stratified_holdout(data.strata, val_fraction, seed, groups=data.groups)
     return data.subset(kept), data.subset(held_out)
 
 
