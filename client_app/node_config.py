@@ -44,6 +44,16 @@ class NodeConfig(Section):
 
         return value and check_bit_width(value, "bit-width")
 
+    @field_validator("hospital")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        from common.config import SAFE_RUN_NAME
+
+        if value and (not SAFE_RUN_NAME.match(value) or ".." in value or len(value) > 120):
+            raise ValueError(f"{value[:120]!r} is not a hospital name: letters, digits, '.', '_', '-' (it names the "
+                             "hospital's state folder, which must stay inside state-dir)")
+        return value
+
     @model_validator(mode="after")
     def _has_data(self) -> "NodeConfig":
         if not self.data_dir and self.partition_id is None:

@@ -46,8 +46,9 @@ def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) 
 
 
 def check_like(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str,
-               require_finite: bool = True) -> None:
-    """Raise :class:`ArraysMismatch` unless ``arrays`` has reference's names, shapes and finite floats."""
+               require_finite: bool = True, exact_dtype: bool = False) -> None:
+    """Raise :class:`ArraysMismatch` unless ``arrays`` has reference's names, shapes and finite floats, and (with
+    ``exact_dtype``: a hospital's reply) its dtypes exactly, so no reply can turn the global model into float16."""
     missing = [k for k in reference if k not in arrays]
     extra = [k for k in arrays if k not in reference]
     if missing or extra:
@@ -57,7 +58,7 @@ def check_like(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndar
         value = arrays[name]
         if value.shape != ref.shape:
             raise ArraysMismatch(f"{what}: {name} has shape {value.shape}, expected {ref.shape}")
-        if value.dtype.kind != ref.dtype.kind:
+        if value.dtype.kind != ref.dtype.kind or (exact_dtype and value.dtype != ref.dtype):
             raise ArraysMismatch(f"{what}: {name} has dtype {value.dtype}, expected {ref.dtype}")
         if require_finite and value.dtype.kind == "f" and not np.isfinite(value).all():
             raise ArraysMismatch(f"{what}: {name} holds NaN or Inf")
@@ -73,7 +74,7 @@ def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterab
     Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not weights: they take the
     largest value instead of an average.
     """
-    arrays, weights = list(arrays), np.asarray(list(weights), dtype=np.float64)
+    arrays, weights = list(arrays), np.asarray([float(w) for w in weights], dtype=np.float64)
     if not arrays or weights.sum() <= 0:
         raise ValueError("weighted_average needs at least one array set with positive weight")
     weights = weights / weights.sum()

@@ -102,6 +102,15 @@ class ScreeningSection(Section):
         "FedAvg-family model aggregation: the sample-weighted mean, or Flower's FedMedian / FedTrimmedAvg rules "
         "(coordinate-wise, unweighted)."))
     trim_fraction: float = Field(0.2, ge=0.0, lt=0.5, description="trimmed-mean: share cut at each end.")
+    max_samples: int = Field(10_000_000, ge=1, description=(
+        "Most training samples a hospital may declare when it joins (a bound the consortium sets; a declared count "
+        "weighs the hospital's updates): a node declaring more is refused, naming this key."))
+    sample_ratio_limit: float = Field(10.0, ge=0.0, description=(
+        "A hospital's update weighs at most this many times the median sample count of the round's other accepted "
+        "hospitals (0: off), so no declared size can take the aggregate over; max-hospital-weight caps it besides."))
+    refuse_unchanged: bool = Field(False, description=(
+        "Refuse an update that returns the received model unchanged (a free-rider); each round records every "
+        "hospital's update norm relative to the others' median either way."))
 
 
 SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

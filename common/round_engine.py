@@ -30,9 +30,13 @@ from common.methods.base import (
 from common.models.requirements import check_network
 from common.screening import (
     batchnorm_problem,
+    brief,
     capped_shares,
+    cut,
     metrics_problem,
     norm_outliers,
+    ratio_capped_weights,
+    relative_norms,
     sample_count_problem,
     update_distance,
 )
@@ -93,6 +97,7 @@ class RoundEngine:
         self.method = method
         self.history: list[dict[str, Any]] = []
         self.update_norms: dict[str, float] = {}
+        self.weight_cuts: dict[str, str] = {}  # hospitals whose weight screening.sample-ratio-limit cut this round
 
     @property
     def next_round(self) -> int:
@@ -126,7 +131,7 @@ class RoundEngine:
         """
         refused: dict[str, str] = {}
         replies = sorted(replies, key=lambda r: r.hospital.name)  # the same result whatever order replies arrive in
-        accepted = self.screen(replies, refused)
+        accepted = self.screen(replies, refused, rnd)
         for name, reason in refused.items():
             log.warning("round %d: refused the update of %s: %s", rnd, name, reason)
         answered = {r.hospital.name for r in replies}
@@ -136,7 +141,10 @@ class RoundEngine:
 
         record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
                                   "aggregated": [u.hospital.name for u in accepted], "missing": missing,
-                                  "refused": refused, "update-norm": dict(self.update_norms)}
+                                  "refused": refused, "update-norm": dict(self.update_norms),
+                                  "update-norm-vs-median": relative_norms(self.update_norms)}
+        if self.weight_cuts:
+            record["weight-cut"] = dict(self.weight_cuts)
         if len(accepted) >= self.cfg.min_train_hospitals:
             record["method"] = self.method.aggregate(rnd, accepted)
             record["method"].update(self.method.server_step(rnd))
@@ -150,7 +158,9 @@ class RoundEngine:
                              for h in chosen}
         record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
         record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
-        record["hospital_metrics"] = {u.hospital.name: dict(u.payload.metrics) for u in accepted}
+        record["hospital_metrics"] = {u.hospital.name: {k: v for k, v in u.payload.metrics.items()  # numbers only:
+                                                        if not isinstance(v, (list, tuple))}  # lists go to "method"
+                                      for u in accepted}
         record["train"] = weighted_mean_metrics([(u.weight, dict(u.payload.metrics)) for u in accepted])
         record["train"].pop("num-examples", None)
         record["seconds"] = round(time.time() - started, 3)
@@ -170,39 +180,55 @@ class RoundEngine:
             record["seconds"] = round(record["seconds"] + time.time() - started, 3)
         log.info("round %d/%d: %s", rnd, self.cfg.num_server_rounds, describe(record))
 
-    def screen(self, replies: list[RoundReply], refused: dict[str, str]) -> list[HospitalUpdate]:
+    def screen(self, replies: list[RoundReply], refused: dict[str, str],
+               rnd: int | None = None) -> list[HospitalUpdate]:
         """The replies that pass every check (the method's and ``common.screening``'s), each with its share of
-        the aggregate; the others go into ``refused`` with their reason. Nothing a reply holds can raise here."""
+        the aggregate; the others go into ``refused`` with their reason (a hospital's own text in it cut to a few
+        hundred characters). Nothing a reply holds can raise here."""
         screened: list[tuple[HospitalUpdate, float | None]] = []
         for reply in replies:
             name = reply.hospital.name
             if reply.payload is None:
-                refused[name] = f"hospital reported an error: {reply.error}"
+                refused[name] = f"hospital reported an error: {cut(str(reply.error))}"
                 continue
             update = HospitalUpdate(reply.hospital, reply.payload, weight_key=self.weight_key)
             try:
-                reason, distance = self.screen_one(update)
+                reason, distance = self.screen_one(update, rnd)
             except Exception as error:  # a reply no check foresaw: refused, never the round's end
                 log.exception("unexpected error while checking the update of %s", name)
                 reason, distance = f"could not be checked ({type(error).__name__}: {error})", None
             if reason:
-                refused[name] = reason
+                refused[name] = cut(reason)
             else:
                 screened.append((update, distance))
         distances = {u.hospital.name: d for u, d in screened if d is not None}
         self.update_norms = distances  # recorded with the round: what the norm rule judged by
         refused.update(norm_outliers(distances, self.cfg.screening.update_norm_limit))
+        if self.cfg.screening.refuse_unchanged:
+            refused.update({name: "its update is zero: it returned the model it received unchanged "
+                                  "(screening.refuse-unchanged)" for name, d in distances.items() if d == 0.0})
         accepted = [u for u, _ in screened if u.hospital.name not in refused]
+        self.weight_cuts = {}
         if accepted:
-            shares = capped_shares([u.num_examples for u in accepted], self.cfg.screening.max_hospital_weight)
+            counts = [float(u.num_examples) for u in accepted]
+            weights, cut_index = ratio_capped_weights(counts, self.cfg.screening.sample_ratio_limit)
+            for i in cut_index:
+                self.weight_cuts[accepted[i].hospital.name] = (
+                    f"weighs {weights[i]:.6g} samples, not the {counts[i]:.6g} it reported: "
+                    f"screening.sample-ratio-limit={self.cfg.screening.sample_ratio_limit:g} x the others' median")
+                log.warning("%s %s", accepted[i].hospital.name, self.weight_cuts[accepted[i].hospital.name])
+            shares = capped_shares(weights, self.cfg.screening.max_hospital_weight)
             for update, share in zip(accepted, shares):
                 update.share = float(share)
         return accepted
 
-    def screen_one(self, update: HospitalUpdate) -> tuple[str | None, float | None]:
+    def screen_one(self, update: HospitalUpdate, rnd: int | None = None) -> tuple[str | None, float | None]:
         """One reply's reason to refuse (or None) and its update distance (for the round-wide norm rule)."""
         metrics = update.payload.metrics
-        reason = metrics_problem(metrics)
+        reason = metrics_problem(metrics, self.method.list_metrics)
+        if reason is None and rnd is not None and metrics.get("server-round") != rnd:
+            reason = (f"the reply is for round {brief(metrics.get('server-round'))}, not this round {rnd} "
+                      "(a reply replayed from another round, or one that does not say its round)")
         if reason is None:
             reason = sample_count_problem(metrics.get(self.weight_key), update.hospital.num_examples, self.weight_key)
         if reason:

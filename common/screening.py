@@ -18,26 +18,102 @@ import numpy as np
 
 from common.payload import NamedArrays
 
+#: Most characters of a hospital's own text (a value, a key, an error it reports) that a log line, a refusal reason
+#: or the history keeps: a hostile 100 MB string is cut, never copied.
+MAX_TEXT = 200
+#: Most entries of one metric list a reply may carry (FedProIn's influence matrix: classes x prototypes).
+MAX_METRIC_ENTRIES = 100_000
+
+
+def brief(value: Any, limit: int = MAX_TEXT) -> str:
+    """``repr(value)``, cut to ``limit`` characters (with how long it was) when longer."""
+    if isinstance(value, (list, tuple)) and len(value) > 20:
+        return f"[{', '.join(repr(v) for v in value[:3])}, ... {len(value)} entries]"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def cut(text: str, limit: int = 4 * MAX_TEXT) -> str:
+    """A reason (which may quote a hospital's text) cut to ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def is_count(value: Any) -> bool:
+    """A whole, finite number of at least 1 (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return math.isfinite(value) and value >= 1 and float(value).is_integer()
+
 
 def sample_count_problem(reported: Any, declared: int, key: str = "num-examples") -> str | None:
-    """A reply's sample count (``key``) must be a positive finite number no larger than the count the hospital
-    declared when it joined (it weighs the hospital's update in every average)."""
+    """A reply's sample count (``key``) must be a whole number of at least 1, no larger than the count the hospital
+    declared when it joined (it weighs the hospital's update in every average; 0.5 on every reply would make the
+    shares 0/0)."""
     if isinstance(reported, bool) or not isinstance(reported, (int, float, np.integer, np.floating)):
-        return f"{key}={reported!r} is not a number"
-    if not math.isfinite(reported) or reported <= 0:
-        return f"{key}={reported!r} is not a positive finite number"
+        return f"{key}={brief(reported)} is not a number"
+    if not is_count(reported):
+        return f"{key}={brief(reported)} is not a whole number of samples of at least 1"
     if reported > declared:
         return f"{key}={reported!r} is more than the {declared} training samples it declared when it joined"
     return None
 
 
-def metrics_problem(metrics: Mapping[str, Any]) -> str | None:
-    """Every metric is a number or a flat list of numbers (what Flower's MetricRecord carries)."""
+def metrics_problem(metrics: Mapping[str, Any], list_metrics: frozenset[str] = frozenset()) -> str | None:
+    """Every metric is a number, and only the metrics the method reads as lists (``list_metrics``, e.g. FedProIn's
+    influence matrix) may be lists of numbers, of at most :data:`MAX_METRIC_ENTRIES` entries: a method reads every
+    other metric as a number (FedMEPD averages ``val-*``), and a list there would end the round."""
     for key, value in metrics.items():
-        values = value if isinstance(value, (list, tuple)) else [value]
+        if not isinstance(key, str) or len(key) > MAX_TEXT:
+            return f"a metric name is not a short text ({brief(key)})"
+        if isinstance(value, (list, tuple)):
+            if key not in list_metrics:
+                return f"metric {key!r} is a list ({brief(value)}), not a number"
+            if len(value) > MAX_METRIC_ENTRIES:
+                return f"metric {key!r} holds {len(value)} entries, more than the {MAX_METRIC_ENTRIES} allowed"
+            values = value
+        else:
+            values = [value]
         if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
-            return f"metric {key!r}={value!r} is not a number or a list of numbers"
+            return f"metric {key!r}={brief(value)} is not a number" + (" list" if isinstance(value, list) else "")
     return None
+
+
+def declared_count_problem(declared: Any, limit: int) -> str | None:
+    """What a hospital declares when it joins: a whole number of samples of at least 1, at most ``limit``
+    (``screening.max-samples``)."""
+    if not is_count(declared) or isinstance(declared, float):
+        return f"num-examples={brief(declared)} is not a whole number of samples of at least 1"
+    if declared > limit:
+        return (f"num-examples={declared} is more than screening.max-samples={limit}, the most any hospital of this "
+                "consortium may declare")
+    return None
+
+
+def ratio_capped_weights(counts: list[float], limit: float) -> tuple[list[float], list[int]]:
+    """Each count cut to ``limit`` times the median of the others' (``screening.sample-ratio-limit``; 0: off):
+    the weights, and the indices that were cut."""
+    if limit <= 0 or len(counts) < 2:
+        return list(counts), []
+    weights, cut_index = [], []
+    for i, count in enumerate(counts):
+        ceiling = limit * float(np.median([c for j, c in enumerate(counts) if j != i]))
+        weights.append(min(count, ceiling))
+        if count > ceiling:
+            cut_index.append(i)
+    return weights, cut_index
+
+
+def relative_norms(norms: Mapping[str, float]) -> dict[str, float]:
+    """Each hospital's update norm over the median of the others' (1: a typical update; 0: it did not move, a
+    free-rider), recorded every round."""
+    if len(norms) < 2:
+        return {}
+    ratios = {}
+    for name, norm in norms.items():
+        others = float(np.median([n for other, n in norms.items() if other != name]))
+        if others > 0 and math.isfinite(norm):
+            ratios[name] = round(norm / others, 4)
+    return ratios
 
 
 def batchnorm_problem(arrays: Mapping[str, np.ndarray]) -> str | None:
@@ -83,7 +159,7 @@ def norm_outliers(distances: Mapping[str, float], limit: float) -> dict[str, str
 def capped_shares(weights: list[float], cap: float) -> np.ndarray:
     """Normalised weights in which no share exceeds ``cap``; what is cut is spread over the others in
     proportion to their weights (water-filling). A cap below 1/n gives equal shares."""
-    shares = np.asarray(weights, dtype=np.float64)
+    shares = np.asarray([float(w) for w in weights], dtype=np.float64)  # Python ints first: no int64 overflow
     shares = shares / shares.sum()
     if cap >= 1.0 or len(shares) == 0:
         return shares

@@ -208,16 +208,28 @@ def declared_nbytes(array: Array) -> int:
     return max(declared, len(array.data))
 
 
+def record_nbytes(record: Any) -> int:
+    """What a record holds, in bytes: an ArrayRecord's declared array sizes, a ConfigRecord's texts and bytes, a
+    MetricRecord's numbers (8 bytes each), so a 100 MB text or a list of millions counts against the reply limit."""
+    if isinstance(record, ArrayRecord):
+        return sum(declared_nbytes(a) for a in record.values())
+    total = 0
+    for key, value in record.items():
+        values = value if isinstance(value, list) else [value]
+        total += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in values)
+    return total
+
+
 def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordKeys | None = None) -> Payload:
     """The payload in a message's content (any layout); MalformedPayload for records of the wrong kind or
     content, or for arrays that would take more than ``limit`` bytes (checked before any is decoded). ``keys``:
     the record names (default: those the message's own config names)."""
     keys = keys or RecordKeys.of(content)
     if limit is not None:
-        total = sum(declared_nbytes(a) for r in content.values() if isinstance(r, ArrayRecord) for a in r.values())
+        total = sum(record_nbytes(r) for r in content.values())
         if total > limit:
-            raise MalformedPayload(f"its arrays take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB allowed "
-                                   "(screening.max-reply-mb)")
+            raise MalformedPayload(f"its records take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB "
+                                   "allowed (screening.max-reply-mb)")
     payload = Payload()
     config = content.get(keys.config)
     flat_layouts = {k: v for k, v in config.items() if k.startswith(FLAT_LAYOUT)} \

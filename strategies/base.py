@@ -30,6 +30,7 @@ from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of,
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
+from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
 from strategies.registry import method_tasks
 
@@ -130,6 +131,11 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     return load_job_config(flat)
 
 
+#: What a hospital may declare about itself besides its name and size (modalities, bit-width...), and how long.
+MAX_PROPERTIES = 32
+MAX_PROPERTY_TEXT = 256
+
+
 class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
@@ -196,6 +202,8 @@ class HospitalStrategy(Strategy):
         self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
         self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
         self._refusals: dict[int, str] = {}  # node id -> why it could not say which hospital it is
+        self.contested: dict[str, set[int]] = {}  # hospital name -> the nodes claiming it (no hospital-keys)
+        self._warned_names = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
@@ -290,6 +298,19 @@ class HospitalStrategy(Strategy):
         for node in list(self.hospitals):
             if node not in connected:
                 log.info("hospital %s (node %d) disconnected", self.hospitals.pop(node).name, node)
+        for name, claimants in list(self.contested.items()):  # an operator stopped all claimants but one
+            claimants &= connected
+            if len(claimants) <= 1:
+                del self.contested[name]
+                for node in claimants:
+                    self.unusable.pop(node, None)  # asked again below, and it holds the name alone
+                log.warning("hospital name %s is no longer contested%s", name,
+                            f": node {min(claimants)} alone claims it" if claimants else "")
+        if not self.job.hospital_keys and not self._warned_names and not isinstance(grid, InMemoryGrid):
+            self._warned_names = True
+            log.warning("hospital names are not authenticated (no hospital-keys): any node can claim any hospital's "
+                        "name and its place in the rounds; set hospital-keys to the folder of the hospitals' "
+                        "registered <hospital>.pub keys")
         retry_after = time.time() - self.RETRY_FAILED_NODES_AFTER
         new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
         give_up = time.time() + self.job.round_timeout
@@ -324,9 +345,9 @@ class HospitalStrategy(Strategy):
         """Record which hospital ``node`` is; a reply without a usable identity, a claim the hospital cannot
         sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
         if reply.has_error():
-            log.warning("node %d did not say which hospital it is: %s", node, reply.error.reason)
+            log.warning("node %d did not say which hospital it is: %s", node, cut(reply.error.reason))
             self.unusable[node] = time.time()
-            self._refusals[node] = reply.error.reason
+            self._refusals[node] = cut(reply.error.reason)
             return
         try:
             hospital = self.identity_of(node, reply)
@@ -336,13 +357,23 @@ class HospitalStrategy(Strategy):
             self._refusals[node] = str(error)
             return
         self._refusals.pop(node, None)
+        if hospital.name in self.contested:
+            self.contested[hospital.name].add(node)
+            log.warning("node %d claims to be %s too; the name is contested by nodes %s: none of them trains until "
+                        "an operator stops all but one (or sets hospital-keys)", node, hospital.name,
+                        sorted(self.contested[hospital.name]))
+            self.unusable[node] = time.time()
+            return
         for old_node, old in list(self.hospitals.items()):
             if old.name != hospital.name:
                 continue
-            if not self.job.hospital_keys:  # names are self-declared: the first connected node keeps it
-                log.warning("node %d claims to be %s, which node %d (still connected) is; refused, asked again "
-                            "next round (set hospital-keys to bind names to the hospitals' keys)",
-                            node, hospital.name, old_node)
+            if not self.job.hospital_keys:  # names are self-declared: two claimants are both refused
+                del self.hospitals[old_node]
+                self.contested[hospital.name] = {old_node, node}
+                self.unusable.update({old_node: time.time(), node: time.time()})
+                log.warning("node %d claims to be %s, which node %d (still connected) is: names are not authenticated "
+                            "(no hospital-keys), so neither trains until an operator stops one of them (or sets "
+                            "hospital-keys to bind names to the hospitals' keys)", node, hospital.name, old_node)
                 return
             log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)  # signed: a restart
             del self.hospitals[old_node]
@@ -359,9 +390,10 @@ class HospitalStrategy(Strategy):
             raise ValueError("no 'hospital' ConfigRecord") from None
         name, count = info.get("name"), info.get("num-examples")
         if not isinstance(name, str) or not SAFE_RUN_NAME.match(name) or len(name) > 120:
-            raise ValueError(f"name={name!r} is not a hospital name (letters, digits, '.', '_', '-')")
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise ValueError(f"{name}: num-examples={count!r} is not a positive integer")
+            raise ValueError(f"name={brief(name)} is not a hospital name (letters, digits, '.', '_', '-')")
+        problem = declared_count_problem(count, self.job.screening.max_samples)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
         if self.job.hospital_keys:
             signature = info.get(SIGNATURE_KEY)
             problems = [identity_problem(self.job.hospital_keys, self.job.run_name, nonce, name, signature)
@@ -369,6 +401,10 @@ class HospitalStrategy(Strategy):
             if all(problems):
                 raise ValueError(problems[-1])
         properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}
+        if len(properties) > MAX_PROPERTIES or any(len(str(v)) > MAX_PROPERTY_TEXT or len(k) > MAX_PROPERTY_TEXT
+                                                   for k, v in properties.items()):
+            raise ValueError(f"{name}: {len(properties)} properties, or one longer than {MAX_PROPERTY_TEXT} characters "
+                             f"({brief(properties)}); a hospital declares at most {MAX_PROPERTIES} short ones")
         hospital = HospitalInfo(name, count, properties)
         self.engine.method.check_hospital(hospital)
         return hospital
@@ -436,7 +472,7 @@ class HospitalStrategy(Strategy):
                             message.metadata.src_node_id)
                 continue
             if message.has_error():
-                round_replies.append(RoundReply(hospital, None, message.error.reason, 0))
+                round_replies.append(RoundReply(hospital, None, cut(message.error.reason), 0))
                 continue
             up = message_nbytes(message)
             try:
@@ -538,7 +574,8 @@ class HospitalStrategy(Strategy):
             if hospital is None or hospital not in self._evaluated:
                 continue
             if message.has_error():
-                log.warning("round %d: %s could not evaluate: %s", server_round, hospital.name, message.error.reason)
+                log.warning("round %d: %s could not evaluate: %s", server_round, hospital.name,
+                            cut(message.error.reason))
                 continue
             try:
                 metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
@@ -576,7 +613,7 @@ class HospitalStrategy(Strategy):
                 continue
             try:
                 if message.has_error():
-                    raise MalformedPayload(message.error.reason)
+                    raise MalformedPayload(cut(message.error.reason))
                 metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
                 scores[hospital.name] = models_of(metrics)
             except (MalformedPayload, ValueError) as error:

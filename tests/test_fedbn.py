@@ -49,7 +49,7 @@ def test_a_hospital_trains_from_its_own_layers_and_a_reply_with_bad_ones_is_refu
     site = simulated_sites(cfg, 2, state_root=tmp_path)[0]
     engine = RoundEngine(cfg)
     info = FedBNHospital(cfg, site).info()
-    reply = FedBNHospital(cfg, site).train(1, engine.downlink(1, info))
+    reply = FedBNHospital(cfg, site).timed_train(1, engine.downlink(1, info))
     kept = site.state.load(before_round=2)
     model = FedBNHospital(cfg, site).own_model(2, engine.downlink(2, info))
     np.testing.assert_array_equal(model.state_dict()["1.running_var"].numpy(), kept["1.running_var"])

@@ -39,7 +39,8 @@ def engine(small_classification):
 
 def honest_reply(engine, name, scale=1.0, n=10):
     arrays = {k: (v * scale if v.dtype.kind == "f" else v) for k, v in engine.method.global_arrays.items()}
-    return RoundReply(HospitalInfo(name, n), Payload(arrays={"model": arrays}, metrics={"num-examples": n}))
+    return RoundReply(HospitalInfo(name, n), Payload(arrays={"model": arrays},
+                                                     metrics={"num-examples": n, "server-round": 1}))
 
 
 def test_bad_updates_are_refused_with_reasons_and_the_round_goes_on(engine, caplog):
@@ -49,7 +50,7 @@ def test_bad_updates_are_refused_with_reasons_and_the_round_goes_on(engine, capl
     nan_reply.payload.arrays["model"][first_float] = np.full_like(before[first_float], np.nan)
     shape_reply = honest_reply(engine, "h-shape")
     shape_reply.payload.arrays["model"][first_float] = np.zeros(3, np.float32)
-    empty_reply = RoundReply(HospitalInfo("h-empty", 5), Payload(metrics={"num-examples": 5}))
+    empty_reply = RoundReply(HospitalInfo("h-empty", 5), Payload(metrics={"num-examples": 5, "server-round": 1}))
     error_reply = RoundReply(HospitalInfo("h-error", 5), None, "DataError: x.jpg: cannot read image")
     good = [honest_reply(engine, "h-good-1", 2.0, n=10), honest_reply(engine, "h-good-2", 4.0, n=30)]
     chosen = ([r.hospital for r in [nan_reply, shape_reply, empty_reply, error_reply, *good]]

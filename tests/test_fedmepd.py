@@ -349,7 +349,7 @@ def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     replies = []
     for site in sites:
         info = FedMEPDHospital(cfg, site).info()
-        replies.append(RoundReply(info, FedMEPDHospital(cfg, site).train(1, engine.downlink(1, info))))
+        replies.append(RoundReply(info, FedMEPDHospital(cfg, site).timed_train(1, engine.downlink(1, info))))
     good, nan, missing = replies
     name = next(k for k in nan.payload.arrays["model"] if k.startswith("decoder."))
     nan.payload.arrays["model"][name] = np.full_like(nan.payload.arrays["model"][name], np.nan)

@@ -60,7 +60,8 @@ def honest_reply(engine, name, n=20, scale=1.0, influence=None):
     if influence is None:
         counts[:, 0] = 1
     return RoundReply(HospitalInfo(name, n), Payload(arrays={"model": arrays},
-                                                     metrics={"num-examples": n, "influence": counts.ravel().tolist()}))
+                                                     metrics={"num-examples": n, "server-round": 1,
+                                                              "influence": counts.ravel().tolist()}))
 
 
 def test_server_averages_the_encoder_by_samples_and_records_prototype_usage(cfg):

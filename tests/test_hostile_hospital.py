@@ -37,7 +37,7 @@ def honest_arrays(reference: dict, seed: int) -> dict:
 
 def reply(name: str, arrays: dict | None = None, group: str = "model", n=DECLARED, **metrics) -> RoundReply:
     return RoundReply(HospitalInfo(name, DECLARED), Payload(arrays={group: arrays} if arrays is not None else {},
-                                                            metrics={"num-examples": n, **metrics}))
+                                                            metrics={"num-examples": n, "server-round": 1, **metrics}))
 
 
 def honest_round(engine: RoundEngine) -> list[RoundReply]:
@@ -79,7 +79,7 @@ ATTACKS = {
     "zero BatchNorm variance": (lambda g: reply("h-x", with_running_var(g, 0.0)), "variances must be positive"),
     "text metric": (lambda g: reply("h-x", honest_arrays(g, 9), **{"val-dice": "abc"}),
                     "metric 'val-dice'='abc' is not a number"),
-    "list as sample count": (lambda g: reply("h-x", honest_arrays(g, 9), n=[3]), "num-examples=[3] is not a number"),
+    "list as sample count": (lambda g: reply("h-x", honest_arrays(g, 9), n=[3]), "'num-examples' is a list ([3]), not a number"),
 }
 
 
@@ -186,7 +186,7 @@ def test_a_capped_hospital_weighs_what_the_cap_allows():
     name = next(k for k, v in g.items() if v.dtype.kind == "f" and not k.endswith("running_var"))
     replies = [reply("h-a", {**g, name: g[name] + 1.0}, n=10), reply("h-b", {**g, name: g[name] + 2.0}, n=10),
                RoundReply(HospitalInfo("h-big", 10_000), Payload(arrays={"model": {**g, name: g[name] + 4.0}},
-                                                                 metrics={"num-examples": 10_000}))]
+                                                                 metrics={"num-examples": 10_000, "server-round": 1}))]
     engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
     np.testing.assert_allclose(engine.method.global_arrays[name], g[name] + 0.25 * 1 + 0.25 * 2 + 0.5 * 4, rtol=1e-5)
 
@@ -256,19 +256,25 @@ def test_a_declared_bit_width_the_codec_lacks_is_refused_when_the_hospital_joins
     assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01"]
 
 
-def test_without_keys_a_second_node_cannot_take_a_connected_hospitals_name(tmp_path, caplog):
+def test_without_keys_a_contested_name_is_refused_to_both_nodes_until_one_is_stopped(tmp_path, caplog):
     config = {**{k.replace("_", "-"): v for k, v in SMALL.items()}, "state-dir": str(tmp_path / "s")}
     nodes = simulated_hospitals(config, 2)
     impostor = simulated_hospitals(config, 1, first_node_id=500)[500]  # partition 0: says it is hospital-00
-    strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
+    strategy = FedAvgStrategy(min_train_nodes=1, run_config=config)
     grid = FakeGrid(nodes)
     strategy.start(grid, num_rounds=1)
     grid.nodes[500] = impostor
     with caplog.at_level("WARNING", logger="fedmed"):
         strategy.start(grid, num_rounds=2)
-    assert strategy.hospitals[101].name == "hospital-00" and 500 not in strategy.hospitals
-    assert [m.metadata.dst_node_id for m in grid.sent_of_type(MessageType.TRAIN)] == [101, 102, 101, 102]
-    assert "node 500 claims to be hospital-00, which node 101 (still connected) is; refused" in caplog.text
+    assert 101 not in strategy.hospitals and 500 not in strategy.hospitals  # neither trains while both claim it
+    assert strategy.contested == {"hospital-00": {101, 500}}
+    assert strategy.engine.history[1]["aggregated"] == ["hospital-01"]
+    assert "node 500 claims to be hospital-00, which node 101 (still connected) is: names are not authenticated" \
+        in caplog.text
+    del grid.nodes[500]  # the operator stops the impostor
+    strategy.start(grid, num_rounds=3)
+    assert strategy.hospitals[101].name == "hospital-00" and not strategy.contested
+    assert strategy.engine.history[2]["aggregated"] == ["hospital-00", "hospital-01"]
 
 
 def key_pair(folder, name):

@@ -68,7 +68,7 @@ def test_fedproto_averages_each_class_over_the_hospitals_that_hold_it(cfg):
         return RoundReply(HospitalInfo(name, 10), Payload(
             arrays={"model": dict(engine.method.global_arrays),
                     "prototypes": {"mean": np.full((classes, dim), mean, np.float32), "count": np.array(count)}},
-            metrics={"num-examples": 10}))
+            metrics={"num-examples": 10, "server-round": 1}))
 
     replies = [reply("h1", 1.0, [5, 0, 1, 0]), reply("h2", 3.0, [50, 2, 0, 0]), reply("h3", np.nan, [1, 1, 1, 1])]
     record = engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)

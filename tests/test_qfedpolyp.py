@@ -239,7 +239,8 @@ def test_server_refuses_mismatched_payloads_and_averages_the_rest_by_sample_coun
 
     def reply(index, bits, n):
         encoded = encode_model(models[index], bits)
-        return RoundReply(infos[index], Payload(arrays={PACKED: encoded}, metrics={"num-examples": n}))
+        return RoundReply(infos[index], Payload(arrays={PACKED: encoded},
+                                                metrics={"num-examples": n, "server-round": 1}))
 
     good = [reply(0, 4, 10), reply(1, 8, 30), reply(2, 32, 60)]
     wrong_tag = reply(3, 4, 10)  # hospital-03 was assigned 8

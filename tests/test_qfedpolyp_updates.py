@@ -31,7 +31,7 @@ def one_round(cfg, sites, engine, rnd=1):
     replies = []
     for info, site in zip(chosen, sites):
         payload = engine.downlink(rnd, info)
-        replies.append(RoundReply(info, QFedPolypHospital(cfg, site).train(rnd, payload)))
+        replies.append(RoundReply(info, QFedPolypHospital(cfg, site).timed_train(rnd, payload)))
     return replies
 
 

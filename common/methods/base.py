@@ -70,6 +70,8 @@ class ServerMethod(ABC):
     """Server side of a method. Subclasses set ``name`` and implement the abstract methods."""
 
     name: ClassVar[str]
+    #: reply metrics this method reads as lists (every other metric must be a number: ``common.screening``)
+    list_metrics: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cfg: JobConfig, task: Task | None = None):
         self.cfg = cfg
@@ -104,7 +106,8 @@ class ServerMethod(ABC):
         if "model" not in update.payload.arrays:
             raise RejectedUpdate("reply carries no 'model' arrays")
         try:
-            check_like(update.payload.arrays["model"], self.expected_model(update), f"update of {update.hospital.name}")
+            check_like(update.payload.arrays["model"], self.expected_model(update), f"update of {update.hospital.name}",
+                       exact_dtype=True)
         except (ArraysMismatch, ValueError) as error:
             raise RejectedUpdate(str(error)) from None
 
@@ -174,6 +177,7 @@ class HospitalMethod(ABC):
         self.site.state.loaded_round = None
         reply = self.train(rnd, payload)
         reply.metrics["hospital-seconds"] = time.perf_counter() - started
+        reply.metrics["server-round"] = rnd  # the round this reply answers: the server refuses it in any other
         if self.site.state.loaded_round is not None:
             reply.metrics["state-from-round"] = self.site.state.loaded_round
         return reply

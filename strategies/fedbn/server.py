@@ -45,7 +45,7 @@ class FedBNServer(ServerMethod):
         norms = update.payload.arrays.get(NORM_GROUP)
         expected = split_norm_layers(self.global_arrays, self.norm_names)[1]
         try:
-            check_like(norms or {}, expected, f"normalisation layers of {update.hospital.name}")
+            check_like(norms or {}, expected, f"normalisation layers of {update.hospital.name}", exact_dtype=True)
         except ArraysMismatch as error:
             raise RejectedUpdate(str(error)) from None
         problem = batchnorm_problem(norms)

@@ -47,6 +47,7 @@ def normalised_influence_aggregation(prototypes: list[np.ndarray], influences: l
 
 class FedProInServer(ServerMethod):
     name = "fedproin"
+    list_metrics = frozenset({INFLUENCE})
 
     def __init__(self, cfg: JobConfig, task: Task | None = None):
         spec = (task or get_task(cfg)).spec
@@ -91,12 +92,15 @@ class FedProInServer(ServerMethod):
         influence = self.influence(update)
         if influence.dtype.kind not in "iuf":
             raise RejectedUpdate(f"influence matrix has dtype {influence.dtype}, expected counts")
-        if not np.isfinite(influence).all():
+        counts = influence.astype(np.float64)  # no int64 arithmetic on hostile numbers: 2**62 + 2**62 wraps to < 0
+        if not np.isfinite(counts).all():
             raise RejectedUpdate("influence matrix holds NaN or Inf")
-        if (influence < 0).any():
-            raise RejectedUpdate(f"influence matrix holds negative counts (smallest {influence.min()})")
-        if influence.sum() > update.num_examples:
-            raise RejectedUpdate(f"influence matrix counts {influence.sum()} samples, more than the "
+        if (counts < 0).any():
+            raise RejectedUpdate(f"influence matrix holds negative counts (smallest {counts.min():.6g})")
+        if (counts != np.floor(counts)).any():
+            raise RejectedUpdate("influence matrix holds fractional counts")
+        if counts.max() > update.num_examples or counts.sum() > update.num_examples:
+            raise RejectedUpdate(f"influence matrix counts {counts.sum():.6g} samples, more than the "
                                  f"{update.num_examples} the hospital trained on")
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:

@@ -61,7 +61,7 @@ class FedProtoServer(ServerMethod):
         group = update.payload.arrays.get(PROTOTYPES, {})
         expected = {"mean": self.prototypes, "count": np.zeros(len(self.present), dtype=np.int64)}
         try:
-            check_like(group, expected, "prototypes")
+            check_like(group, expected, "prototypes", exact_dtype=True)
         except ArraysMismatch as error:
             raise RejectedUpdate(str(error)) from None
         if (group["count"] < 0).any():

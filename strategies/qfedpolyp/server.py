@@ -87,7 +87,7 @@ class QFedPolypServer(ServerMethod):
         change = decode_model(update.payload.arrays[PACKED], reference=weights,
                               expected_bits=self.assigned.get(update.hospital.name), expected_content="update")
         sent_statistics = update.payload.arrays.get(STATISTICS, {})
-        check_like(sent_statistics, statistics, f"'{STATISTICS}' of {update.hospital.name}")
+        check_like(sent_statistics, statistics, f"'{STATISTICS}' of {update.hospital.name}", exact_dtype=True)
         rebuilt = {k: (v.astype(np.float64) + change[k]).astype(v.dtype) for k, v in weights.items()}
         return {k: rebuilt[k] if k in rebuilt else sent_statistics[k] for k in received}
 
