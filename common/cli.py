@@ -8,7 +8,9 @@
     fedmed evaluate --run results/<run-name> --data external-site/   # a run's model on a labelled folder
 
 Ctrl-C, SIGTERM or --timeout stop a simulation or the demo and every process it started (exit code 130, 143
-or 124; partial results stay in the run folder); a run that did not complete exits 1, a refused config 2.
+or 124; partial results stay in the run folder); a run that did not complete exits 1; a refused config or
+argument (a key or path that cannot work, a hospital count, a data set that does not fit the run) exits 2 with
+one line naming it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,18 @@ from typing import Any, Iterator
 import tomllib
 
 
-def parse_overrides(text: str) -> dict[str, Any]:
+def parse_overrides(text: str, what: str = "--run-config") -> dict[str, Any]:
     """``"a=1 b='x y'"`` -> ``{"a": 1, "b": "x y"}`` (values are TOML; bare words are strings)."""
+    from common.settings import ConfigError
+
     values: dict[str, Any] = {}
-    for item in shlex.split(text or ""):
+    try:
+        items = shlex.split(text or "")
+    except ValueError as error:  # e.g. "No closing quotation"
+        raise ConfigError(f"{what}: {text!r} cannot be split into key=value items ({error})") from None
+    for item in items:
         if "=" not in item:
-            raise SystemExit(f"run config override {item!r} is not key=value")
+            raise ConfigError(f"{what}: {item!r} is not key=value")
         key, raw = item.split("=", 1)
         try:
             values[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
@@ -41,12 +49,46 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return values
 
 
-def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
-    """Relative paths are relative to where the user stands, not to where Flower runs the apps."""
-    def is_path(key: str) -> bool:
-        return key.endswith(("-dir", "-file", "-path")) or key == "resume-from"
+def usable_path(what: str, value: str | Path) -> Path:
+    """``value`` made absolute; ConfigError naming ``what`` (a run-config key, a command-line option) when the file
+    system cannot take it at all: a name too long, a symbolic link loop, a folder that cannot be searched. A path
+    that merely does not exist (yet) is fine here: what needs it says so."""
+    from common.settings import ConfigError
 
-    return {k: (str(Path(v).resolve()) if is_path(k) and isinstance(v, str) and v else v) for k, v in values.items()}
+    try:
+        path = Path(value).resolve()
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    except OSError as error:  # ENAMETOOLONG, ELOOP (Python 3.13's resolve), EACCES, ...
+        raise ConfigError(f"{what}: {str(value)!r} cannot be used as a path: {error.strerror or error}") from None
+    except RuntimeError:  # Python 3.11's resolve() on a symbolic link loop
+        raise ConfigError(f"{what}: {str(value)!r} cannot be used as a path: it leads into a symbolic link "
+                          "loop") from None
+    return path
+
+
+def is_path_key(key: str) -> bool:
+    return key.endswith(("-dir", "-file", "-path")) or key in ("resume-from", "hospital-keys")
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """Relative paths are relative to where the user stands, not to where Flower runs the apps (ConfigError naming
+    the key for a path the file system cannot take)."""
+    return {k: (str(usable_path(k, v)) if is_path_key(k) and isinstance(v, str) and v else v)
+            for k, v in values.items()}
+
+
+def check_flower_config(what: str, values: dict[str, Any]) -> None:
+    """Values Flower's ``--run-config`` / ``--federation-config`` cannot carry (a string holding both quote kinds
+    or a line break): ConfigError naming the option and key, before anything starts."""
+    from common.launch import format_config
+    from common.settings import ConfigError
+
+    try:
+        format_config(values)
+    except ValueError as error:
+        raise ConfigError(f"{what}: {error}") from None
 
 
 class RunStopped(BaseException):
@@ -152,6 +194,8 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
     else:
         run_config["run-name"] = f"{cfg.task}-{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(run_config["results-dir"]) / run_config["run-name"]
+    check_flower_config("--run-config", run_config)
+    check_flower_config("--federation-config", engine)
 
     from common.launch import (
         FlowerHome,
@@ -251,22 +295,79 @@ def int8_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_evaluation_dataset(run: Path, dataset: str) -> None:
+    """``--dataset`` must be a folder format of the run's task (or a loader of the user's own,
+    'package.module:loader'): ConfigError naming it otherwise. A run whose config cannot be read here is left to
+    :func:`server_app.evaluation.evaluate_run`, which says why."""
+    if not dataset or ":" in dataset:
+        return
+    from common.config import TASK_DATASETS, ConfigError
+
+    try:
+        import numpy as np
+
+        from server_app.checkpoint import find_checkpoint
+
+        with np.load(find_checkpoint(run), allow_pickle=False) as archive:
+            task = json.loads(archive["run/config"].tobytes().decode())["task"]
+    except Exception:
+        return
+    formats = [name for name in TASK_DATASETS.get(task, ()) if name != "synthetic"]
+    if formats and dataset not in formats:
+        raise ConfigError(f"--dataset {dataset!r} does not fit the run's task {task!r}: use "
+                          f"{' or '.join(repr(f) for f in formats)} (or a loader of your own, 'package.module:loader')")
+
+
 def evaluate_command(args: argparse.Namespace) -> int:
     """``evaluate``: the run's model on a labelled folder, printed and written as JSON and markdown."""
     from server_app.evaluation import evaluate_run, render_evaluation, write_evaluation
+    from server_app.results import finite_or_none
 
     try:
+        check_evaluation_dataset(args.run, args.dataset)
         result = evaluate_run(args.run, args.data, round_number=args.round, int8_model=args.model,
                               modalities=args.modalities, hospital=args.hospital, dataset=args.dataset)
     except (ValueError, OSError) as error:  # a folder, checkpoint or model that does not fit: one line
         print(f"fedmed evaluate: {error}", file=sys.stderr)
         return 2
+    except (AttributeError, TypeError, KeyError, IndexError) as error:  # data a loader of the user's own gave,
+        # of another kind than the run's task takes: still one line, naming what was given
+        print(f"fedmed evaluate: --data {args.data} ({args.dataset or 'format from its layout'}) does not fit the "
+              f"run {args.run} ({type(error).__name__}: {error})", file=sys.stderr)
+        return 2
+    result = finite_or_none(result)  # strict JSON: a NaN score (e.g. HD95 of an empty mask) is written as null
     name = "-".join(part for part in (Path(args.data).name, args.hospital, "int8" if args.model else "",
                                       f"round-{args.round}" if args.round else "") if part)
     json_path, md_path = write_evaluation(result, args.out or Path(args.run) / "evaluations" / name)
     print(render_evaluation(result))
     print(f"written to {md_path} and {json_path}")
     return 0
+
+
+def partition_command(args: argparse.Namespace) -> int:
+    """``partition``: a hospital count below 1 is refused before anything is written; a refused partition leaves
+    no folder behind where there was none (a retry would find it not empty)."""
+    import shutil
+
+    from common.config import ConfigError, load_job_config
+    from common.data.export import export_partitions
+
+    if args.hospitals < 1:
+        raise ConfigError(f"--hospitals {args.hospitals}: a partition needs at least 1 hospital; nothing was written")
+    cfg = load_job_config(absolute_paths(parse_overrides(args.run_config)), check_paths=True)
+    new_folder = not args.out.exists()
+    try:
+        manifest = export_partitions(cfg, args.hospitals, args.out)
+    except BaseException:
+        if new_folder and args.out.is_dir() and not args.out.is_symlink():
+            shutil.rmtree(args.out, ignore_errors=True)
+        raise
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+#: command-line options that name files or folders (checked before anything runs)
+PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,28 +425,28 @@ def main(argv: list[str] | None = None) -> int:
     from common.data.containers import DataError
 
     try:
+        for option in PATH_OPTIONS:  # a name too long, a symbolic link loop: one line naming the option
+            if getattr(args, option, None) is not None:
+                usable_path(f"--{option.replace('_', '-')}", getattr(args, option))
         if args.command == "demo":
             return simulate(args.hospitals, {"num-server-rounds": args.rounds}, {}, args.home, args.timeout)
         if args.command == "simulate":
             overrides = parse_overrides(args.run_config)
             if args.overwrite:
                 overrides["overwrite-run"] = True
-            return simulate(args.hospitals, overrides, parse_overrides(args.federation_config), args.home,
-                            args.timeout)
+            return simulate(args.hospitals, overrides, parse_overrides(args.federation_config, "--federation-config"),
+                            args.home, args.timeout)
         if args.command == "partition":
-            from common.config import load_job_config
-            from common.data.export import export_partitions
-
-            cfg = load_job_config(absolute_paths(parse_overrides(args.run_config)), check_paths=True)
-            manifest = export_partitions(cfg, args.hospitals, args.out)
-            print(json.dumps(manifest, indent=2))
-            return 0
+            return partition_command(args)
         if args.command in ("export-int8", "segment"):
             return int8_command(args)
         if args.command == "evaluate":
             return evaluate_command(args)
     except (ConfigError, DataError) as error:
         print(f"fedmed: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a path the checks above could not foresee: one line naming the file, no traceback
+        print(f"fedmed {args.command}: {error}", file=sys.stderr)
         return 2
     except RunStopped as stopped:  # after the run's processes were ended (simulate's finally)
         print(f"fedmed: stopped ({stopped})", file=sys.stderr)

@@ -13,13 +13,14 @@ import time
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from common.config import JobConfig
 from common.round_engine import RoundEngine
 from strategies import strategy_arguments
 from strategies.registry import strategy_class
 
-from .checkpoint import save_checkpoint
-from .evaluation import write_cross_site
-from .results import render_summary, write_results
+from .checkpoint import list_checkpoints, save_checkpoint
+from .evaluation import HEADLINE, render_cross_site, write_cross_site
+from .results import finite_or_none, render_summary, write_results
 from .run_config import load_run_config
 
 log = logging.getLogger("fedmed")
@@ -79,8 +80,33 @@ def main(grid: Grid, context: Context) -> None:
     if checkpoint is not None:
         strategy.resume(checkpoint)
     strategy.start(grid)
-    write_results(cfg.run_dir, cfg.to_flat(), strategy.engine.history)
-    log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), strategy.engine.history))
-    if strategy.cross_site is not None:
-        log.info("cross-site evaluation (%s):\n%s", cfg.run_dir / "cross_site.md",
-                 write_cross_site(cfg.run_dir, strategy.cross_site, cfg.task))
+    finish(cfg, strategy.engine.history, strategy.cross_site)
+
+
+def finish(cfg: JobConfig, history: list[dict], cross_site: dict | None) -> None:
+    """The result files once more after the last round, and the cross-site table. A results folder that became
+    read-only or full since round 1 does not fail the run: the rounds it completed stay (the checkpoints already
+    written, the result files of the last round that could be written), the error is logged naming the folder,
+    and the summary and the cross-site scores still go to the log."""
+    try:
+        write_results(cfg.run_dir, cfg.to_flat(), history)
+    except OSError as error:
+        try:
+            written = [p.name for p in list_checkpoints(cfg.run_dir)]
+        except OSError:
+            written = []
+        log.error("the final result files (metrics.jsonl, summary.md, plots) could not be written to %s (%s); the "
+                  "checkpoints already written are kept there (%s)", cfg.run_dir, error,
+                  ", ".join(written) if written else "none")
+    log.info("finished %s\n%s", cfg.run_name, render_summary(cfg.to_flat(), history))
+    if cross_site is None:
+        return
+    record = finite_or_none(cross_site)  # strict JSON: a score that is NaN is written as null
+    where = cfg.run_dir / "cross_site.md"
+    try:
+        text = write_cross_site(cfg.run_dir, record, cfg.task)
+    except OSError as error:
+        log.error("the cross-site evaluation could not be written to %s (%s); its table follows here only",
+                  cfg.run_dir, error)
+        text, where = render_cross_site(record, HEADLINE[cfg.task]), "not written"
+    log.info("cross-site evaluation (%s):\n%s", where, text)

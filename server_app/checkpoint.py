@@ -6,6 +6,7 @@ unpickles anything. ``checkpoints/round-00007.npz`` holds the state after round 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -35,10 +36,14 @@ def save_checkpoint(run_dir: Path, rnd: int, state: dict[str, np.ndarray], keep:
         np.savez(partial, **state)
         os.replace(partial, target)
     except BaseException:
-        partial.unlink(missing_ok=True)  # the previous checkpoints stay as they were
+        with contextlib.suppress(OSError):  # (a folder made read-only: the write's own error is the one to report)
+            partial.unlink(missing_ok=True)  # the previous checkpoints stay as they were
         raise
     for old in list_checkpoints(run_dir)[:-(keep + 1)]:
-        old.unlink(missing_ok=True)
+        try:
+            old.unlink(missing_ok=True)
+        except OSError as error:  # the new checkpoint is written all the same
+            log.warning("%s: an old checkpoint could not be removed (%s)", old, error)
     return target
 
 

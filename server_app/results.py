@@ -6,11 +6,13 @@ metrics, seconds, and ``identity-seconds`` spent finding new hospitals before it
 (a markdown table) and ``plots/*.png`` (metrics and traffic over rounds; for FedMEPD the share of
 personal decoder filters per layer and hospital). All are
 rewritten from the full history after every round, atomically, so a resumed run continues the
-same files.
+same files. ``metrics.jsonl`` is strict JSON: a metric that is NaN or infinite is written as ``null``
+(read back as ``None``; tables show it as ``n/a``, plots leave a gap).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,10 +23,34 @@ SKIP_IN_TABLES = ("num-examples", "hd95_undefined")
 
 
 def _write(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: a write that fails (disk full, folder made read-only) leaves the
+    previous file as it was and no partial file beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
-    os.replace(partial, path)
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every float that is NaN or infinite replaced by None, in nested dicts, lists and tuples: what
+    strict JSON can carry (Python's json would write ``NaN``/``Infinity``, which other readers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """JSON that any reader takes: NaN and infinities as ``null`` (``allow_nan=False`` checks nothing slipped)."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
 
 def headline_metrics(history: list[dict[str, Any]]) -> list[str]:
@@ -32,12 +58,15 @@ def headline_metrics(history: list[dict[str, Any]]) -> list[str]:
     names: list[str] = []
     for record in history:
         for key, value in record.get("test", {}).items():
-            if "/" not in key and key not in SKIP_IN_TABLES and isinstance(value, (int, float)) and key not in names:
+            numeric = value is None or isinstance(value, (int, float))  # None: NaN or inf, read back from the file
+            if "/" not in key and key not in SKIP_IN_TABLES and numeric and key not in names:
                 names.append(key)
     return names
 
 
 def _fmt(value: Any) -> str:
+    if value is None:  # a NaN or infinite metric, as metrics.jsonl holds it
+        return "n/a"
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.4f}"
     return str(value)
@@ -91,7 +120,7 @@ def plot_history(history: list[dict[str, Any]], folder: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3), squeeze=False)
         for ax, metric in zip(axes[0], metrics):
             points = [(r["round"], r["test"][metric]) for r in history if metric in r.get("test", {})]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+            ax.plot([p[0] for p in points], [math.nan if p[1] is None else p[1] for p in points], marker="o")
             ax.set_title(metric)
             ax.set_xlabel("round")
             ax.grid(alpha=0.3)
@@ -121,7 +150,8 @@ def personal_filter_fractions(history: list[dict[str, Any]]) -> dict[str, dict[s
     for record in history:
         for hospital, layers in record.get("method", {}).get("personalised", {}).items():
             for layer, fraction in layers.items():
-                series.setdefault(hospital, {}).setdefault(layer, []).append((record["round"], fraction))
+                series.setdefault(hospital, {}).setdefault(layer, []).append(
+                    (record["round"], math.nan if fraction is None else fraction))
     return series
 
 
@@ -156,20 +186,27 @@ def plot_personalised(plt, series: dict[str, dict[str, list[tuple[int, float]]]]
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(partial, dpi=110)
-    os.replace(partial, path)
+    try:
+        fig.savefig(partial, dpi=110)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
     return path
 
 
 def write_results(run_dir: Path, config: dict[str, Any], history: list[dict[str, Any]], plots: bool = True) -> None:
     run_dir = Path(run_dir)
     _write(run_dir / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write(run_dir / "metrics.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in history))
+    _write(run_dir / "metrics.jsonl", "".join(strict_json(r, sort_keys=True) + "\n" for r in history))
     _write(run_dir / "summary.md", render_summary(config, history))
     if plots and history:
         plot_history(history, run_dir / "plots")
 
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The round records of ``metrics.jsonl`` (a NaN or infinite metric is None; a file written before they were
+    written as null, holding ``NaN``, still reads)."""
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

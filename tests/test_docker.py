@@ -1,10 +1,13 @@
 """docker-compose on a real Docker engine: the image builds, the consortium comes up with TLS and authentication
 and three hospitals on data written by ``fedmed partition``, a run submitted from the host with ``flwr run``
 completes with its results on the host; a hospital whose container is killed mid-run is recorded as missing,
-and after ``docker-compose start`` it rejoins with its saved state. Everything the test made is removed."""
+and after ``docker-compose start`` it rejoins with its saved state. Everything the test made is removed, the Docker
+engine too when the test started it (run directly, as the README's command does; ``.ci/run`` starts one first and
+stops it itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -19,8 +22,6 @@ from common.launch import FlowerHome, flwr, free_port, run_log, submit_run, wait
 from server_app.results import read_history
 
 from .conftest import ROOT
-
-pytestmark = [pytest.mark.docker, pytest.mark.integration]
 
 ENGINE = ROOT.parent / "shared" / "tools" / "docker-engine.sh"
 BASE_IMAGE = "fedmed-base/python:3.11"
@@ -37,14 +38,37 @@ def sh(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | No
     return done
 
 
+def docker_engine_running() -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@contextlib.contextmanager
+def docker_engine_for(script: Path, running=docker_engine_running):
+    """A Docker engine (and the base image) for the block, from ``script`` (docker-engine.sh). A test stops what it
+    starts: where no engine ran before, ``script --stop`` ends the one it started when the block ends, however it
+    ends (the script may start dockerd and fail after it, e.g. building the base image); an engine that was
+    running before (``.ci/run`` starts one) is left running."""
+    started_here = not running()
+    try:
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1200)
+        if done.returncode == 3:
+            pytest.skip(f"no Docker engine can start on this machine: {done.stdout.strip()} {done.stderr.strip()}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        yield
+    finally:
+        if started_here:
+            subprocess.run(["bash", str(script), "--stop"], capture_output=True, text=True, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def docker_engine():
     if not ENGINE.is_file():
         pytest.skip(f"no Docker engine script at {ENGINE} (../shared/tools beside the repository)")
-    done = subprocess.run(["bash", str(ENGINE)], capture_output=True, text=True, timeout=1200)
-    if done.returncode == 3:
-        pytest.skip(f"no Docker engine can start on this machine: {done.stdout.strip()} {done.stderr.strip()}")
-    assert done.returncode == 0, done.stdout + done.stderr
+    with docker_engine_for(ENGINE):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +131,39 @@ def history_of(project: Path, name: str) -> list[dict]:
     return read_history(path) if (path / "metrics.jsonl").is_file() else []
 
 
+FAKE_ENGINE = """echo "${1:-start}" >> "$FAKE_ENGINE_CALLS"
+[ "${1:-}" = "--stop" ] || exit "${FAKE_ENGINE_EXIT:-0}"
+"""
+
+
+@pytest.mark.parametrize(("running_before", "exit_code", "body_fails", "calls"), [
+    (False, 0, False, ["start", "--stop"]),  # the README's command: the test started it, the test stops it
+    (False, 0, True, ["start", "--stop"]),  # ... however the test ends
+    (False, 3, False, ["start", "--stop"]),  # no engine possible (it may have started dockerd before failing)
+    (True, 0, False, ["start"]),  # .ci/run started it: left running
+])
+def test_the_docker_engine_is_stopped_after_the_test_only_when_the_test_started_it(tmp_path, monkeypatch,
+                                                                                   running_before, exit_code,
+                                                                                   body_fails, calls):
+    script = tmp_path / "docker-engine.sh"
+    script.write_text(FAKE_ENGINE)
+    monkeypatch.setenv("FAKE_ENGINE_CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("FAKE_ENGINE_EXIT", str(exit_code))
+    ran = []
+    expected = pytest.skip.Exception if exit_code == 3 else RuntimeError if body_fails else None
+    with contextlib.ExitStack() as stack:
+        if expected is not None:
+            stack.enter_context(pytest.raises(expected))
+        with docker_engine_for(script, running=lambda: running_before):
+            ran.append(True)
+            if body_fails:
+                raise RuntimeError("the test failed")
+    assert ran == ([] if exit_code == 3 else [True])
+    assert (tmp_path / "calls").read_text().split() == calls
+
+
+@pytest.mark.docker
+@pytest.mark.integration
 def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     project, compose, home = consortium
     no_crash_loops = sh(*compose, "ps", cwd=project).stdout

@@ -3,6 +3,10 @@ overwritten by accident, and a resume continues the same experiment from a check
 
 from __future__ import annotations
 
+import errno
+import json
+import math
+
 import numpy as np
 import pytest
 
@@ -118,3 +122,118 @@ def test_a_damaged_hospital_state_file_is_set_aside_and_the_one_before_it_used(t
     assert store.loaded_round == 1 and (tmp_path / "state-r00002.npz.damaged").exists()
     assert f"hospital state {tmp_path / 'state-r00002.npz'} cannot be read" in caplog.text
     assert store.rounds() == [1]
+
+
+# --- result files: strict JSON, and a folder that fills up after round 1 -----------------------------------------
+def round_with(rnd: int, **test) -> dict:
+    return {"round": rnd, "chosen": ["hospital-00", "hospital-01"], "aggregated": ["hospital-00", "hospital-01"],
+            "missing": [], "refused": {}, "bytes_up": 1000, "bytes_down": 2000, "seconds": 0.5, "test": test,
+            "hospital_metrics": {"hospital-00": {"val-loss": float("-inf"), "num-examples": 10}}}
+
+
+def strict_loads(line: str):
+    def refuse(constant: str):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_nan_and_inf_metrics_are_written_as_null_and_read_back(tmp_path):
+    from server_app.results import plot_history, read_history, render_summary, write_results
+
+    history = [round_with(1, accuracy=float("nan"), loss=float("inf"), f1=0.25), round_with(2, accuracy=0.75,
+                                                                                             loss=0.5, f1=0.5)]
+    config = {"run-name": "r", "num-server-rounds": 2}
+    write_results(tmp_path, config, history)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [strict_loads(line) for line in lines]  # any JSON reader takes it
+    assert records[0]["test"] == {"accuracy": None, "loss": None, "f1": 0.25}
+    assert records[0]["hospital_metrics"]["hospital-00"] == {"val-loss": None, "num-examples": 10}
+    assert math.isnan(history[0]["test"]["accuracy"])  # the run's own history is left as it was
+
+    read = read_history(tmp_path)
+    assert read == records
+    summary = render_summary(config, read)  # the CLI's summary, from the file
+    assert "| 1 | 2/2 | n/a | 0.2500 | n/a |" in summary and "| 2 | 2/2 | 0.7500 | 0.5000 | 0.5000 |" in summary
+    assert {p.name for p in plot_history(read, tmp_path / "replotted")} == {"test_metrics.png", "traffic.png"}
+
+    (tmp_path / "old").mkdir()  # a file written before: NaN as Python's json wrote it still reads
+    (tmp_path / "old" / "metrics.jsonl").write_text(json.dumps(history[0]) + "\n")
+    assert math.isnan(read_history(tmp_path / "old")[0]["test"]["accuracy"])
+
+
+def test_a_cross_site_score_that_is_nan_is_written_as_null(tmp_path):
+    from server_app.app import finish
+
+    cfg = load_job_config({**TINY, "results-dir": str(tmp_path)})
+    record = {"after-round": 1, "failed": {}, "missing": [],
+              "scores": {"hospital-00": {"global": {"accuracy": float("nan"), "loss": 0.5}}}}
+    finish(cfg, [round_with(1, accuracy=float("nan"))], record)
+    saved = strict_loads((cfg.run_dir / "cross_site.json").read_text())
+    assert saved["scores"]["hospital-00"]["global"] == {"accuracy": None, "loss": 0.5}
+    assert "| hospital-00 | n/a |" in (cfg.run_dir / "cross_site.md").read_text()
+    assert strict_loads((cfg.run_dir / "metrics.jsonl").read_text())["test"] == {"accuracy": None}
+
+
+def test_a_results_folder_that_fills_up_after_round_1_ends_the_run_with_its_rounds_kept(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """The ServerApp's main on a fake grid: after round 1 every write fails (disk full); the run still ends
+    normally, round 1's checkpoint and result files stay, the log names the folder, the cross-site table is logged."""
+    from flwr.app import Context, RecordDict
+
+    from server_app import app as server
+    from server_app import evaluation, results
+    from server_app.checkpoint import list_checkpoints
+    from server_app.results import read_history
+
+    from .fake_grid import FakeGrid, simulated_hospitals
+
+    config = {**TINY, "run-name": "full", "results-dir": str(tmp_path / "results"), "state-dir": str(tmp_path / "s"),
+              "num-server-rounds": 2, "batch-size": 16, "min-partition-size": 5, "cross-site-evaluation": True}
+    full: list[bool] = []
+
+    def no_space(path):
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def failing(real):
+        def write(path, *args, **kwargs):
+            if full:
+                raise no_space(path)
+            return real(path, *args, **kwargs)
+        return write
+
+    def failing_figure(real):
+        def save(fig, path):
+            if full:
+                raise no_space(path)
+            return real(fig, path)
+        return save
+
+    for module in (results, evaluation):
+        monkeypatch.setattr(module, "_write", failing(results._write))
+        monkeypatch.setattr(module, "_save", failing_figure(results._save))
+    monkeypatch.setattr(np, "savez", failing(np.savez))
+    real_saver = server.RoundSaver.__call__
+
+    def saver(self, engine, record):
+        real_saver(self, engine, record)
+        if record["round"] == 1:
+            full.append(True)  # the disk fills up once round 1 is saved
+
+    monkeypatch.setattr(server.RoundSaver, "__call__", saver)
+    monkeypatch.setattr(server, "setup_logging", lambda: None)  # keep the log where caplog sees it
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    with caplog.at_level("INFO", logger="fedmed"):
+        server.main(FakeGrid(simulated_hospitals(config, 2)), context)  # no exception: the run ends normally
+
+    run_dir = tmp_path / "results" / "full"
+    assert [p.name for p in list_checkpoints(run_dir)] == ["round-00001.npz"]
+    assert [r["round"] for r in read_history(run_dir)] == [1]
+    assert not [p.name for p in run_dir.rglob(".*")]  # no partial files left beside them
+    text = caplog.text
+    assert f"round 2: checkpoint not written to {run_dir}" in text
+    assert f"the final result files (metrics.jsonl, summary.md, plots) could not be written to {run_dir}" in text
+    assert "No space left on device" in text and "kept there (round-00001.npz)" in text
+    assert "finished full" in text and "2 of 2 rounds" in text  # the summary still goes to the log
+    assert f"the cross-site evaluation could not be written to {run_dir}" in text and "| hospital-00 |" in text
+    assert not (run_dir / "cross_site.json").exists()

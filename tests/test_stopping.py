@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -84,6 +85,52 @@ def test_stop_ends_the_whole_tree_including_processes_that_left_the_group(tmp_pa
         assert alive(everything) == {}
         assert not process.running() and process not in launch.running_processes()
     finally:
+        launch.stop_all(grace=0.5)
+
+
+def processes_whose_cmdline_starts(text: str) -> dict[int, ProcessInfo]:
+    found = {}
+    for pid, info in process_table().items():
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(text.encode()) and info.state != "Z":
+                found[pid] = info
+        except OSError:
+            continue
+    return found
+
+
+def test_stop_ends_processes_that_were_orphaned_and_hide_their_launch_mark(tmp_path):
+    """What Ray's agents do when the ServerApp that started Ray is SIGKILLed: their parent dies, so they are no one's
+    descendants any more (reparented to init, in a session of their own), and their launch mark cannot be read
+    (Ray's ``setproctitle`` overwrites the environment /proc shows; ``env -i`` starts with none). stop() still ends
+    them: they were seen in the tree while their parent lived."""
+    pytest.importorskip("ray")
+    title = f"ray::DashboardAgent fedmed-test-{os.getpid()}-{time.monotonic_ns()}"
+    nap = f"342.{os.getpid()}"  # seconds: a sleep no other test starts
+    agent = f"import time, ray._raylet; ray._raylet.setproctitle({title!r}); time.sleep(341)"
+    middle = tmp_path / "middle.sh"  # like a Ray head started by the ServerApp: it dies, its agents stay
+    # (RAY_CLIENT_MODE, which importing ray put in this process's environment, is left out: importing ray rewrites an
+    # inherited one, and setproctitle then leaves the environment before it readable)
+    middle.write_text(f"env -i sleep {nap} &\nenv -u RAY_CLIENT_MODE {shlex.quote(sys.executable)} -c "
+                      f"{shlex.quote(agent)} &\nsleep 4\n")
+    process = start_process("escapers", ["bash", "-c", f"setsid bash {middle} & exec sleep 343"], tmp_path,
+                            tmp_path / "logs", env=dict(os.environ))
+    leaves: dict[int, ProcessInfo] = {}
+    try:
+        def orphaned() -> bool:
+            leaves.update(processes_whose_cmdline_starts(title))  # once its title is set
+            leaves.update(processes_whose_cmdline_starts(f"sleep\0{nap}"))
+            return len(leaves) == 2 and not processes_whose_cmdline_starts(f"bash\0{middle}")
+
+        assert wait_until(orphaned, 60), f"not orphaned in time: {leaves}"
+        # they escaped all that stop() relied on before: the tree and its session, and the mark
+        assert not set(leaves) & set(process_tree([process.pid])), "still in the tree"
+        assert not set(leaves) & set(marked_processes([process.mark])), "the mark is still readable"
+        assert process.stop(grace=1.0) == []
+        assert alive(leaves) == {}
+    finally:
+        for pid in alive(leaves):
+            os.kill(pid, signal.SIGKILL)
         launch.stop_all(grace=0.5)
 
 
@@ -232,7 +279,7 @@ def test_a_completed_run_that_aggregated_nobody_is_a_failure(tmp_path, monkeypat
 
 # --- the real thing: a simulation stopped by a signal ----------------------------------------------------
 FLOWER_PROCESSES = ("flower-superlink", "flower-superexec", "flwr-simulation", "raylet", "gcs_server",
-                    "ClientAppActor")
+                    "ClientAppActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 
 class Seen(dict):
@@ -265,12 +312,15 @@ class Seen(dict):
             self.names.update(name for name in FLOWER_PROCESSES if name in cmd)
 
 
-def stop_a_running_simulation(tmp_path: Path, signum: int, ready) -> tuple[int, float, Seen, str]:
-    """Start a long ``fedmed simulate``, send ``signum`` once ``ready(run_dir, seen)``; return the exit code, the
-    seconds from the signal to the exit, every process seen in its tree, and its stderr."""
+def stop_a_running_simulation(tmp_path: Path, signum: int, ready, act=None,
+                              timeout: float = 6 * 3600) -> tuple[int, float, Seen, str]:
+    """Start a long ``fedmed simulate``, send ``signum`` once ``ready(run_dir, seen)`` (or call ``act(seen)``
+    instead); return the exit code, the seconds from the signal to the exit, every process seen in its tree, and its
+    stderr."""
     results = tmp_path / "results"
     config = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in LONG_RUN.items())
     args = [sys.executable, "-m", "common.cli", "simulate", "--hospitals", "2", "--home", str(tmp_path / "home"),
+            "--timeout", str(timeout),
             "--run-config", f"{config} results-dir='{results}' state-dir='{tmp_path / 'state'}'"]
     cli_process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = Seen()
@@ -284,8 +334,11 @@ def stop_a_running_simulation(tmp_path: Path, signum: int, ready) -> tuple[int, 
             time.sleep(0.3)
         seen.add_tree_of(cli_process.pid)
         signalled = time.monotonic()
-        cli_process.send_signal(signum)
-        _, err = cli_process.communicate(timeout=60)
+        if act is None:
+            cli_process.send_signal(signum)
+        else:
+            act(seen)
+        _, err = cli_process.communicate(timeout=60 if act is None else timeout + 60)
         return cli_process.returncode, time.monotonic() - signalled, seen, err
     finally:
         if cli_process.poll() is None:
@@ -333,3 +386,30 @@ def test_sigterm_stops_the_simulation_once_ray_runs(tmp_path):
     assert {"flower-superlink", "flower-superexec", "flwr-simulation", "raylet"} <= seen.names
     assert alive(seen) == {}
     assert "stopped (SIGTERM)" in err
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.integration
+def test_a_serverapp_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
+    """SIGKILL of the ServerApp's process (flwr-simulation, which started Ray): Ray's raylet, GCS and agents lose
+    their parent; the CLI still ends with every process the launch started gone, Ray's agents included."""
+    def ray_agents_run(run_dir, seen):
+        return {"raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= seen.names
+
+    def kill_the_serverapp(seen):
+        serverapps = [pid for pid in alive(seen) if "flwr-simulation" in command_line(pid)]
+        assert serverapps
+        for pid in serverapps:
+            os.kill(pid, signal.SIGKILL)
+
+    code, _, seen, err = stop_a_running_simulation(tmp_path, signal.SIGKILL, ray_agents_run, act=kill_the_serverapp,
+                                                   timeout=90)
+    assert code in (1, cli.EXIT_TIMEOUT), err[-3000:]  # a failed run, or one Flower never calls finished
+    assert {"flower-superlink", "flwr-simulation", "raylet", "ray::DashboardAgent"} <= seen.names
+    assert alive(seen) == {}
