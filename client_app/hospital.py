@@ -27,8 +27,8 @@ def hospital_site(cfg: JobConfig, node: NodeConfig, run_name: str = "") -> Site:
     key = (cfg.model_dump_json(exclude={"run_name", "resume_from", "num_server_rounds"}), node.model_dump_json())
     if key not in _SITES:
         _SITES[key] = build_site(cfg, node.name, partition_id=node.partition_id, num_partitions=node.num_partitions,
-                                 data_dir=node.data_dir or None, device=node.device, properties=node.properties(),
-                                 node_arguments=node.dataset_args)
+                                 data_dir=node.data_dir or None, device=node.device or cfg.device,
+                                 properties=node.properties(), node_arguments=node.dataset_args)
         while len(_SITES) > _MAX_SITES:
             _SITES.popitem(last=False)
     _SITES.move_to_end(key)

@@ -8,7 +8,7 @@ job's data set. Unknown keys and wrong types are refused with the key named.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -24,7 +24,7 @@ class NodeConfig(Section):
     hospital: str = ""
     data_dir: str = ""
     state_dir: str = ""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = Field("", description="This hospital's device: auto, cpu, cuda or cuda:N (empty: the run config's).")
     modalities: str = Field("", description="Brain task: the MRI modalities this hospital has, e.g. 'flair,t1ce'.")
     bit_width: int = Field(0, ge=0, le=32, description="QFedPolyp: this hospital's bit-width (0: from run config).")
     dataset_args: str = Field("", description=(
@@ -43,6 +43,13 @@ class NodeConfig(Section):
         from common.quantization.codec import check_bit_width
 
         return value and check_bit_width(value, "bit-width")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        from common.devices import check_device
+
+        return value and check_device(value)
 
     @field_validator("hospital")
     @classmethod

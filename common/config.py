@@ -183,7 +183,12 @@ class CoreConfig(Section):
     state_dir: str = Field("state", description="Simulation: root of the virtual hospitals' state folders.")
     resume_from: str = Field("", description="Checkpoint file or run folder to continue from.")
     keep_checkpoints: int = Field(2, ge=1, description="Round checkpoints kept besides the latest.")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = Field("auto", description=(
+        "Where hospitals (unless their node config says) and the server compute: auto (a GPU where one is "
+        "visible; in simulation the one Ray gave the hospital), cpu, cuda or cuda:N (common/devices.py)."))
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description=(
+        "Local training and evaluation in mixed precision: bf16 or fp16 autocast (fp16 with gradient scaling), "
+        "fp32; auto: fp32 on the CPU, bf16 on a GPU that has it, else fp16."))
     evaluate_every: int = Field(1, ge=1, description="Evaluate the global model on the test set every N rounds.")
     cross_site_evaluation: bool = Field(False, description=(
         "After the last round every hospital scores the final global model (and its own, for methods that "
@@ -198,6 +203,13 @@ class CoreConfig(Section):
 
     screening: ScreeningSection = ScreeningSection()
     brain: BrainSection = BrainSection()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        from common.devices import check_device
+
+        return check_device(value)
 
     @field_validator("run_name")
     @classmethod

@@ -25,14 +25,14 @@ def simulated_hospital_name(partition_id: int) -> str:
 
 
 def simulated_sites(cfg: JobConfig, num_hospitals: int, state_root: str | Path | None = None,
-                    device: str = "auto", properties: list[dict[str, Any]] | None = None) -> list[Site]:
+                    device: str = "", properties: list[dict[str, Any]] | None = None) -> list[Site]:
     """Partitions 0..num_hospitals-1 of the job's data set, as in a Flower simulation."""
     sites = []
     for pid in range(num_hospitals):
         name = simulated_hospital_name(pid)
         state_dir = Path(state_root) / name if state_root else None
         sites.append(build_site(cfg, name, partition_id=pid, num_partitions=num_hospitals, state_dir=state_dir,
-                                device=device, properties=(properties or [{}] * num_hospitals)[pid]))
+                                device=device or cfg.device, properties=(properties or [{}] * num_hospitals)[pid]))
     return sites
 
 

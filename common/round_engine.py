@@ -161,6 +161,8 @@ class RoundEngine:
         record["hospital_metrics"] = {u.hospital.name: {k: v for k, v in u.payload.metrics.items()  # numbers only:
                                                         if not isinstance(v, (list, tuple))}  # lists go to "method"
                                       for u in accepted}
+        record["devices"] = {u.hospital.name: brief(u.payload.config.get("device", "?"), 80).strip("'")
+                             for u in accepted}
         record["train"] = weighted_mean_metrics([(u.weight, dict(u.payload.metrics)) for u in accepted])
         record["train"].pop("num-examples", None)
         record["seconds"] = round(time.time() - started, 3)

@@ -77,15 +77,6 @@ class HospitalStateStore:
                 (self.folder / f"state-r{old:05d}.npz").unlink(missing_ok=True)
 
 
-def resolve_device(choice: str = "auto") -> torch.device:
-    """``auto``: the GPU when there is one, else the CPU; ``cuda`` without a GPU is an error."""
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is visible on this machine")
-    return torch.device(choice)
-
-
 @dataclass
 class Site:
     """One hospital: ``train``/``val`` data (any container), device, properties, persistent state."""
@@ -115,4 +106,7 @@ def build_site(cfg, name: str, *, partition_id: int | None = None, num_partition
     train, val = task_class(cfg.task).load_hospital_data(
         cfg, partition_id=partition_id, num_partitions=num_partitions, data_dir=data_dir,
         properties=properties, seed=seed, hospital=name, node_arguments=node_arguments)
-    return Site(name, train, val, resolve_device(device), properties, HospitalStateStore(state_dir), seed=cfg.seed)
+    from common.devices import hospital_device
+
+    return Site(name, train, val, hospital_device(device, partition_id), properties, HospitalStateStore(state_dir),
+                seed=cfg.seed)

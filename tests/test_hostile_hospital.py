@@ -79,7 +79,8 @@ ATTACKS = {
     "zero BatchNorm variance": (lambda g: reply("h-x", with_running_var(g, 0.0)), "variances must be positive"),
     "text metric": (lambda g: reply("h-x", honest_arrays(g, 9), **{"val-dice": "abc"}),
                     "metric 'val-dice'='abc' is not a number"),
-    "list as sample count": (lambda g: reply("h-x", honest_arrays(g, 9), n=[3]), "'num-examples' is a list ([3]), not a number"),
+    "list as sample count": (lambda g: reply("h-x", honest_arrays(g, 9), n=[3]),
+                             "'num-examples' is a list ([3]), not a number"),
 }
 
 

@@ -142,8 +142,10 @@ class ServerMethod(ABC):
         return model
 
     def evaluate(self, test_data) -> dict[str, float]:
-        """Metrics of the global model on the server's held-out test set."""
-        return self.task.evaluate(self.evaluation_model(), test_data)
+        """Metrics of the global model on the server's held-out test set (on the server's GPU where it has one)."""
+        from common.devices import server_device
+
+        return self.task.evaluate(self.evaluation_model(), test_data, server_device(self.cfg.device))
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> NamedArrays:
@@ -178,6 +180,9 @@ class HospitalMethod(ABC):
         reply = self.train(rnd, payload)
         reply.metrics["hospital-seconds"] = time.perf_counter() - started
         reply.metrics["server-round"] = rnd  # the round this reply answers: the server refuses it in any other
+        from common.devices import describe
+
+        reply.config["device"] = describe(self.site.device)  # recorded with the round
         if self.site.state.loaded_round is not None:
             reply.metrics["state-from-round"] = self.site.state.loaded_round
         return reply

@@ -23,6 +23,7 @@ from monai.transforms import Compose, RandCropByPosNegLabeld, RandFlipd, Spatial
 
 from common.data.brats import MODALITIES, BratsCase, parse_modalities
 from common.data.containers import DataError
+from common.devices import autocast
 from common.metrics import SegmentationScores
 from common.models.networks import load_factory
 from common.models.rfnet import MultimodalSegNet, SegmentationOutputs
@@ -184,9 +185,10 @@ class BrainTumourTask(Task):
     def predict(self, model: torch.nn.Module, image: torch.Tensor) -> torch.Tensor:
         """Labels (1, D, H, W) of one volume (1, 4, D, H, W): sliding windows, averaged softmax."""
         model.eval()
-        probabilities = sliding_window_inference(
-            image, (self.cfg.brain.crop_size,) * 3, max(2, self.cfg.batch_size),
-            lambda window: torch.softmax(model(window), dim=1), overlap=self.cfg.brain.window_overlap)
+        with autocast(image.device, self.cfg.precision):
+            probabilities = sliding_window_inference(
+                image, (self.cfg.brain.crop_size,) * 3, max(2, self.cfg.batch_size),
+                lambda window: torch.softmax(model(window).float(), dim=1), overlap=self.cfg.brain.window_overlap)
         return torch.as_tensor(probabilities).argmax(dim=1)
 
     def evaluate(self, model: torch.nn.Module, data: list[BratsCase],

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from common.data.containers import DataError, LabelledImages
 from common.data.torch_data import TorchData
+from common.devices import autocast
 from common.metrics import classification_metrics
 from common.models.networks import build_network
 from common.models.representations import headless
@@ -107,8 +108,9 @@ class ClassificationTask(Task):
     @torch.no_grad()
     def predict(self, model: torch.nn.Module, data: LabelledImages, device: torch.device) -> np.ndarray:
         model.to(device).eval()
-        predictions = [model(x).argmax(dim=1).cpu().numpy()
-                       for x, _ in self.batches(data, 256, device, None, train=False)]
+        with autocast(device, self.cfg.precision):
+            predictions = [model(x).argmax(dim=1).cpu().numpy()
+                           for x, _ in self.batches(data, 256, device, None, train=False)]
         return np.concatenate(predictions) if predictions else np.zeros(0, dtype=np.int64)
 
     def validate(self, model: torch.nn.Module, data: LabelledImages,
@@ -119,9 +121,9 @@ class ClassificationTask(Task):
             return {}
         model.to(device).eval()
         correct, loss = 0, 0.0
-        with torch.no_grad():
+        with torch.no_grad(), autocast(device, self.cfg.precision):
             for x, y in self.batches(data, 256, device, None, train=False):
-                output = model(x)
+                output = model(x).float()
                 correct += int((output.argmax(dim=1) == y).sum())
                 loss += float(F.cross_entropy(output, y, reduction="sum"))
         return {"accuracy": correct / len(data), "loss": loss / len(data)}

@@ -10,6 +10,7 @@ from monai.losses import DiceLoss
 
 from common.data.containers import SegmentationImages
 from common.data.torch_data import TorchData
+from common.devices import autocast
 from common.metrics import SegmentationScores
 from common.models.networks import build_network
 
@@ -53,8 +54,9 @@ class PolypSegmentationTask(Task):
     def predict_masks(self, model: torch.nn.Module, data: SegmentationImages, device: torch.device,
                       batch_size: int = 32) -> np.ndarray:
         model.to(device).eval()
-        masks = [(torch.sigmoid(model(x)) > 0.5).squeeze(1).cpu().numpy().astype(np.uint8)
-                 for x, _ in self.batches(data, batch_size, device, None, train=False)]
+        with autocast(device, self.cfg.precision):
+            masks = [(torch.sigmoid(model(x).float()) > 0.5).squeeze(1).cpu().numpy().astype(np.uint8)
+                     for x, _ in self.batches(data, batch_size, device, None, train=False)]
         return np.concatenate(masks) if masks else np.zeros((0,) + data.masks.shape[1:], np.uint8)
 
     def evaluate(self, model: torch.nn.Module, data: SegmentationImages,

@@ -23,8 +23,8 @@ import torch
 from common.arrays import NamedArrays, load_model_arrays, model_arrays
 from common.data.brats import MODALITIES, parse_modalities
 from common.data.containers import DataError
+from common.devices import server_device
 from common.methods.base import HospitalInfo, HospitalMethod, HospitalUpdate, RejectedUpdate, ServerMethod
-from common.site import resolve_device
 
 
 def hospital_modalities(hospital: HospitalInfo) -> tuple[str, ...]:
@@ -53,7 +53,7 @@ class ServerTraining(ServerMethod):
 
     def __init__(self, cfg, task=None):
         super().__init__(cfg, task)
-        self.device = resolve_device(cfg.device)
+        self.device = server_device(cfg.device)
         self._server_cases = None
 
     def server_cases(self):
