@@ -276,16 +276,20 @@ class CoreConfig(Section):
         """Paths the server itself reads must exist (checked before round 1)."""
         if self.dataset in ("ham10000", "npz", "image-mask", "brats") and not self.data_dir and not self.test_dir:
             raise ConfigError(f"data-dir: dataset={self.dataset!r} needs data-dir (simulation) or test-dir")
-        for key in ("data_dir", "test_dir"):
-            value = getattr(self, key)
-            if value and not Path(value).exists():
-                raise ConfigError(f"{_hyphen(key)}: {value!r} does not exist")
-        if self.brain.server_data_dir and not Path(self.brain.server_data_dir).exists():
-            raise ConfigError(f"brain.server-data-dir: {self.brain.server_data_dir!r} does not exist")
-        if self.hospital_keys and not Path(self.hospital_keys).is_dir():
-            raise ConfigError(f"hospital-keys: {self.hospital_keys!r} is not a folder of <hospital>.pub files")
-        if self.resume_from and not Path(self.resume_from).exists():
-            raise ConfigError(f"resume-from: {self.resume_from!r} does not exist")
+        checks = [("data-dir", self.data_dir, "exists"), ("test-dir", self.test_dir, "exists"),
+                  ("brain.server-data-dir", self.brain.server_data_dir, "exists"),
+                  ("hospital-keys", self.hospital_keys, "is_dir"), ("resume-from", self.resume_from, "exists")]
+        for key, value, test in checks:
+            if not value:
+                continue
+            try:
+                found = getattr(Path(value), test)()
+            except OSError as error:  # a name too long, a symbolic link loop, a folder that cannot be searched
+                raise ConfigError(f"{key}: {value[:200]!r} cannot be used as a path: {error.strerror or error}") \
+                    from None
+            if not found:
+                what = "is not a folder of <hospital>.pub files" if key == "hospital-keys" else "does not exist"
+                raise ConfigError(f"{key}: {value!r} {what}")
 
 
 def _job_config_type() -> type[CoreConfig]:

@@ -77,3 +77,12 @@ def test_node_config_needs_data_and_names_bad_keys(tmp_path):
     node = load_node_config({"hospital": "st-olav", "data-dir": str(tmp_path), "device": "cpu"})
     assert node.name == "st-olav"
     assert load_node_config({"partition-id": 3, "num-partitions": 5}).name == "hospital-03"
+
+
+def test_a_path_the_file_system_cannot_take_is_named_by_its_key(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ConfigError, match="data-dir: .*loop"):
+        load_job_config({"dataset": "npz", "data-dir": str(loop / "x.npz")}, check_paths=True)
+    with pytest.raises(ConfigError, match="test-dir: .*(File name too long|does not exist)"):
+        load_job_config({"dataset": "npz", "test-dir": "/tmp/" + "a" * 5000}, check_paths=True)
