@@ -203,6 +203,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
         free_port,
         run_log,
         running_processes,
+        simulation_resources,
         start_superlink,
         stop_all,
         submit_run,
@@ -229,7 +230,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
         with signals(_raise_stopped):
             try:
                 start_superlink(flower_home, free_port(), simulation=True)
-                run_id = submit_run(flower_home, "local", run_config, {"num-supernodes": hospitals, **engine})
+                run_id = submit_run(flower_home, "local", run_config, simulation_resources(hospitals, engine))
                 print(f"run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
                 left = max(1.0, deadline - time.monotonic())
                 status = wait_for_run(flower_home, "local", run_id, left, on_poll=progress)

@@ -53,7 +53,9 @@ def flower_env(home: Path) -> dict[str, str]:
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+        # a virtual hospital Ray gave no GPU sees none (it trains on the CPU as asked), instead of every such
+        # hospital piling onto GPU 0 (common/devices.py)
+        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1",
         "PYTHONUNBUFFERED": "1",
     })
     return env
@@ -548,6 +550,20 @@ def quoted(key: str, text: str) -> str:
 def flwr(home: FlowerHome, *args: str, timeout: float = 120.0, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "flwr"), *args], env=home.env, cwd=cwd or PROJECT_ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def simulation_resources(hospitals: int, given: Mapping[str, Any], gpus: int | None = None) -> dict[str, Any]:
+    """Flower's federation config for ``hospitals`` virtual hospitals: where GPUs are visible and the user set no
+    ``client-resources-num-gpus``, each hospital gets an equal share of them (4 hospitals on 1 GPU: 0.25 each,
+    sharing it; 8 on 4: 0.5 each, Ray spreading them over the 4), so none trains on the CPU unasked."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    resources = {"num-supernodes": hospitals, **given}
+    if gpus and "client-resources-num-gpus" not in given:
+        resources["client-resources-num-gpus"] = round(min(1.0, gpus / max(hospitals, 1)), 4)
+    return resources
 
 
 def submit_run(home: FlowerHome, connection: str, run_config: Mapping[str, Any] | None = None,

@@ -73,3 +73,18 @@ def test_bf16_training_on_the_cpu_trains_and_each_round_records_the_devices(one_
     assert record["aggregated"] == ["hospital-00", "hospital-01"]
     assert record["devices"] == {"hospital-00": "cpu", "hospital-01": "cpu"}
     assert all(torch.isfinite(torch.as_tensor(v)).all() for v in engine.method.global_arrays.values())
+
+
+def test_fedmed_simulate_shares_the_visible_gpus_among_the_hospitals_unless_told():
+    from pathlib import Path
+
+    from common.launch import flower_env, simulation_resources
+
+    assert simulation_resources(4, {}, gpus=1) == {"num-supernodes": 4, "client-resources-num-gpus": 0.25}
+    assert simulation_resources(8, {}, gpus=4)["client-resources-num-gpus"] == 0.5
+    assert simulation_resources(2, {}, gpus=4)["client-resources-num-gpus"] == 1.0  # a whole GPU at most
+    given = {"client-resources-num-gpus": 0.0}
+    assert simulation_resources(4, given, gpus=2)["client-resources-num-gpus"] == 0.0  # the user's word
+    assert "client-resources-num-gpus" not in simulation_resources(4, {}, gpus=0)
+    # a hospital Ray gives no GPU sees none, so it cannot pile onto GPU 0 with the others
+    assert flower_env(Path("/tmp/home"))["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "1"
