@@ -204,6 +204,7 @@ class HospitalStrategy(Strategy):
         self._refusals: dict[int, str] = {}  # node id -> why it could not say which hospital it is
         self.contested: dict[str, set[int]] = {}  # hospital name -> the nodes claiming it (no hospital-keys)
         self._warned_names = False
+        self._warned_gpus = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
@@ -502,6 +503,7 @@ class HospitalStrategy(Strategy):
                                             self._round_started, self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
         self._record = record
+        self.warn_of_idle_gpus(record)
         if not record["aggregated"]:
             return None, None
         metrics = round_metricrecord(record)
@@ -512,6 +514,20 @@ class HospitalStrategy(Strategy):
         if "skipped" in record:
             return None, metrics
         return as_arrayrecord(self.engine.method.global_arrays), metrics
+
+    def warn_of_idle_gpus(self, record: dict[str, Any]) -> None:
+        """Once: the server sees GPUs but hospitals with ``device='auto'`` trained on the CPU (in Flower's simulation:
+        no ``client-resources-num-gpus``, so Ray gave them none)."""
+        import torch
+
+        on_cpu = sorted(h for h, device in record.get("devices", {}).items() if device == "cpu")
+        if self._warned_gpus or not on_cpu or self.job.device != "auto" or not torch.cuda.is_available():
+            return
+        self._warned_gpus = True
+        log.warning("this machine has %d GPU(s) but %s trained on the CPU: in Flower's simulation give the hospitals "
+                    "GPUs with --federation-config \"client-resources-num-gpus=0.25\" (fedmed simulate does), in a "
+                    "deployment set device='cuda:N' in their node config", torch.cuda.device_count(),
+                    ", ".join(on_cpu))
 
     def release(self, server_round: int, arrays: ArrayRecord) -> None:
         """``arrays`` are round ``server_round``'s released global model (a wrapper's or a subclass's take on what

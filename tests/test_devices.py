@@ -88,3 +88,13 @@ def test_fedmed_simulate_shares_the_visible_gpus_among_the_hospitals_unless_told
     assert "client-resources-num-gpus" not in simulation_resources(4, {}, gpus=0)
     # a hospital Ray gives no GPU sees none, so it cannot pile onto GPU 0 with the others
     assert flower_env(Path("/tmp/home"))["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "1"
+
+
+def test_the_server_warns_once_when_it_has_gpus_and_hospitals_trained_on_the_cpu(four_gpus, caplog):
+    from strategies import FedAvgStrategy
+
+    strategy = FedAvgStrategy(run_config={"model": "small-cnn", "image-size": 8, "synthetic-samples": 40})
+    with caplog.at_level("WARNING", logger="fedmed"):
+        strategy.warn_of_idle_gpus({"devices": {"hospital-00": "cpu", "hospital-01": "cuda:0 (X)"}})
+        strategy.warn_of_idle_gpus({"devices": {"hospital-00": "cpu"}})
+    assert caplog.text.count("but hospital-00 trained on the CPU") == 1
