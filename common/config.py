@@ -201,8 +201,64 @@ class CoreConfig(Section):
         "'auto': flat in the strategy's own round loop, per tensor under Flower's (e.g. inside Flower's DP "
         "wrappers, which compare each reply with the sent model tensor by tensor)."))
 
+    tracking: str = Field("none", description=(
+        "Experiment tracking of every round from the server (docs/tracking.md): none, tensorboard (event files in "
+        "<run>/tensorboard, extra fedmed-hospitals[tensorboard]), mlflow (a file store in <run>/mlruns unless "
+        "tracking-uri, extra fedmed-hospitals[mlflow]), or both, 'tensorboard,mlflow'."))
+    tracking_uri: str = Field("", description=(
+        "MLflow: where runs go, a tracking server (http://host:5000), a database (sqlite:////abs/mlflow.db) or a "
+        "file store (file:///abs/mlruns); empty: <run>/mlruns. Credentials go in MLFLOW_TRACKING_USERNAME/PASSWORD, "
+        "never in the URI (run config reaches every hospital)."))
+    select_by: str = Field("", description=(
+        "Keep the best round's global model in checkpoints/best.npz besides the latest: a metric of the round "
+        "records, e.g. 'test.dice', 'train.val-dice' (the hospitals' validation mean), 'min:test.loss'; without "
+        "max:/min: loss and hd95 are minimised, other metrics maximised. Empty: no best model."))
+
     screening: ScreeningSection = ScreeningSection()
     brain: BrainSection = BrainSection()
+
+    @field_validator("tracking")
+    @classmethod
+    def _known_trackers(cls, value: str) -> str:
+        trackers = ("tensorboard", "mlflow")  # server_app/tracking.py
+        items = [item.strip().lower() for item in value.replace(";", ",").split(",") if item.strip()]
+        if items in ([], ["none"]):
+            return "none"
+        unknown = [item for item in items if item not in trackers]
+        if unknown:
+            raise ValueError(f"unknown tracker {unknown[0]!r}: use none, tensorboard, mlflow or 'tensorboard,mlflow'")
+        return ",".join(dict.fromkeys(items))
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials_in_uri(cls, value: str) -> str:
+        from urllib.parse import urlsplit
+
+        value = value.strip()
+        try:
+            password = urlsplit(value).password
+        except ValueError as error:
+            raise ValueError(f"{value[:200]!r} is not a URI ({error})") from None
+        if password is not None:
+            raise ValueError("holds a password: the run config reaches every hospital, so give MLflow's "
+                             "credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD on the server")
+        return value
+
+    @field_validator("select_by")
+    @classmethod
+    def _selectable_metric(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            return value
+        tables = ("test", "train", "hospital_metrics", "method", "traffic", "update-norm", "update-norm-vs-median")
+        numbers = ("bytes_up", "bytes_down", "seconds")  # the round record's own (server_app/results.py reads them)
+        direction, _, path = value.partition(":") if value.startswith(("max:", "min:")) else ("", "", value)
+        section, dot, key = path.partition(".")
+        if not (section in tables and dot and key.strip(".") or section in numbers and not dot):
+            raise ValueError(f"{value!r} is not a metric of the round records: use <table>.<metric> with table one "
+                             f"of {', '.join(tables[:5])} (e.g. 'test.dice', 'train.val-accuracy', 'min:test.loss'), "
+                             f"or one of {', '.join(numbers)}, with max: or min: in front to say which way is better")
+        return f"{direction}:{path}" if direction else path
 
     @field_validator("device")
     @classmethod

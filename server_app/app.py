@@ -1,4 +1,5 @@
-"""The ServerApp: validate the job, build the method's strategy from it, run the rounds, save after each one.
+"""The ServerApp: validate the job, build the method's strategy from it, run the rounds, save after each one
+(checkpoint, best model, result files, status, trackers: ``RoundSaver``).
 
 fedmed's ServerApp is one user of the strategies in ``strategies/``: the validated run config becomes
 the strategy's constructor arguments (``strategies.strategy_arguments``).
@@ -6,22 +7,36 @@ the strategy's constructor arguments (``strategies.strategy_arguments``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import JobConfig
+from common.config import ConfigError, JobConfig
 from common.round_engine import RoundEngine
 from strategies import strategy_arguments
 from strategies.registry import strategy_class
 
-from .checkpoint import list_checkpoints, save_checkpoint
+from .checkpoint import best_path, list_checkpoints, read_best, save_best, save_checkpoint
 from .evaluation import HEADLINE, render_cross_site, write_cross_site
-from .results import finite_or_none, render_summary, write_results
+from .results import (
+    better,
+    finite_or_none,
+    parse_selection,
+    record_value,
+    render_summary,
+    write_results,
+    write_status,
+)
 from .run_config import load_run_config
+from .tracking import Tracking, check_installed, requested
 
 log = logging.getLogger("fedmed")
 app = ServerApp()
@@ -38,33 +53,158 @@ def setup_logging() -> None:
 
 
 class RoundSaver:
-    """After every round: a checkpoint first, then the result files rebuilt from the history.
+    """After every round: a checkpoint first, the best round's model (``select-by``), then the result files rebuilt
+    from the history, the run's status heartbeat, and the round to the trackers (``tracking``).
 
     Plots take about a second to draw, so they are redrawn at most every ``plot_interval`` seconds
-    (and after the last round), which keeps them off the critical path of short rounds.
+    (and after the last round), which keeps them off the critical path of short rounds. One saver may serve several
+    runs one after another (in-process benchmarks): what it keeps is by run folder. :meth:`start` opens a run before
+    its first round (the ServerApp calls it; otherwise the first round does), :meth:`close` ends it.
     """
 
     def __init__(self, plot_interval: float = 30.0):
         self.plot_interval = plot_interval
         self.last_plot = 0.0
+        self.started: set[Path] = set()
+        self.tracking: dict[Path, Tracking] = {}
+        self.class_names: dict[Path, list[str] | None] = {}
+        self.warned: set[tuple[Path, str]] = set()
+
+    def start(self, engine: RoundEngine, prior: list[dict] | None = None) -> None:
+        """The run's status ``running``, its trackers opened (ConfigError when one is not installed), the best model
+        of the run it resumes carried over. ``prior``: the rounds recorded before (default: the engine's history)."""
+        cfg = engine.cfg
+        key = Path(cfg.run_dir).resolve()
+        if key in self.started:
+            return
+        self.started.add(key)
+        prior = engine.history if prior is None else prior
+        spec = getattr(getattr(engine.method, "task", None), "spec", None) or {}
+        names = spec.get("class-names")
+        self.class_names[key] = names.split(",") if isinstance(names, str) and names else None
+        self.status(cfg, prior, "running")
+        if cfg.select_by and cfg.resume_from:
+            carry_best(cfg, prior)
+        if requested(cfg):
+            check_installed(cfg)
+            self.tracking[key] = Tracking(cfg, prior, self.class_names[key])
 
     def __call__(self, engine: RoundEngine, record: dict) -> None:
         """A write that fails (disk full, permissions changed) is logged and the run goes on: the checkpoints
-        already written stay whole, and the next round tries again."""
+        already written stay whole, and the next round tries again. So does a tracker that fails."""
         cfg = engine.cfg
+        key = Path(cfg.run_dir).resolve()
+        if key not in self.started:
+            try:
+                self.start(engine, engine.history[:-1])
+            except ConfigError as error:  # a tracker not installed, found only now: the rounds go on without it
+                log.error("%s", error)
+        state = engine.state_dict()
         try:
-            save_checkpoint(cfg.run_dir, record["round"], engine.state_dict(), keep=cfg.keep_checkpoints)
+            save_checkpoint(cfg.run_dir, record["round"], state, keep=cfg.keep_checkpoints)
         except OSError as error:
             log.error("round %d: checkpoint not written to %s (%s); the earlier checkpoints are kept",
                       record["round"], cfg.run_dir, error)
+        if cfg.select_by:
+            self.keep_best(engine, record, state)
         plots = record["round"] == cfg.num_server_rounds or time.time() - self.last_plot > self.plot_interval
         try:
-            write_results(cfg.run_dir, cfg.to_flat(), engine.history, plots=plots)
+            write_results(cfg.run_dir, cfg.to_flat(), engine.history, plots=plots,
+                          class_names=self.class_names.get(key))
         except OSError as error:
             log.error("round %d: result files not written to %s (%s)", record["round"], cfg.run_dir, error)
+        else:
+            if plots:
+                self.last_plot = time.time()
+        self.status(cfg, engine.history, "running")
+        if key in self.tracking:
+            self.tracking[key].log_round(record)
+
+    def keep_best(self, engine: RoundEngine, record: dict, state: dict) -> None:
+        """``checkpoints/best.npz`` holds this round's model when its ``select-by`` metric beats the best one's."""
+        cfg = engine.cfg
+        direction, path = parse_selection(cfg.select_by)
+        metric = f"{direction}:{path}"
+        value = record_value(record, path)
+        if value is None:
+            table = record.get(path.split(".")[0])
+            if isinstance(table, dict) and table and path.split(".")[0] != "hospital_metrics":
+                self.warn_once(cfg, "select-by", f"select-by {cfg.select_by!r}: round {record['round']} records no "
+                               f"such number ({path.split('.')[0]} holds {', '.join(sorted(table)[:12])}); no best "
+                               "model is kept until a round does")
             return
-        if plots:
-            self.last_plot = time.time()
+        current = read_best(cfg.run_dir)
+        if current is not None and not best_still_holds(current, metric, engine.history, record["round"]):
+            log.warning("%s (round %d, %s=%s) is not of this run's history up to round %d; replaced", current["file"],
+                        current["round"], current["metric"], current["value"], record["round"] - 1)
+            current = None
+        if current is not None and not better(value, current["value"], direction):
+            return
+        try:
+            save_best(cfg.run_dir, record["round"], state, metric, value)
+        except OSError as error:
+            log.error("round %d: best model (%s=%.6g) not written to %s (%s)", record["round"], path, value,
+                      cfg.run_dir, error)
+            return
+        log.info("round %d: best so far by %s (%.6g): %s", record["round"], path, value, best_path(cfg.run_dir))
+
+    def warn_once(self, cfg: JobConfig, what: str, message: str) -> None:
+        if (Path(cfg.run_dir), what) not in self.warned:
+            self.warned.add((Path(cfg.run_dir), what))
+            log.warning("%s", message)
+
+    def status(self, cfg: JobConfig, history: list[dict], status: str, **extra) -> None:
+        try:
+            write_status(cfg.run_dir, status, history, cfg.num_server_rounds, **extra)
+        except OSError as error:
+            self.warn_once(cfg, "status", f"{cfg.run_dir / 'status.json'} not written ({error})")
+
+    def close(self, cfg: JobConfig, history: list[dict], status: str, **extra) -> None:
+        """The run's end: its status (completed, stopped, failed), and the trackers given the end-of-run files."""
+        key = Path(cfg.run_dir).resolve()
+        self.status(cfg, history, status, **extra)
+        tracking = self.tracking.pop(key, None)
+        if tracking is not None:
+            tracking.close(status)
+        self.started.discard(key)
+
+
+def best_still_holds(best: dict, metric: str, history: list[dict], rnd: int) -> bool:
+    """Whether a ``best.npz`` is of this run up to round ``rnd`` - 1: the same metric, an earlier round, the value
+    that round recorded (not a round of a run resumed from an earlier checkpoint, later replaced)."""
+    if best["metric"] != metric or not 0 < best["round"] < rnd:
+        return False
+    recorded = next((r for r in history if r.get("round") == best["round"]), None)
+    value = record_value(recorded, metric.split(":", 1)[1]) if recorded else None
+    return value is not None and math.isclose(value, best["value"], rel_tol=1e-9, abs_tol=1e-12)
+
+
+def carry_best(cfg: JobConfig, prior: list[dict]) -> None:
+    """A run resumed into another folder takes the best model of the run it continues, when that one is of the
+    rounds it resumes from."""
+    if read_best(cfg.run_dir) is not None or not prior:
+        return
+    source = Path(cfg.resume_from)
+    folder = source.parent.parent if source.is_file() else source
+    found = read_best(folder)
+    if found is None or found["file"].resolve() == best_path(cfg.run_dir).resolve():
+        return
+    direction, path = parse_selection(cfg.select_by)
+    if not best_still_holds(found, f"{direction}:{path}", prior, prior[-1]["round"] + 1):
+        return
+    target = best_path(cfg.run_dir)
+    partial = target.with_name(f".{target.stem}.{os.getpid()}.tmp.npz")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(found["file"], partial)
+        os.replace(partial, target)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        log.error("the best model of %s (round %d) not copied to %s (%s)", folder, found["round"], target, error)
+        return
+    log.info("best model so far: round %d of %s (%s=%.6g), copied to %s", found["round"], folder, path,
+             found["value"], target)
 
 
 save_round = RoundSaver(plot_interval=0.0)  # for in-process runs that want every round drawn
@@ -74,22 +214,41 @@ save_round = RoundSaver(plot_interval=0.0)  # for in-process runs that want ever
 def main(grid: Grid, context: Context) -> None:
     setup_logging()
     cfg, checkpoint = load_run_config(context.run_config)  # a bad config stops here, before round 1
+    check_installed(cfg)  # so does a tracker that is not installed
     log.info("run %s: results in %s", cfg.run_name, cfg.run_dir)
     strategy_type = strategy_class(cfg.strategy)
-    strategy = strategy_type(**strategy_arguments(strategy_type, cfg), on_round_end=RoundSaver())
+    saver = RoundSaver()
+    strategy = strategy_type(**strategy_arguments(strategy_type, cfg), on_round_end=saver)
     if checkpoint is not None:
         strategy.resume(checkpoint)
-    strategy.start(grid)
-    finish(cfg, strategy.engine.history, strategy.cross_site)
+    saver.start(strategy.engine)
+    try:
+        strategy.start(grid)
+    except BaseException as error:
+        stopped = not isinstance(error, Exception)  # KeyboardInterrupt, SystemExit: stopped, not failed
+        saver.close(cfg, strategy.engine.history, "stopped" if stopped else "failed",
+                    error=f"{type(error).__name__}: {error}"[:2000])
+        raise
+    finish(cfg, strategy.engine.history, strategy.cross_site, saver)
 
 
-def finish(cfg: JobConfig, history: list[dict], cross_site: dict | None) -> None:
-    """The result files once more after the last round, and the cross-site table. A results folder that became
+def finish(cfg: JobConfig, history: list[dict], cross_site: dict | None, saver: RoundSaver | None = None) -> None:
+    """The result files once more after the last round, and the cross-site table; then the run's status and its
+    trackers' end (``saver``). A results folder that became
     read-only or full since round 1 does not fail the run: the rounds it completed stay (the checkpoints already
     written, the result files of the last round that could be written), the error is logged naming the folder,
     and the summary and the cross-site scores still go to the log."""
     try:
-        write_results(cfg.run_dir, cfg.to_flat(), history)
+        finish_files(cfg, history, cross_site, saver)
+    finally:
+        status = "completed" if history and history[-1]["round"] >= cfg.num_server_rounds else "stopped"
+        (saver or RoundSaver()).close(cfg, history, status)
+
+
+def finish_files(cfg: JobConfig, history: list[dict], cross_site: dict | None, saver: RoundSaver | None) -> None:
+    class_names = saver.class_names.get(Path(cfg.run_dir).resolve()) if saver else None
+    try:
+        write_results(cfg.run_dir, cfg.to_flat(), history, class_names=class_names)
     except OSError as error:
         try:
             written = [p.name for p in list_checkpoints(cfg.run_dir)]

@@ -20,9 +20,7 @@ from typing import Any
 from common.config import ConfigError, JobConfig
 from common.data.containers import DataError
 
-from .results import SKIP_IN_TABLES, _fmt, _save, _write
-
-HEADLINE = {"classification": "accuracy", "polyp-segmentation": "dice", "brain-tumour-segmentation": "dice_mean"}
+from .results import HEADLINE, SKIP_IN_TABLES, _fmt, _save, _write
 
 
 def score_table(rows: dict[str, dict[str, float]], label: str) -> str:

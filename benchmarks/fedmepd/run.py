@@ -19,9 +19,10 @@ Each finished run is written to ``<out>/runs/<method>-seed<s>.json`` and skipped
 started again; the report (``report.md``, ``rounds.png``) is rebuilt at the end. Long runs belong
 under the shared CPU lock: ``flock /tmp/fedmed-cpu.lock python -m benchmarks.fedmepd.run ...``.
 
-The paper preset (80^3 crops, 16-32-64-128 channels, batch 1, 1000 rounds) needs one GPU. ``python -m benchmarks.gpu_check --sections presets`` measures its seconds per round
-and peak GPU memory on the machine at hand (one round on generated data of the preset's sizes); it has not yet run
-on a GPU, as none was lent to this work, so no figure is given here.
+The paper preset (80^3 crops, 16-32-64-128 channels, batch 1, 1000 rounds) needs one GPU. ``python -m
+benchmarks.gpu_check --sections presets`` measures its seconds per round and peak GPU memory on the machine at hand
+(one round on generated data of the preset's sizes); it has not yet run on a GPU, as none was lent to this work, so
+no figure is given here.
 """
 
 from __future__ import annotations

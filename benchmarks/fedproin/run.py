@@ -11,9 +11,10 @@ started again, so an interrupted benchmark resumes. The table (mean +- std over 
 round's accuracy, weighted F1 and MCC) and a plot of accuracy over rounds are rebuilt at the end.
 Long runs belong under the shared CPU lock: ``flock /tmp/fedmed-cpu.lock python -m ...``.
 
-The paper preset (128 x 128, ResNet-18, 50 rounds x 5 epochs, batch 128) needs one GPU. ``python -m benchmarks.gpu_check --sections presets`` measures its seconds per round
-and peak GPU memory on the machine at hand (one round on generated data of the preset's sizes); it has not yet run
-on a GPU, as none was lent to this work, so no figure is given here.
+The paper preset (128 x 128, ResNet-18, 50 rounds x 5 epochs, batch 128) needs one GPU. ``python -m
+benchmarks.gpu_check --sections presets`` measures its seconds per round and peak GPU memory on the machine at hand
+(one round on generated data of the preset's sizes); it has not yet run on a GPU, as none was lent to this work, so
+no figure is given here.
 """
 
 from __future__ import annotations

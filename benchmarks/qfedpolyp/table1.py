@@ -18,9 +18,10 @@ reached. Uplink bytes per round: the serialised Flower messages (``common.wire.m
 of the five hospitals' replies, rebuilt from the codec output at each hospital's bit-width with the
 metrics it sent; they are checked against the in-process byte counts of the run itself.
 
-The paper preset (128 x 128, E = 5, 150 rounds, 7 configurations) needs one GPU. ``python -m benchmarks.gpu_check --sections presets`` measures its seconds per round
-and peak GPU memory on the machine at hand (one round on generated data of the preset's sizes); it has not yet run
-on a GPU, as none was lent to this work, so no figure is given here.
+The paper preset (128 x 128, E = 5, 150 rounds, 7 configurations) needs one GPU. ``python -m benchmarks.gpu_check
+--sections presets`` measures its seconds per round and peak GPU memory on the machine at hand (one round on
+generated data of the preset's sizes); it has not yet run on a GPU, as none was lent to this work, so no figure is
+given here.
 """
 
 from __future__ import annotations

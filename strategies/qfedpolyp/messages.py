@@ -1,7 +1,12 @@
-"""What QFedPolyp's messages carry: the packed model (or update) both ways, the BatchNorm statistics of an update,
-and each hospital's assigned bit-width."""
+"""What QFedPolyp's messages carry: the packed model (or update, or downlink delta) both ways, the BatchNorm
+statistics of an update or delta, each hospital's assigned bit-width, and (``downlink='delta'``) which model a
+delta applies to and a digest of the model it rebuilds."""
 
 from __future__ import annotations
+
+import hashlib
+
+import numpy as np
 
 from common.arrays import NamedArrays
 from common.config import ConfigError
@@ -12,6 +17,13 @@ PACKED = "packed-model"  #: the array group holding an encoded model (or update)
 STATISTICS = "statistics"  #: update mode: BatchNorm running statistics as plain floats (a quantised change of a
 #: variance could make it negative; they are a fraction of a percent of the bytes)
 BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital
+#: downlink='delta' round-config keys: the round of the model the delta applies to (0: the message holds the full
+#: model), the round of the model it rebuilds, and that model's digest (:func:`model_digest`)
+DOWNLINK_BASE_KEY = "qfedpolyp.downlink-base"
+DOWNLINK_ROUND_KEY = "qfedpolyp.downlink-round"
+DOWNLINK_DIGEST_KEY = "qfedpolyp.downlink-digest"
+HELD_PREFIX = "held/"  #: a hospital's state: the model it holds (weights without the BatchNorm statistics)
+HELD_ROUND = "held-round"  #: ... and the round of the downlink it rebuilt it from
 
 
 def is_statistic(name: str) -> bool:
@@ -22,6 +34,22 @@ def split_statistics(arrays: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
     """(weights, BatchNorm running statistics) of a model's arrays."""
     return ({k: v for k, v in arrays.items() if not is_statistic(k)},
             {k: v for k, v in arrays.items() if is_statistic(k)})
+
+
+def apply_delta(base: NamedArrays, delta: NamedArrays) -> NamedArrays:
+    """``base + delta`` in float64, cast back to each array's dtype: the one sum the server and every hospital
+    compute, so both arrive at the same bits."""
+    return {k: (v.astype(np.float64) + delta[k].astype(np.float64)).astype(v.dtype) for k, v in base.items()}
+
+
+def model_digest(arrays: NamedArrays) -> str:
+    """SHA-256 over the arrays' names, dtypes, shapes and bytes in name order: equal digests, equal models."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{value.dtype.str}|{value.shape}|".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
 
 
 def assign_bit_width(hospital: HospitalInfo, roster: list[str], widths: list[int]) -> int:

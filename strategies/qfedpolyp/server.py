@@ -4,7 +4,10 @@ codes, refuses any payload that does not match what it assigned, and averages wi
 
 A hospital's bit-width comes from its node config (``bit-width``, reported when it joins) or else from
 ``qfedpolyp.bit-widths`` in hospital-name order; the server tells each hospital its bit-width with the
-round config. The global model goes down as plain floats, or quantised at ``qfedpolyp.downlink-bit-width``.
+round config. The global model goes down as plain floats, or quantised at ``qfedpolyp.downlink-bit-width``;
+or (``qfedpolyp.downlink='delta'``) as the change of the model the hospitals hold, which the server records
+bit for bit (``held``): what a delta does not carry stays in ``global - held`` and goes down later, and a
+hospital not known to hold the model a delta applies to gets the full held model instead.
 """
 
 from __future__ import annotations
@@ -24,8 +27,21 @@ from common.methods.base import (
     unpack_json,
 )
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
+from common.quantization.sparse import decode_sparse, encode_sparse
 
-from .messages import BIT_WIDTH_KEY, PACKED, STATISTICS, assign_bit_width, is_statistic, split_statistics
+from .messages import (
+    BIT_WIDTH_KEY,
+    DOWNLINK_BASE_KEY,
+    DOWNLINK_DIGEST_KEY,
+    DOWNLINK_ROUND_KEY,
+    PACKED,
+    STATISTICS,
+    apply_delta,
+    assign_bit_width,
+    is_statistic,
+    model_digest,
+    split_statistics,
+)
 
 
 class QFedPolypServer(ServerMethod):
@@ -37,6 +53,15 @@ class QFedPolypServer(ServerMethod):
         self.assigned: dict[str, int] = {}  # this round's uplink bit-width per hospital
         self._decoded: dict[str, NamedArrays] = {}  # accepted replies as whole models, rebuilt by check()
         self._downlink: tuple[int, NamedArrays, NamedArrays] | None = None  # round, encoded, what hospitals decode
+        # downlink='delta': the model the hospitals hold, as they rebuild it, and the round whose downlink made it
+        self.held: NamedArrays = {}
+        self.held_round = 0
+        self.holders: dict[str, int] = {}  # hospital -> round of the held model its reply showed it rebuilt
+        self._delta: tuple[int, int, NamedArrays] | None = None  # round, the round it applies to, encoded delta
+        self._full: NamedArrays | None = None  # the held model's weights at 32 bits, for hospitals without a base
+        self._digest = ""
+        self._sent: dict[str, int] = {}  # this round: the base each hospital's downlink applied to (0: full model)
+        self._uplink_arrays: dict[str, list[int]] = {}  # sparse updates: bytes of header, rows of ranges, bytes of data
 
     def check_hospital(self, hospital: HospitalInfo) -> None:
         """A declared bit-width must be one the codec has (a hostile 33 would fail the downlink)."""
@@ -63,12 +88,58 @@ class QFedPolypServer(ServerMethod):
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         bits = assign_bit_width(hospital, self.roster, self.cfg.qfedpolyp.bit_width_list)
         self.assigned[hospital.name] = bits
+        config = {**self.round_config(rnd), BIT_WIDTH_KEY: bits}
+        if self.cfg.qfedpolyp.downlink == "delta":
+            arrays, extra = self.delta_downlink(rnd, hospital.name)
+            return Payload(arrays=arrays, config={**config, **extra})
         encoded, _ = self.encoded_global(rnd)
-        return Payload(arrays={PACKED: encoded}, config={**self.round_config(rnd), BIT_WIDTH_KEY: bits})
+        return Payload(arrays={PACKED: encoded}, config=config)
+
+    # --- downlink='delta' -------------------------------------------------------------------------
+    def advance_held(self, rnd: int) -> None:
+        """Once per round: the model hospitals will hold after round ``rnd``'s downlink. The first time it is the
+        global model itself; after that the held model plus the delta ``global - held`` as it travels (at
+        ``downlink-bit-width``, ``downlink-sparsity``), decoded from its bytes exactly as a hospital decodes it.
+        What the delta leaves out stays in ``global - held``: the server's error feedback."""
+        if rnd == self.held_round:
+            return
+        if rnd < self.held_round:
+            raise RuntimeError(f"downlink of round {rnd} asked for after round {self.held_round}'s was built")
+        settings = self.cfg.qfedpolyp
+        weights, statistics = split_statistics(self.global_arrays)
+        if not self.held:
+            held_weights, self._delta = {k: v.copy() for k, v in weights.items()}, None
+        else:
+            base, _ = split_statistics(self.held)
+            change = {k: (v.astype(np.float64) - base[k]).astype(v.dtype) for k, v in weights.items()}
+            encoded = encode_sparse(change, settings.downlink_bit_width, settings.downlink_sparsity,
+                                    settings.sparsify, seed=(self.cfg.seed, rnd), content="delta")
+            held_weights = apply_delta(base, decode_sparse(encoded, reference=base))
+            self._delta = (rnd, self.held_round, encoded)
+        self.held = {k: held_weights[k] if k in held_weights else statistics[k].copy() for k in self.global_arrays}
+        self.held_round, self._full, self._sent = rnd, None, {}
+        self._digest = model_digest(self.held)
+
+    def delta_downlink(self, rnd: int, name: str) -> tuple[dict[str, NamedArrays], dict[str, int | str]]:
+        """What ``name`` receives in round ``rnd``: the round's delta if its last reply showed it holds the model the
+        delta applies to, else the full held model at 32 bits; the BatchNorm statistics as floats either way."""
+        self.advance_held(rnd)
+        weights, statistics = split_statistics(self.held)
+        if self._delta is not None and self._delta[0] == rnd and self.holders.get(name) == self._delta[1]:
+            packed, base = self._delta[2], self._delta[1]
+        else:
+            if self._full is None:
+                self._full = encode_model(weights, 32)
+            packed, base = self._full, 0
+        self._sent[name] = base
+        return ({PACKED: packed, STATISTICS: statistics},
+                {DOWNLINK_BASE_KEY: base, DOWNLINK_ROUND_KEY: self.held_round, DOWNLINK_DIGEST_KEY: self._digest})
 
     def check(self, update: HospitalUpdate) -> None:
         """Rebuild the reply from its codes; refuse it unless tag, content, lengths, names, shapes and values fit."""
         name = update.hospital.name
+        if self.cfg.qfedpolyp.downlink == "delta" and self.held_round:
+            self.holders[name] = self.held_round  # it answered this round: it rebuilt (and saved) the held model
         if PACKED not in update.payload.arrays:
             raise RejectedUpdate(f"reply carries no '{PACKED}' arrays")
         try:
@@ -84,8 +155,15 @@ class QFedPolypServer(ServerMethod):
         """The hospital's model: what it received plus its decoded update, with its BatchNorm statistics."""
         received = self.received_by_hospitals()
         weights, statistics = split_statistics(received)
-        change = decode_model(update.payload.arrays[PACKED], reference=weights,
-                              expected_bits=self.assigned.get(update.hospital.name), expected_content="update")
+        packed, bits = update.payload.arrays[PACKED], self.assigned.get(update.hospital.name)
+        sparsity = self.cfg.qfedpolyp.sparsity
+        if sparsity < 1.0:
+            change = decode_sparse(packed, reference=weights, expected_bits=bits, expected_content="update",
+                                   expected_sparsity=sparsity)
+            self._uplink_arrays[update.hospital.name] = [int(packed["header"].size), int(packed["ranges"].shape[0]),
+                                                         int(packed["data"].size)]
+        else:
+            change = decode_model(packed, reference=weights, expected_bits=bits, expected_content="update")
         sent_statistics = update.payload.arrays.get(STATISTICS, {})
         check_like(sent_statistics, statistics, f"'{STATISTICS}' of {update.hospital.name}", exact_dtype=True)
         rebuilt = {k: (v.astype(np.float64) + change[k]).astype(v.dtype) for k, v in weights.items()}
@@ -93,6 +171,8 @@ class QFedPolypServer(ServerMethod):
 
     def received_by_hospitals(self) -> NamedArrays:
         """The model this round's hospitals rebuilt from the downlink (the global model at 32 bits)."""
+        if self.cfg.qfedpolyp.downlink == "delta" and self.held:
+            return self.held
         return self._downlink[2] if self._downlink is not None else self.global_arrays
 
     def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
@@ -112,12 +192,34 @@ class QFedPolypServer(ServerMethod):
             average = {k: (self.global_arrays[k].astype(np.float64) + average[k] - received[k]).astype(v.dtype)
                        if not is_statistic(k) else average[k] for k, v in self.global_arrays.items()}
         self.global_arrays = average
-        return {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
-
+        record: dict[str, Any] = {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
+        if self._uplink_arrays:  # what each sparse update's arrays held (the benchmark rebuilds its messages)
+            record["uplink-arrays"] = {u.hospital.name: self._uplink_arrays[u.hospital.name] for u in updates
+                                       if u.hospital.name in self._uplink_arrays}
+            self._uplink_arrays = {}
+        if self.cfg.qfedpolyp.downlink == "delta":
+            record["downlink-base"] = dict(self._sent)  # per hospital: the round its delta applied to, 0: full model
+            if self._delta is not None and self._delta[0] == self.held_round:
+                encoded = self._delta[2]
+                record["downlink-arrays"] = [int(encoded["header"].size), int(encoded["ranges"].shape[0]),
+                                             int(encoded["data"].size)]
+        return record
 
     def state_dict(self) -> NamedArrays:
-        return {**super().state_dict(), "roster": pack_json(self.roster)}
+        """The global model and the roster; with ``downlink='delta'`` also the held model and its round, so a resumed
+        server builds the next delta from exactly the model hospitals hold. Which hospital holds it is not kept: a
+        resumed server cannot know what hospitals kept through the interruption, so its first round sends each one
+        the full held model (the models are the same as without the interruption; only those bytes differ)."""
+        state = {**super().state_dict(), "roster": pack_json(self.roster)}
+        if self.held:
+            state.update({f"held/{k}": v for k, v in self.held.items()})
+            state["held-round"] = np.array(self.held_round, dtype=np.int64)
+        return state
 
     def load_state_dict(self, state: NamedArrays) -> None:
         super().load_state_dict(state)
         self.roster = unpack_json(state["roster"]) if "roster" in state else []
+        self.held = {k.removeprefix("held/"): v for k, v in state.items() if k.startswith("held/")}
+        self.held_round = int(state["held-round"]) if self.held and "held-round" in state else 0
+        self.holders, self._delta, self._full, self._sent = {}, None, None, {}
+        self._digest = model_digest(self.held) if self.held else ""

@@ -10,7 +10,8 @@ from common.settings import Section
 
 
 class QFedPolypSettings(Section):
-    """QFedPolyp (docs/qfedpolyp.md): each hospital's uplink bit-width, the downlink's, and QAT on/off."""
+    """QFedPolyp (docs/qfedpolyp.md): each hospital's uplink bit-width, the downlink's, QAT on/off, and beyond the
+    paper what is sent (weights or updates, dense or sparse; the model or its change down) with error feedback."""
 
     bit_widths: str = Field("8", description="Uplink bit-width per hospital in name order, e.g. '8,8,8,16,16'; "
                                              "one value: every hospital. Each 2..16, or 32 for plain floats. "
@@ -23,14 +24,43 @@ class QFedPolypSettings(Section):
         "What a hospital sends at its bit-width: its trained weights (the paper's), or its round's update "
         "(trained minus received weights, far narrower per tensor); BatchNorm statistics then go as floats."))
     error_feedback: bool = Field(False, description=(
-        "quantise='update': a hospital adds what quantisation lost last time to its next update "
-        "(kept in its state folder)."))
+        "quantise='update': a hospital adds what quantisation (and sparsification) lost last time to its next "
+        "update (kept in its state folder)."))
+    sparsity: float = Field(1.0, description=(
+        "quantise='update': the fraction of each tensor's entries a hospital sends (1.0: all, dense); the rest "
+        "is carried by error feedback. Tensors of fewer than 1024 entries always go whole."))
+    sparsify: Literal["top-k", "random-k"] = Field("top-k", description=(
+        "Which entries a sparse update or downlink keeps: the largest in magnitude, or a seeded random draw."))
+    downlink: Literal["model", "delta"] = Field("model", description=(
+        "What the server sends: the global model at downlink-bit-width ('model'), or the change of the model "
+        "hospitals hold since they last received it ('delta', at downlink-bit-width and downlink-sparsity; what "
+        "it does not carry is sent later; a hospital that missed a round gets the full model)."))
+    downlink_sparsity: float = Field(1.0, description=(
+        "downlink='delta': the fraction of each tensor's entries the downlink delta carries (1.0: all)."))
 
     @model_validator(mode="after")
     def _feedback_needs_updates(self) -> "QFedPolypSettings":
         if self.error_feedback and self.quantise != "update":
             raise ValueError("qfedpolyp.error-feedback=true needs qfedpolyp.quantise='update'")
+        if self.sparsity < 1.0 and self.quantise != "update":
+            raise ValueError(f"qfedpolyp.sparsity={self.sparsity:g} needs qfedpolyp.quantise='update' (weights "
+                             "cannot be sent in part)")
+        if self.downlink_sparsity < 1.0 and self.downlink != "delta":
+            raise ValueError(f"qfedpolyp.downlink-sparsity={self.downlink_sparsity:g} needs "
+                             "qfedpolyp.downlink='delta' (the global model cannot be sent in part)")
         return self
+
+    @field_validator("sparsity", "downlink_sparsity", mode="before")
+    @classmethod
+    def _number(cls, value):
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value  # sparsity=1
+
+    @field_validator("sparsity", "downlink_sparsity")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{value!r} is not a fraction of entries kept: use a number in (0, 1], 1 for all")
+        return value
 
     @field_validator("bit_widths", mode="before")
     @classmethod
