@@ -34,22 +34,31 @@ def require_onnxruntime():
 
 
 def export_float(model: nn.Module, example: torch.Tensor, path: Path) -> Path:
-    """The float network as an ONNX file with a dynamic batch size; ValueError naming what the exporter refused."""
+    """The float network as an ONNX file taking any batch size and image size the network takes; ValueError naming
+    what the exporter refused."""
     model = model.cpu().eval()
-    batch = torch.export.Dim("batch", min=1)
+    dynamic = {axis: torch.export.Dim.AUTO for axis in range(example.ndim) if axis != 1}  # all but the channels
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(model, (example[:1].cpu(),), str(path), input_names=[INPUT], output_names=[OUTPUT],
-                              dynamo=True, dynamic_shapes=({0: batch},), verbose=False, optimize=True)
+                              dynamo=True, dynamic_shapes=(dynamic,), verbose=False, optimize=True,
+                              external_data=False)
         except Exception as error:
             raise ValueError(f"the network cannot be exported to ONNX for the INT8 model: {type(error).__name__}: "
                              f"{str(error).splitlines()[0][:300]}") from None
     return path
 
 
-def quantise(float_path: Path, int8_path: Path, calibration: Iterable[np.ndarray], per_channel: bool = True) -> Path:
-    """ONNX Runtime's static quantisation of ``float_path`` with ``calibration`` batches (N, C, H, W) float32."""
+#: ONNX Runtime's two encodings of a quantised graph: QDQ (quantise/dequantise pairs ORT fuses into int8 kernels when
+#: it loads the model) and QOperator (the int8 operators written out, QLinearConv...)
+FORMATS = ("qdq", "qoperator")
+
+
+def quantise(float_path: Path, int8_path: Path, calibration: Iterable[np.ndarray], per_channel: bool = True,
+             form: str = "qoperator") -> Path:
+    """ONNX Runtime's static quantisation of ``float_path`` with ``calibration`` batches (N, C, H, W) float32:
+    uint8 activations, int8 weights (per output channel), in ``form`` (:data:`FORMATS`)."""
     require_onnxruntime()
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -66,8 +75,11 @@ def quantise(float_path: Path, int8_path: Path, calibration: Iterable[np.ndarray
             return next(self.items, None)
 
     prepared = float_path.with_suffix(".prepared.onnx")
-    quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=False)
-    quantize_static(str(prepared), str(int8_path), Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
+    quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=True)  # sizes are dynamic
+    if form not in FORMATS:
+        raise ValueError(f"INT8 format {form!r}: use one of {', '.join(FORMATS)}")
+    quant_format = QuantFormat.QDQ if form == "qdq" else QuantFormat.QOperator
+    quantize_static(str(prepared), str(int8_path), Reader(), quant_format=quant_format, per_channel=per_channel,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     extra_options={"ActivationSymmetric": False, "WeightSymmetric": True})
     return int8_path
@@ -84,7 +96,7 @@ def with_metadata(path: Path, metadata: dict[str, Any]) -> Path:
 
 
 def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str | Path,
-                metadata: dict[str, Any]) -> Path:
+                metadata: dict[str, Any], form: str = "qoperator") -> Path:
     """``model`` as an INT8 ONNX file at ``out``; ``calibration`` yields normalised input batches (N, C, H, W)."""
     batches = [b.detach().cpu().float().numpy() for b in calibration]
     if not batches:
@@ -93,9 +105,16 @@ def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str 
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         float_path = export_float(model, torch.from_numpy(batches[0]), Path(work) / "float.onnx")
-        quantise(float_path, out, batches)
-    return with_metadata(out, {"engine": "onnxruntime", "calibration-images": int(sum(len(b) for b in batches)),
-                               **metadata})
+        quantise(float_path, out, batches, form=form)
+    return with_metadata(out, {"engine": "onnxruntime", "format": form,
+                               "calibration-images": int(sum(len(b) for b in batches)), **metadata})
+
+
+def export_float_model(model: nn.Module, example: torch.Tensor, out: str | Path, metadata: dict[str, Any]) -> Path:
+    """The float network as an ONNX file with metadata (ONNX Runtime's float path, for comparisons)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return with_metadata(export_float(model, example, out), {"engine": "onnxruntime", "format": "float32", **metadata})
 
 
 class OnnxSegmenter:
