@@ -86,6 +86,7 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
                     f"{np.mean([h['bytes_up'] for r in records for h in r['history']]) / 1e6:.2f} | "
                     f"{np.mean([h['bytes_down'] for r in records for h in r['history']]) / 1e6:.2f} | "
                     f"{cell(personal) + ' %' if personal else '-'} |")
+    text += paired_comparison(runs, seeds) + personalisation_over_rounds(runs, hospitals)
     kinds = [modality_label(m) for m in hospitals.values()]
     if all(k in PAPER["FedMEPD"] for k in kinds):
         text += ["", "## The paper's BraTS 2018 test scores for the same hospital kinds "
@@ -99,6 +100,52 @@ def write_report(out: Path, names: list[str], seeds: list[int], title: str, comm
     target = out / "report.md"
     target.write_text("\n".join(text))
     return target
+
+
+def paired_comparison(runs: dict[str, list[dict[str, Any]]], seeds: list[int]) -> list[str]:
+    """Hospital average per seed for every row, and each row's paired difference to FedMEPD's (same seed: same split,
+    same cases, same start), so that "beyond the seed spread" is a statement about the differences."""
+    by_seed = {name: {r["seed"]: hospital_mean(r, "dice_mean") for r in records} for name, records in runs.items()}
+    shown = [s for s in seeds if any(s in v for v in by_seed.values())]
+    lines = ["", "## Hospital average per seed (mean Dice %), and the paired difference to FedMEPD", "",
+             "| method | " + " | ".join(f"seed {s}" for s in shown) + " | FedMEPD minus it, per seed | "
+             "mean ± std of the differences | FedMEPD ahead on |", "|---" * (len(shown) + 4) + "|"]
+    reference = by_seed.get("FedMEPD", {})
+    for name, values in by_seed.items():
+        cells = [f"{values[s] * 100:.2f}" if s in values else "-" for s in shown]
+        paired = [reference[s] - values[s] for s in shown if s in values and s in reference]
+        if name == "FedMEPD" or not paired:
+            lines.append(f"| {name} | " + " | ".join(cells) + " | - | - | - |")
+            continue
+        spread = f" ± {np.std(paired) * 100:.2f}" if len(paired) > 1 else ""
+        lines.append(f"| {name} | " + " | ".join(cells) + " | " + ", ".join(f"{d * 100:+.2f}" for d in paired)
+                     + f" | {np.mean(paired) * 100:+.2f}{spread} | {sum(d > 0 for d in paired)} of {len(paired)} |")
+    return lines
+
+
+def personalisation_over_rounds(runs: dict[str, list[dict[str, Any]]], hospitals: dict[str, str]) -> list[str]:
+    """FedMEPD's share of personal decoder filters per hospital kind over the rounds (mean over seeds)."""
+    records = runs.get("FedMEPD", [])
+    if not records:
+        return []
+    names = list(hospitals)
+    rounds = [h["round"] for h in records[0]["history"]]
+    lines = ["", "## FedMEPD: share of personal decoder filters over rounds (%, mean over seeds)", "",
+             "| round | " + " | ".join(f"{h} ({modality_label(m)})" for h, m in hospitals.items()) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    step = max(1, len(rounds) // 10)
+    for index in list(range(0, len(rounds), step)) + ([len(rounds) - 1] if (len(rounds) - 1) % step else []):
+        cells = []
+        for position, _ in enumerate(names):
+            values = []
+            for record in records:
+                shares = record["history"][index]["personalised"]
+                ordered = [shares[h] for h in sorted(shares)]
+                if position < len(ordered):
+                    values.append(ordered[position])
+            cells.append(f"{np.mean(values) * 100:.1f}" if values else "-")
+        lines.append(f"| {rounds[index]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot_rounds(runs: dict[str, list[dict[str, Any]]], target: Path) -> None:
