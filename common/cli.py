@@ -6,6 +6,8 @@
     fedmed export-int8 --run results/<run-name> --out polyp-int8.pt    # QFedPolyp's INT8 deployment model
     fedmed segment --model polyp-int8.pt --images new-frames/ --out masks/
     fedmed evaluate --run results/<run-name> --data external-site/   # a run's model on a labelled folder
+    fedmed evaluate --run results/<run-name> --data external-site/ --best   # its best round's (select-by)
+    fedmed runs --results results                # the runs of a results folder, newest first
 
 Ctrl-C, SIGTERM or --timeout stop a simulation or the demo and every process it started (exit code 130, 143
 or 124; partial results stay in the run folder); a run that did not complete exits 1; a refused config or
@@ -276,19 +278,44 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             stop_all(STOP_GRACE, keep=others)
 
 
+#: where ``export-int8 --best`` writes without --out, and what ``segment --best`` runs
+BEST_INT8 = Path("exports") / "int8-best.pt"
+
+
+def best_int8_model(run: Path) -> Path:
+    """``segment --run RUN --best``: the INT8 model ``export-int8 --run RUN --best`` wrote, checked to be of the
+    run's best round still (a run resumed since may have found a better one): ValueError saying what to do."""
+    from common.quantization.int8 import load_deployment
+    from server_app.checkpoint import find_best, read_best
+
+    best = read_best(find_best(run))
+    model = Path(run) / BEST_INT8
+    again = f"fedmed export-int8 --run {run} --best"
+    if not model.is_file():
+        raise ValueError(f"--best: {run} has no INT8 model of its best round ({model}); export it first: {again}")
+    _, metadata = load_deployment(model)
+    if int(metadata.get("rounds", -1)) != best["round"] or not str(metadata.get("checkpoint", "")).endswith(
+            "best.npz"):
+        raise ValueError(f"--best: {model} is the model after round {metadata.get('rounds')}, but the run's best "
+                         f"round by {best['metric']} is now {best['round']}; export it again: {again}")
+    return model
+
+
 def int8_command(args: argparse.Namespace) -> int:
     """``export-int8`` and ``segment``: a bad run folder, model file or image folder is one line on stderr."""
     from common.quantization.int8 import export_int8, segment_folder
-    from server_app.checkpoint import find_checkpoint, load_checkpoint
+    from server_app.checkpoint import find_best, find_checkpoint, load_checkpoint
 
     try:
         if args.command == "export-int8":
-            checkpoint = find_checkpoint(args.run)
-            path, metadata = export_int8(load_checkpoint(checkpoint), args.out, args.calibration_dir,
+            checkpoint = find_best(args.run) if args.best else find_checkpoint(args.run)
+            out = args.out or Path(args.run) / BEST_INT8
+            path, metadata = export_int8(load_checkpoint(checkpoint), out, args.calibration_dir,
                                          args.calibration_images, source=str(checkpoint))
             print(f"INT8 model of {checkpoint} written to {path}\n{json.dumps(metadata, indent=2)}")
         else:
-            written = segment_folder(args.model, args.images, args.out)
+            model = best_int8_model(args.run) if args.best else args.model
+            written = segment_folder(model, args.images, args.out)
             print(f"{len(written)} masks written to {args.out}")
     except (ValueError, OSError) as error:
         print(f"fedmed {args.command}: {error}", file=sys.stderr)
@@ -327,7 +354,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
     try:
         check_evaluation_dataset(args.run, args.dataset)
         result = evaluate_run(args.run, args.data, round_number=args.round, int8_model=args.model,
-                              modalities=args.modalities, hospital=args.hospital, dataset=args.dataset)
+                              modalities=args.modalities, hospital=args.hospital, dataset=args.dataset,
+                              best=args.best)
     except (ValueError, OSError) as error:  # a folder, checkpoint or model that does not fit: one line
         print(f"fedmed evaluate: {error}", file=sys.stderr)
         return 2
@@ -338,10 +366,26 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 2
     result = finite_or_none(result)  # strict JSON: a NaN score (e.g. HD95 of an empty mask) is written as null
     name = "-".join(part for part in (Path(args.data).name, args.hospital, "int8" if args.model else "",
-                                      f"round-{args.round}" if args.round else "") if part)
+                                      f"round-{args.round}" if args.round else "", "best" if args.best else "")
+                    if part)
     json_path, md_path = write_evaluation(result, args.out or Path(args.run) / "evaluations" / name)
     print(render_evaluation(result))
     print(f"written to {md_path} and {json_path}")
+    return 0
+
+
+def runs_command(args: argparse.Namespace) -> int:
+    """``runs``: a table of the runs in a results folder, newest first."""
+    from server_app.results import list_runs, render_runs
+
+    if not args.results.is_dir():
+        print(f"fedmed runs: --results {args.results} is not a folder", file=sys.stderr)
+        return 2
+    rows = list_runs(args.results, args.metric)
+    if not rows:
+        print(f"no runs in {args.results} (a run folder holds config.json)")
+        return 0
+    print(render_runs(rows))
     return 0
 
 
@@ -368,7 +412,7 @@ def partition_command(args: argparse.Namespace) -> int:
 
 
 #: command-line options that name files or folders (checked before anything runs)
-PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir")
+PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir", "results")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,13 +438,19 @@ def main(argv: list[str] | None = None) -> int:
 
     export = sub.add_parser("export-int8", help="a run's final global polyp U-Net as an INT8 TorchScript model")
     export.add_argument("--run", type=Path, required=True, help="run folder (its latest checkpoint) or checkpoint file")
-    export.add_argument("--out", type=Path, required=True, help="model file to write, e.g. polyp-int8.pt")
+    export.add_argument("--out", type=Path, default=None,
+                        help="model file to write, e.g. polyp-int8.pt (--best: default <run>/exports/int8-best.pt)")
+    export.add_argument("--best", action="store_true",
+                        help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the latest")
     export.add_argument("--calibration-dir", type=Path, default=None,
                         help="images to calibrate activation ranges on (default: the run's training data)")
     export.add_argument("--calibration-images", type=int, default=64)
 
     segment = sub.add_parser("segment", help="masks for a folder of images with an exported model")
-    segment.add_argument("--model", type=Path, required=True, help="file written by `fedmed export-int8`")
+    segment.add_argument("--model", type=Path, default=None, help="file written by `fedmed export-int8`")
+    segment.add_argument("--run", type=Path, default=None, help="with --best: the run folder")
+    segment.add_argument("--best", action="store_true", help="the INT8 model of the run's best round, as "
+                         "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt)")
     segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
     segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
 
@@ -415,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     evaluation.add_argument("--dataset", default="", help="the folder's format when it cannot be told from its layout")
     evaluation.add_argument("--out", type=Path, default=None,
                             help="file name without suffix (default: <run>/evaluations/<data folder>)")
+    evaluation.add_argument("--best", action="store_true",
+                            help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the last")
+
+    runs = sub.add_parser("runs", help="the runs in a results folder, newest first")
+    runs.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results)")
+    runs.add_argument("--metric", default="", help="e.g. test.dice, min:test.loss, train.val-accuracy (default: the "
+                      "run's select-by, else its task's headline test metric)")
 
     for p in (demo, sim):
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
@@ -422,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds the whole run may take; then it is stopped (exit code 124)")
 
     args = parser.parse_args(argv)
+    if args.command == "export-int8" and args.out is None and not args.best:
+        parser.error("export-int8: the following arguments are required: --out (or --best)")
+    if args.command == "segment" and not (args.model is not None and not args.best or
+                                          args.model is None and args.best and args.run is not None):
+        parser.error("segment: give --model FILE, or --run RUN --best (the INT8 model of the run's best round)")
     from common.config import ConfigError
     from common.data.containers import DataError
 
@@ -443,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             return int8_command(args)
         if args.command == "evaluate":
             return evaluate_command(args)
+        if args.command == "runs":
+            return runs_command(args)
     except (ConfigError, DataError) as error:
         print(f"fedmed: {error}", file=sys.stderr)
         return 2

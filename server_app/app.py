@@ -24,14 +24,25 @@ from common.round_engine import RoundEngine
 from strategies import strategy_arguments
 from strategies.registry import strategy_class
 
-from .checkpoint import best_path, list_checkpoints, read_best, save_best, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    best_path,
+    checkpoint_dir,
+    list_checkpoints,
+    read_best,
+    read_checkpoint,
+    save_best,
+    save_checkpoint,
+)
 from .evaluation import HEADLINE, render_cross_site, write_cross_site
 from .results import (
     better,
     finite_or_none,
+    model_round,
     parse_selection,
     record_value,
     render_summary,
+    scores_received_model,
     write_results,
     write_status,
 )
@@ -121,11 +132,14 @@ class RoundSaver:
             self.tracking[key].log_round(record)
 
     def keep_best(self, engine: RoundEngine, record: dict, state: dict) -> None:
-        """``checkpoints/best.npz`` holds this round's model when its ``select-by`` metric beats the best one's."""
+        """``checkpoints/best.npz`` holds the model the round's ``select-by`` metric scored when it beats the best
+        one's: this round's, or for hospitals' ``val-*`` (they score the model they received) the round before's,
+        read from its checkpoint."""
         cfg = engine.cfg
         direction, path = parse_selection(cfg.select_by)
         metric = f"{direction}:{path}"
         value = record_value(record, path)
+        scored = model_round(record["round"], path)
         if value is None:
             table = record.get(path.split(".")[0])
             if isinstance(table, dict) and table and path.split(".")[0] != "hospital_metrics":
@@ -133,20 +147,25 @@ class RoundSaver:
                                f"such number ({path.split('.')[0]} holds {', '.join(sorted(table)[:12])}); no best "
                                "model is kept until a round does")
             return
+        if scored < 1:  # round 1's val-* score the initial model, which has no checkpoint
+            return
         current = read_best(cfg.run_dir)
-        if current is not None and not best_still_holds(current, metric, engine.history, record["round"]):
-            log.warning("%s (round %d, %s=%s) is not of this run's history up to round %d; replaced", current["file"],
-                        current["round"], current["metric"], current["value"], record["round"] - 1)
+        if current is not None and not best_still_holds(current, metric, engine.history, scored):
+            log.warning("%s (round %d, %s=%s) is not of this run's history before round %d; replaced",
+                        current["file"], current["round"], current["metric"], current["value"], scored)
             current = None
         if current is not None and not better(value, current["value"], direction):
             return
         try:
-            save_best(cfg.run_dir, record["round"], state, metric, value)
-        except OSError as error:
-            log.error("round %d: best model (%s=%.6g) not written to %s (%s)", record["round"], path, value,
-                      cfg.run_dir, error)
+            if scored != record["round"]:
+                state = read_checkpoint(checkpoint_dir(cfg.run_dir) / f"round-{scored:05d}.npz")
+            save_best(cfg.run_dir, scored, state, metric, value)
+        except (OSError, CheckpointError) as error:
+            log.error("round %d: best model (round %d's, %s=%.6g) not written to %s (%s)", record["round"], scored,
+                      path, value, cfg.run_dir, error)
             return
-        log.info("round %d: best so far by %s (%.6g): %s", record["round"], path, value, best_path(cfg.run_dir))
+        log.info("round %d: best so far by %s (%.6g): round %d's model, %s", record["round"], path, value, scored,
+                 best_path(cfg.run_dir))
 
     def warn_once(self, cfg: JobConfig, what: str, message: str) -> None:
         if (Path(cfg.run_dir), what) not in self.warned:
@@ -170,12 +189,14 @@ class RoundSaver:
 
 
 def best_still_holds(best: dict, metric: str, history: list[dict], rnd: int) -> bool:
-    """Whether a ``best.npz`` is of this run up to round ``rnd`` - 1: the same metric, an earlier round, the value
-    that round recorded (not a round of a run resumed from an earlier checkpoint, later replaced)."""
+    """Whether a ``best.npz`` is of this run's models before round ``rnd``: the same metric, an earlier round, the
+    value its round's record holds (not a round of a run resumed from an earlier checkpoint, later replaced)."""
     if best["metric"] != metric or not 0 < best["round"] < rnd:
         return False
-    recorded = next((r for r in history if r.get("round") == best["round"]), None)
-    value = record_value(recorded, metric.split(":", 1)[1]) if recorded else None
+    path = metric.split(":", 1)[1]
+    recorded_in = best["round"] + (1 if scores_received_model(path) else 0)
+    recorded = next((r for r in history if r.get("round") == recorded_in), None)
+    value = record_value(recorded, path) if recorded else None
     return value is not None and math.isclose(value, best["value"], rel_tol=1e-9, abs_tol=1e-12)
 
 
@@ -190,7 +211,7 @@ def carry_best(cfg: JobConfig, prior: list[dict]) -> None:
     if found is None or found["file"].resolve() == best_path(cfg.run_dir).resolve():
         return
     direction, path = parse_selection(cfg.select_by)
-    if not best_still_holds(found, f"{direction}:{path}", prior, prior[-1]["round"] + 1):
+    if not best_still_holds(found, f"{direction}:{path}", prior, model_round(prior[-1]["round"], path) + 1):
         return
     target = best_path(cfg.run_dir)
     partial = target.with_name(f".{target.stem}.{os.getpid()}.tmp.npz")

@@ -5,7 +5,8 @@ Cross-site: the strategy asks every hospital to score the final global model and
 personalise, its own model on its validation data (``HospitalStrategy.cross_site_evaluation``); here the
 scores become ``cross_site.json``, ``cross_site.md`` (hospitals x models) and ``plots/cross_site.png``.
 
-External: :func:`evaluate_run` loads a run's checkpoint (latest, or ``round``), the folder in any format the
+External: :func:`evaluate_run` loads a run's checkpoint (latest, ``round``, or with ``best`` the best round's model
+that ``select-by`` kept in ``checkpoints/best.npz``), the folder in any format the
 task reads (HAM10000 layout, npz, image/mask folders, BraTS case folders), and scores the global model, a
 FedProto hospital's own model, or an exported INT8 model, overall and per source.
 """
@@ -108,17 +109,25 @@ def folder_format(task: str, folder: Path) -> str:
 
 
 def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8_model: Path | None = None,
-                 modalities: str = "", hospital: str = "", dataset: str = "") -> dict[str, Any]:
-    """Scores of a run's model on the labelled ``data``: ``{"model", "data", "checkpoint", "overall", "sources"}``."""
+                 modalities: str = "", hospital: str = "", dataset: str = "", best: bool = False) -> dict[str, Any]:
+    """Scores of a run's model on the labelled ``data``: ``{"model", "data", "checkpoint", "overall", "sources"}``
+    (and ``"best"``: round, metric and value, for the best round's model)."""
     from common.data.brain_sources import load_folder_cases
     from common.data.brats import parse_modalities
     from common.methods.base import unpack_json
     from common.tasks import get_task, task_class
     from strategies.registry import server_class
 
-    from .checkpoint import checkpoint_dir, load_checkpoint
+    from .checkpoint import checkpoint_dir, find_best, load_checkpoint, read_best
 
+    if best and round_number:
+        raise ConfigError("--best and --round: give one (--best is the round select-by chose)")
+    if best and int8_model:
+        raise ConfigError("--best and --model: an INT8 model is the round it was exported from; export the best "
+                          "round's with `fedmed export-int8 --run RUN --best`")
     source = checkpoint_dir(run) / f"round-{round_number:05d}.npz" if round_number else Path(run)
+    if best:
+        source = find_best(run)
     if round_number and not source.is_file():
         raise ConfigError(f"--round {round_number}: {source} does not exist (checkpoints are kept for the last "
                           "rounds only: keep-checkpoints)")
@@ -166,14 +175,22 @@ def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8
             metric, _, where = key.partition("/")
             sources.setdefault(where, {})[metric] = value
     rounds = len(unpack_json(state["run/history"]))
-    return {"run": str(run), "model": name, "data": str(data), "dataset": eval_cfg.dataset, "after-round": rounds,
-            "overall": overall, "sources": sources}
+    result = {"run": str(run), "model": name, "data": str(data), "dataset": eval_cfg.dataset, "after-round": rounds,
+              "overall": overall, "sources": sources}
+    if best:
+        chosen = read_best(source)
+        result["best"] = {"round": chosen["round"], "metric": chosen["metric"], "value": chosen["value"]}
+        result["model"] = f"{name} of the best round"
+    return result
 
 
 def render_evaluation(result: dict[str, Any]) -> str:
-    lines = [f"## {result['model']} of {result['run']} (after round {result['after-round']})", "",
-             f"on `{result['data']}` ({result['dataset']})", "",
-             score_table({"all": result["overall"], **result["sources"]}, "data")]
+    lines = [f"## {result['model']} of {result['run']} (after round {result['after-round']})", ""]
+    if result.get("best"):
+        chosen = result["best"]
+        lines += [f"chosen by {chosen['metric']} = {_fmt(chosen['value'])}, the best round of the run", ""]
+    lines += [f"on `{result['data']}` ({result['dataset']})", "",
+              score_table({"all": result["overall"], **result["sources"]}, "data")]
     return "\n".join(lines) + "\n"
 
 

@@ -204,6 +204,8 @@ def _number(value: Any) -> bool:
 def plot_hospital_curves(plt, curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> Path:
     """One panel per metric (at most six, those with a test curve first): a thin line per hospital (their median
     and 10-90% band beyond 12 hospitals), the global model's test curve in black."""
+    from matplotlib.ticker import MaxNLocator
+
     order = sorted(curves, key=lambda m: ("global test" not in curves[m], m))[:6]
     fig, axes = plt.subplots(1, len(order), figsize=(3.6 * len(order), 3.2), squeeze=False)
     for ax, metric in zip(axes[0], order):
@@ -230,6 +232,7 @@ def plot_hospital_curves(plt, curves: dict[str, dict[str, list[tuple[int, float]
                     markersize=3, label="global model, test set")
         ax.set_title(f"{metric}: hospitals' validation")
         ax.set_xlabel("global model after round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -451,19 +454,33 @@ def record_value(record: dict[str, Any], path: str) -> float | None:
     return float(node)
 
 
+def scores_received_model(path: str) -> bool:
+    """Whether the metric scores the model hospitals *received* in the round it is recorded in (their ``val-*``: the
+    global model after the round before), not the round's own model."""
+    return path.split(".")[0] in ("train", "hospital_metrics") and path.rsplit(".", 1)[-1].startswith("val-")
+
+
+def model_round(record_round: int, path: str) -> int:
+    """The round whose global model the metric ``path`` of round ``record_round`` scored (0: the initial model)."""
+    return record_round - 1 if scores_received_model(path) else record_round
+
+
 def better(value: float, than: float | None, direction: str) -> bool:
     """Whether ``value`` beats ``than`` (None: nothing yet) in ``direction``; a tie keeps the earlier round."""
     return than is None or (value > than if direction == "max" else value < than)
 
 
 def best_round(history: list[dict[str, Any]], selection: str) -> tuple[int, float] | None:
-    """(round, value) of the best round by ``selection`` (``max:``/``min:`` optional), None when no round has it."""
+    """(round, value) of the best model by ``selection`` (``max:``/``min:`` optional): the round whose global model
+    scored best (for hospitals' ``val-*``, the round before the one that recorded it; the initial model is not a
+    candidate), None when no round has it."""
     direction, path = parse_selection(selection)
     best: tuple[int, float] | None = None
     for record in history:
         value = record_value(record, path)
-        if value is not None and better(value, best[1] if best else None, direction):
-            best = (record["round"], value)
+        scored = model_round(record["round"], path)
+        if value is not None and scored >= 1 and better(value, best[1] if best else None, direction):
+            best = (scored, value)
     return best
 
 

@@ -237,3 +237,110 @@ def test_a_results_folder_that_fills_up_after_round_1_ends_the_run_with_its_roun
     assert "finished full" in text and "2 of 2 rounds" in text  # the summary still goes to the log
     assert f"the cross-site evaluation could not be written to {run_dir}" in text and "| hospital-00 |" in text
     assert not (run_dir / "cross_site.json").exists()
+
+
+# --- the best round's model (select-by) ----------------------------------------------------------------------------
+def rounds_scored(cfg, scores: list[float], engine=None, saver=None, mark: bool = True):
+    """Rounds through the ServerApp's RoundSaver, each with ``test.dice`` = its score and (``mark``) its own global
+    model, every weight = the round number; returns the engine and the saver."""
+    from server_app.app import RoundSaver
+
+    engine = engine or RoundEngine(cfg)
+    saver = saver or RoundSaver(plot_interval=1e9)
+    for score in scores:
+        rnd = engine.next_round
+        if mark:
+            engine.method.global_arrays = {k: np.full_like(v, rnd) for k, v in engine.method.global_arrays.items()}
+        engine.history.append({**round_with(rnd, dice=score, loss=1.0 - score), "round": rnd,
+                               "train": {"val-dice": score}})
+        saver(engine, engine.history[-1])
+    return engine, saver
+
+
+def best_model_round(path) -> int:
+    from server_app.checkpoint import read_checkpoint
+
+    state = read_checkpoint(path)
+    values = {float(v.flat[0]) for k, v in state.items() if k.startswith("method/global/") and v.dtype.kind == "f"}
+    assert len(values) == 1
+    return int(values.pop())
+
+
+def test_the_best_checkpoint_holds_the_round_with_the_best_value(tmp_path):
+    """test.dice goes up and down: best.npz holds the best round's model, its round and value, beside the latest
+    checkpoints; min: (or a loss) keeps the lowest; it survives a resume, is replaced when the resume replays its
+    round from an earlier checkpoint, and goes with a run resumed into another folder."""
+    from server_app.app import RoundSaver
+    from server_app.checkpoint import best_path, list_checkpoints, load_checkpoint, read_best
+
+    cfg = load_job_config({**TINY, "results-dir": str(tmp_path), "num-server-rounds": 9, "select-by": "test.dice"})
+    engine, _ = rounds_scored(cfg, [0.2, 0.5, 0.3, 0.6, 0.4, 0.55])
+    best = read_best(cfg.run_dir)
+    assert (best["round"], best["value"], best["metric"]) == (4, 0.6, "max:test.dice")
+    assert best_model_round(best_path(cfg.run_dir)) == 4
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == ["round-00004.npz", "round-00005.npz", "round-00006.npz"]
+    assert "round 4: 0.6000 (its model: checkpoints/best.npz)" in (cfg.run_dir / "summary.md").read_text()
+    assert not [p.name for p in cfg.run_dir.rglob(".*")]  # written whole: no partial file left
+
+    lowest = load_job_config({**TINY, "results-dir": str(tmp_path), "run-name": "low", "select-by": "test.loss"})
+    rounds_scored(lowest, [0.2, 0.5, 0.3])
+    assert read_best(lowest.run_dir)["round"] == 2 and read_best(lowest.run_dir)["metric"] == "min:test.loss"
+
+    validated = load_job_config({**TINY, "results-dir": str(tmp_path), "run-name": "val",
+                                 "select-by": "train.val-dice"})
+    rounds_scored(validated, [0.9, 0.2, 0.5, 0.8, 0.4])  # hospitals' val-* score the model they received
+    best = read_best(validated.run_dir)
+    assert (best["round"], best["value"]) == (3, 0.8) and best_model_round(best_path(validated.run_dir)) == 3
+
+    resumed = RoundEngine(cfg)  # a resume from the latest checkpoint: the best stays unless beaten
+    resumed.load_state_dict(load_checkpoint(cfg.run_dir))
+    rounds_scored(cfg, [0.58, 0.7], resumed)
+    assert (read_best(cfg.run_dir)["round"], best_model_round(best_path(cfg.run_dir))) == (8, 8)
+
+    replayed = RoundEngine(cfg)  # resumed from round 6's checkpoint: round 8's best is of rounds replayed now
+    replayed.load_state_dict(load_checkpoint(checkpoint_dir(cfg.run_dir) / "round-00006.npz"))
+    rounds_scored(cfg, [0.1], replayed)
+    assert read_best(cfg.run_dir)["round"] == 7
+
+    after_7 = checkpoint_dir(cfg.run_dir) / "round-00007.npz"
+    moved = cfg.model_copy(update={"run_name": "moved", "resume_from": str(after_7)})
+    carried = RoundEngine(moved)
+    carried.load_state_dict(load_checkpoint(after_7))
+    saver = RoundSaver(plot_interval=1e9)
+    saver.start(carried)
+    assert read_best(moved.run_dir)["round"] == 7  # the run it continues: round 7 is its best of rounds 1-7
+    rounds_scored(moved, [0.05], carried, saver)
+    assert read_best(moved.run_dir)["round"] == 7 and best_model_round(best_path(moved.run_dir)) == 7
+
+
+def test_export_int8_and_segment_take_the_best_round(tmp_path, capsys):
+    from PIL import Image
+
+    from common.cli import main as fedmed
+    from common.quantization.int8 import load_deployment
+
+    cfg = load_job_config({"task": "polyp-segmentation", "strategy": "qfedpolyp", "synthetic-samples": 40,
+                           "image-size": 32, "min-partition-size": 5, "results-dir": str(tmp_path), "run-name": "q",
+                           "num-server-rounds": 5, "select-by": "test.dice"})
+    engine, saver = rounds_scored(cfg, [0.3, 0.5, 0.4], mark=False)
+    assert fedmed(["export-int8", "--run", str(cfg.run_dir), "--best", "--calibration-images", "8"]) == 0
+    model = cfg.run_dir / "exports" / "int8-best.pt"
+    _, metadata = load_deployment(model)
+    assert metadata["rounds"] == 2 and metadata["checkpoint"].endswith("checkpoints/best.npz")
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(frames / "a.png")
+    assert fedmed(["segment", "--run", str(cfg.run_dir), "--best", "--images", str(frames),
+                   "--out", str(tmp_path / "masks")]) == 0
+    assert (tmp_path / "masks" / "a.png").exists()
+    capsys.readouterr()
+
+    rounds_scored(cfg, [0.9], engine, saver, mark=False)  # a better round since the export
+    assert fedmed(["segment", "--run", str(cfg.run_dir), "--best", "--images", str(frames),
+                   "--out", str(tmp_path / "masks")]) == 2
+    assert "is the model after round 2, but the run's best round by max:test.dice is now 4" in capsys.readouterr().err
+    other = load_job_config({**TINY, "results-dir": str(tmp_path), "run-name": "plain"})
+    rounds_scored(other, [0.5])
+    assert fedmed(["export-int8", "--run", str(other.run_dir), "--best"]) == 2
+    error = capsys.readouterr().err
+    assert "has no best model" in error and "select-by='test.dice'" in error
