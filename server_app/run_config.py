@@ -29,7 +29,7 @@ def same_folder(cfg: JobConfig) -> bool:
 MAY_CHANGE_ON_RESUME = frozenset({"run-name", "num-server-rounds", "round-timeout", "resume-from", "results-dir",
                                   "state-dir", "keep-checkpoints", "device", "evaluate-every", "message-arrays",
                                   "overwrite-run", "hospital-keys", "min-available-hospitals",
-                                  "messages-in-flight"})
+                                  "messages-in-flight", "tracking", "tracking-uri", "select-by", "audit-log"})
 def comparable(flat: dict[str, Any]) -> dict[str, Any]:
     """A flat run config with the task's default network named (``model=''`` and ``model='resnet18'`` build the same
     classifier), so that a resume compares networks, not spellings."""
@@ -39,7 +39,8 @@ def comparable(flat: dict[str, Any]) -> dict[str, Any]:
     return {**flat, "model": flat.get("model") or TASK_DEFAULT.get(task, "")}
 
 
-RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots")
+RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots", "tensorboard", "mlruns", "status.json",
+                "tracking.json")
 
 
 def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:
