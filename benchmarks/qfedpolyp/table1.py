@@ -16,7 +16,10 @@ Definitions: Dice/IoU are the final global model's on each data set's test image
 convergence is the first round whose test Dice on that data set is within 0.01 of the best it
 reached. Uplink bytes per round: the serialised Flower messages (``common.wire.message_nbytes``)
 of the five hospitals' replies, rebuilt from the codec output at each hospital's bit-width with the
-metrics it sent; they are checked against the in-process byte counts of the run itself.
+metrics it sent; they are checked against the in-process byte counts of the run itself. A sparse update's or
+delta downlink's size depends on its positions: those messages are rebuilt with the array sizes the server recorded
+for the round (``method.uplink-arrays``, ``method.downlink-arrays``; a hospital sent the full model where
+``method.downlink-base`` is 0), and the downlink is checked against the run's count too.
 
 The paper preset (128 x 128, E = 5, 150 rounds, 7 configurations) needs one GPU. ``python -m benchmarks.gpu_check
 --sections presets`` measures its seconds per round and peak GPU memory on the machine at hand (one round on
@@ -65,11 +68,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 #: Table rows: the paper's configurations and two below 4 bits (the CPU preset leaves out 2 bits for time).
 CONFIGS = {"paper": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3",
                      "2,2,2,2,2"],
-           "cpu": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3"],
+           #: past 32x: 2-bit updates with error feedback, top 10 % of each tensor's entries (about 40x less uplink),
+           #: alone and with the downlink as the 4-bit change of the hospitals' model, top 40 % (about 18x both ways)
+           "cpu": ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4", "3,3,3,3,3",
+                   "2,2,2,2,2/update+ef/top0.1", "2,2,2,2,2/update+ef/top0.1/delta4+top0.4"],
            #: beyond the paper (issue 16): updates instead of weights, error feedback, a quantised downlink
            "cpu-short": ["32,32,32,32,32", "4,4,4,4,4", "4,4,4,4,4/update", "4,4,4,4,4/update+ef",
                          "3,3,3,3,3/update+ef", "2,2,2,2,2/update", "2,2,2,2,2/update+ef", "8,8,8,8,8/update+ef/down8",
-                         "4,4,4,4,4/update+ef/down4"]}
+                         "4,4,4,4,4/update+ef/down4", "2,2,2,2,2/update+ef/top0.1",
+                         "2,2,2,2,2/update+ef/top0.1/delta4+top0.4"]}
 SOURCES = {"kvasir_seg_256": "Kvasir-SEG", "cvc_clinicdb_256": "CVC-ClinicDB"}
 CONVERGENCE_TOLERANCE = 0.01
 
@@ -79,27 +86,68 @@ OTHER_METHODS = {"fedbn": "fedbn"}
 
 
 def parse_config(config: str) -> dict[str, Any]:
-    """``'4,4,4,4,4/update+ef/down4'`` -> the qfedpolyp settings: uplink bit-widths, then optionally
-    ``update`` (send the round's update) with ``+ef`` (error feedback), and ``down<b>`` (downlink bit-width)."""
+    """``'2,2,2,2,2/update+ef/top0.1/delta4+top0.4'`` -> the qfedpolyp settings: uplink bit-widths, then optionally
+    ``update`` (send the round's update) with ``+ef`` (error feedback), ``top<p>`` or ``rand<p>`` (send only the
+    fraction p of each tensor's entries: the largest, or a random draw), and the downlink: ``down<b>`` (the global
+    model at b bits) or ``delta<b>`` (the change of the model hospitals hold, at b bits) with ``+top<p>`` or
+    ``+rand<p>`` (its sparsity; one way of choosing entries for both directions)."""
     if config in OTHER_METHODS:
         return {}
     widths, *options = config.split("/")
     settings: dict[str, Any] = {"bit_widths": widths}
+
+    def fail(option: str, why: str = "") -> SystemExit:
+        return SystemExit(f"configuration {config!r}: {why or f'unknown option {option!r}'} (update, update+ef, "
+                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>]; 0 < p <= 1)")
+
+    def fraction(option: str) -> float | None:
+        """``top0.1`` -> 0.1 (and the way of choosing entries noted), None if it is not a sparsity option."""
+        for prefix, how in (("top", "top-k"), ("rand", "random-k")):
+            if option.startswith(prefix):
+                try:
+                    value = float(option[len(prefix):])
+                except ValueError:
+                    raise fail(option) from None
+                if not 0.0 < value <= 1.0:
+                    raise fail(option, f"{option!r} keeps a fraction outside (0, 1]")
+                if settings.setdefault("sparsify", how) != how:
+                    raise fail(option, "top-k one way and random-k the other")
+                return value
+        return None
+
     for option in options:
         if option in ("update", "update+ef"):
             settings.update(quantise="update", error_feedback=option.endswith("+ef"))
         elif option.startswith("down") and option[4:].isdigit():
             settings["downlink_bit_width"] = int(option[4:])
+        elif option.startswith("delta"):
+            head, *extras = option.split("+")
+            if not head[5:].isdigit() or len(extras) > 1:
+                raise fail(option)
+            settings.update(downlink="delta", downlink_bit_width=int(head[5:]))
+            for extra in extras:
+                value = fraction(extra)
+                if value is None:
+                    raise fail(option)
+                settings["downlink_sparsity"] = value
+        elif (value := fraction(option)) is not None:
+            settings["sparsity"] = value
         else:
-            raise SystemExit(f"configuration {config!r}: unknown option {option!r} (update, update+ef, down<b>)")
+            raise fail(option)
     return settings
 
 
 def job_config(base: dict[str, Any], config: str, out: Path) -> JobConfig:
+    from pydantic import ValidationError
+
     name = config.replace(",", "-").replace("/", "_").replace("+", "-")
     strategy = OTHER_METHODS.get(config, base["strategy"])
     cfg = JobConfig(**{**base, "strategy": strategy, "run_name": name, "results_dir": str(out / "runs")})
-    return cfg.model_copy(update={"qfedpolyp": cfg.qfedpolyp.model_copy(update=parse_config(config))})
+    try:  # validated as a run config would be (model_copy alone would not check the combination)
+        settings = cfg.qfedpolyp.model_validate({**cfg.qfedpolyp.model_dump(), **parse_config(config)})
+    except ValidationError as error:
+        raise SystemExit(f"configuration {config!r}: {error.errors()[0]['msg']}") from None
+    return cfg.model_copy(update={"qfedpolyp": settings})
 
 
 def run_config(cfg: JobConfig) -> list[dict[str, Any]]:
@@ -130,7 +178,14 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     from common.quantization.codec import encode_model
     from common.wire import message_nbytes, to_recorddict
     from server_app.checkpoint import load_checkpoint
-    from strategies.qfedpolyp.messages import PACKED, STATISTICS, split_statistics
+    from strategies.qfedpolyp.messages import (
+        DOWNLINK_BASE_KEY,
+        DOWNLINK_DIGEST_KEY,
+        DOWNLINK_ROUND_KEY,
+        PACKED,
+        STATISTICS,
+        split_statistics,
+    )
 
     for attribute in ("run_id", "task_id", "node_id"):  # set by Flower inside its processes; not here
         if getattr(TaskIdentity, f"_{attribute}") is None:
@@ -142,19 +197,45 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
                 "downlink, each": int(np.mean([t["down"] for t in traffic.values()]))}
     state = load_checkpoint(cfg.run_dir)
     model = {k.removeprefix("method/global/"): v for k, v in state.items() if k.startswith("method/global/")}
+    settings = cfg.qfedpolyp
+    weights, statistics = split_statistics(model)
     sizes = {}
     for hospital, bits in last["method"]["bit-widths"].items():
-        if cfg.qfedpolyp.quantise == "update":  # an update's codes take what the weights' take, plus statistics
-            weights, statistics = split_statistics(model)
+        if settings.quantise == "update" and settings.sparsity < 1.0:
+            # a sparse update's size depends on its positions: the arrays of the run's own reply, as the server
+            # recorded them (header bytes, range rows, data bytes), with the BatchNorm statistics
+            arrays = {PACKED: recorded_arrays(last["method"]["uplink-arrays"][hospital]), STATISTICS: statistics}
+        elif settings.quantise == "update":  # an update's codes take what the weights' take, plus statistics
             arrays = {PACKED: encode_model(weights, bits, content="update"), STATISTICS: statistics}
         else:
             arrays = {PACKED: encode_model(model, bits)}
         payload = Payload(arrays=arrays, metrics=last["hospital_metrics"][hospital])
         sizes[hospital] = message_nbytes(Message(to_recorddict(payload), dst_node_id=1, message_type=MessageType.TRAIN))
+    if settings.downlink == "delta":  # per hospital: the round's delta, or the full model (a hospital without the base)
+        full, delta = encode_model(weights, 32), recorded_arrays(last["method"].get("downlink-arrays", [0, 0, 0]))
+        down = {}
+        for hospital, base in last["method"]["downlink-base"].items():
+            config = {DOWNLINK_BASE_KEY: base, DOWNLINK_ROUND_KEY: last["round"], DOWNLINK_DIGEST_KEY: "0" * 64}
+            payload = Payload(arrays={PACKED: delta if base else full, STATISTICS: statistics}, config=config)
+            down[hospital] = message_nbytes(Message(to_recorddict(payload), dst_node_id=1,
+                                                    message_type=MessageType.TRAIN))
+        counted = sum(int(last["traffic"][h]["down"]) for h in down)
+        if abs(sum(down.values()) - counted) > 0.01 * counted + 20_000 * len(down):
+            raise RuntimeError(f"downlink message bytes {sum(down.values())} differ from the run's count {counted}")
+        sizes["downlink, each"] = sum(down.values()) / len(down)  # model only: the round config adds ~1 kB
+        return sizes
     down = Payload(arrays={PACKED: encode_model(model, cfg.qfedpolyp.downlink_bit_width)})
     down_message = Message(to_recorddict(down), dst_node_id=1, message_type=MessageType.TRAIN)
     sizes["downlink, each"] = message_nbytes(down_message)  # model only: the round config adds ~1 kB
     return sizes
+
+
+def recorded_arrays(lengths: list[int]) -> dict[str, np.ndarray]:
+    """Arrays of the sizes a sparse payload's arrays had (header bytes, rows of ranges, data bytes): what a message
+    of it weighs does not depend on the bytes inside."""
+    header, rows, data = (int(n) for n in lengths)
+    return {"header": np.zeros(header, np.uint8), "ranges": np.zeros((rows, 2), np.float64),
+            "data": np.zeros(data, np.uint8)}
 
 
 def convergence_round(history: list[dict[str, Any]], key: str) -> int:
@@ -243,6 +324,19 @@ def goals(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> list[str]:
         lines.append(f"| ({config}): {what} >= {target}x smaller than 32 bits, Dice (mean of last 5 rounds) within "
                      f"0.015 of 32-bit | {ratio:.2f}x; {row['dice_last5']:.3f} vs {baseline['dice_last5']:.3f} "
                      f"({gap5:+.3f}) | {'yes' if ratio >= target and gap5 <= 0.015 else 'no'} |")
+    for config, uplink, both_ways in (("2,2,2,2,2/update+ef/top0.1", 32.0, None),
+                                      ("2,2,2,2,2/update+ef/top0.1/delta4+top0.4", 32.0, 15.0)):
+        if config not in by_config:
+            continue
+        row = by_config[config]
+        up = baseline["uplink_bytes"] / row["uplink_bytes"]
+        both = (baseline["uplink_bytes"] + baseline["downlink_bytes"]) / (row["uplink_bytes"] + row["downlink_bytes"])
+        gap5 = baseline["dice_last5"] - row["dice_last5"]
+        met = up >= uplink and (both_ways is None or both >= both_ways) and gap5 <= 0.015
+        what = f"uplink >= {uplink:g}x" + (f" and traffic both ways >= {both_ways:g}x" if both_ways else "")
+        lines.append(f"| ({config}): {what} smaller than 32 bits, Dice (mean of last 5 rounds) within 0.015 of "
+                     f"32-bit | uplink {up:.2f}x, both ways {both:.2f}x; {row['dice_last5']:.3f} vs "
+                     f"{baseline['dice_last5']:.3f} ({gap5:+.3f}) | {'yes' if met else 'no'} |")
     return lines + [""]
 
 

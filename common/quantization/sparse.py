@@ -1,0 +1,328 @@
+"""A sparse, low-bit change of a model: only a fraction of each tensor's entries travel, each at b bits, with
+their positions in the fewest bytes the codec finds for that tensor. QFedPolyp hospitals send their round's
+update this way (``qfedpolyp.sparsity < 1``) and the server its downlink delta (``qfedpolyp.downlink='delta'``).
+
+Which entries: per tensor, the ``k = ceil(sparsity * n)`` of largest magnitude (``top-k``) or ``k`` drawn at
+random (``random-k``, seeded); tensors of fewer than :data:`DENSE_BELOW` entries (biases, BatchNorm scales) go
+whole, their positions would cost more than they save. The kept values are quantised as the dense codec does
+(``common.quantization.codec``: per tensor min-max over the kept values, codes packed at exactly b bits; b = 32
+sends the floats). What is not sent is the sender's to keep (error feedback).
+
+Where they are, per tensor, whichever is smaller (ties: the bitmap), tagged in the header:
+
+``dense``   every entry is sent, no positions
+``bitmap``  one bit per entry, little-endian bit order; bits past the tensor's end must be 0
+``gaps``    the gaps between sorted positions (the first position, then each minus the one before; a gap of 0
+            would repeat a position), as codes of ``w`` bits; a gap of ``E = 2^w - 1`` or more is written as
+            escape codes of value ``E`` followed by the remainder (below ``E``), so a few long gaps do not widen
+            every code. Each position is the running sum of the codes up to and including its last one. ``w`` is
+            chosen per tensor for the fewest bytes (``w`` with no escapes is "the fewest bits of the longest gap").
+
+An encoded change is three named arrays, like the dense codec's:
+
+``header`` (uint8)   compact JSON: format, version, the bit-width tag, the content (a hospital's ``update``, the
+                     server's downlink ``delta``), and per tensor ``[name, shape, dtype, kept, index, width, codes]``
+                     (kept entries; index encoding; for ``gaps`` the code width and the number of codes, else 0 0)
+``ranges`` (float64) ``(m, 2)``: min and step of each tensor that has kept entries (none at b = 32)
+``data``   (uint8)   per tensor its position bytes, then its value bytes, each tensor on a byte boundary
+
+Decoding computes every tensor's byte length from the header before reading anything, checks names, shapes and
+dtypes against the receiver's model before allocating, and refuses (:class:`PayloadError`, with the reason) a
+wrong or unexpected tag, more or fewer kept entries than the sparsity assigned, truncated or padded data,
+positions out of range, repeated or unsorted, a bitmap or gap stream that disagrees with its count, non-finite
+or negative ranges and NaN values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from common.arrays import NamedArrays
+
+from .codec import PayloadError, check_bit_width, dequantise, pack_codes, packed_nbytes, quantise, unpack_codes
+
+FORMAT = "fedmed-sparse-change"
+VERSION = 1
+CONTENTS = ("update", "delta")  #: a hospital's round update; the server's downlink change of the hospitals' model
+SPARSIFIERS = ("top-k", "random-k")
+INDEX_ENCODINGS = ("dense", "bitmap", "gaps")
+FLOAT_DTYPES = ("float16", "float32", "float64")
+DENSE_BELOW = 1024  #: tensors with fewer entries travel whole at every sparsity
+MAX_GAP_WIDTH = 32
+
+
+def kept_count(size: int, sparsity: float) -> int:
+    """How many of a tensor's ``size`` entries travel at ``sparsity`` (fraction kept; 1.0: all)."""
+    if sparsity >= 1.0 or size < DENSE_BELOW:
+        return size
+    return max(1, min(size, math.ceil(sparsity * size - 1e-9)))
+
+
+def select(values: np.ndarray, k: int, sparsify: str, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Sorted int64 positions of the ``k`` entries of flat ``values`` to send: largest magnitude, or at random."""
+    if sparsify == "top-k":
+        chosen = np.argpartition(np.abs(values), values.size - k)[values.size - k:]
+    elif sparsify == "random-k":
+        chosen = (rng or np.random.default_rng()).choice(values.size, size=k, replace=False)
+    else:
+        raise ValueError(f"sparsify {sparsify!r} is not one of {SPARSIFIERS}")
+    return np.sort(chosen).astype(np.int64)
+
+
+# --- positions <-> bytes --------------------------------------------------------------------------
+def gap_codes(indices: np.ndarray) -> tuple[int, np.ndarray]:
+    """(width, codes) of sorted, distinct ``indices`` as escape-coded gaps at the width that takes fewest bits."""
+    gaps = np.diff(indices.astype(np.int64), prepend=0)
+    largest = int(gaps.max()) if gaps.size else 0
+    best_width, best_bits = 1, None
+    for width in range(1, min(MAX_GAP_WIDTH, max(1, largest.bit_length()) + 1) + 1):
+        bits = width * int((gaps // ((1 << width) - 1)).sum() + gaps.size)
+        if best_bits is None or bits < best_bits:
+            best_width, best_bits = width, bits
+    escape = (1 << best_width) - 1
+    repeats = gaps // escape
+    codes = np.full(int(repeats.sum() + gaps.size), escape, dtype=np.int64)
+    codes[np.cumsum(repeats + 1) - 1] = gaps % escape
+    return best_width, codes
+
+
+def indices_from_gap_codes(codes: np.ndarray, width: int) -> tuple[np.ndarray, bool]:
+    """(positions, complete) of a gap code stream; ``complete`` is False when it ends inside a gap."""
+    codes = codes.astype(np.int64)
+    ends = codes != (1 << width) - 1
+    return np.cumsum(codes)[ends], bool(codes.size == 0 or ends[-1])
+
+
+def check_indices(indices: np.ndarray, size: int, name: str) -> None:
+    """Refuse positions that are not strictly increasing, or not within ``0..size-1``."""
+    if indices.size == 0:
+        return
+    steps = np.diff(indices)
+    if (steps == 0).any():
+        raise PayloadError(f"{name}: position {int(indices[1:][steps == 0][0])} is repeated")
+    if (steps < 0).any():
+        where = int(np.flatnonzero(steps < 0)[0])
+        raise PayloadError(f"{name}: positions are not sorted ({int(indices[where])} before "
+                           f"{int(indices[where + 1])})")
+    if int(indices.min()) < 0 or int(indices.max()) >= size:
+        bad = int(indices.max()) if int(indices.max()) >= size else int(indices.min())
+        raise PayloadError(f"{name}: position {bad} is out of range for its {size} entries")
+
+
+# --- whole changes --------------------------------------------------------------------------------
+def encode_sparse(arrays: Mapping[str, np.ndarray], bits: int, sparsity: float, sparsify: str = "top-k",
+                  seed: int | Sequence[int] = 0, content: str = "update") -> NamedArrays:
+    """Float arrays (a change of a model) as ``{"header", "ranges", "data"}``: per tensor the entries
+    :func:`kept_count` keeps (chosen by ``sparsify``; ``random-k`` draws with ``seed`` and the tensor's position),
+    at ``bits`` bits, their positions as a bitmap or gap codes, whichever is smaller."""
+    bits = check_bit_width(bits)
+    if content not in CONTENTS:
+        raise PayloadError(f"content {content!r} is not one of {CONTENTS}")
+    if not 0.0 < sparsity <= 1.0:
+        raise ValueError(f"sparsity {sparsity!r}: the fraction of entries kept must be in (0, 1]")
+    seeds = [int(s) & 0xFFFFFFFF for s in (seed if isinstance(seed, Sequence) else [seed])]
+    tensors, ranges, chunks = [], [], []
+    for position, (name, value) in enumerate(arrays.items()):
+        value = np.asarray(value)
+        if value.dtype.name not in FLOAT_DTYPES:
+            raise PayloadError(f"{name}: dtype {value.dtype} cannot be sent sparse (float tensors only)")
+        if not np.isfinite(value).all():
+            raise PayloadError(f"{name}: holds NaN or Inf, cannot be encoded")
+        flat = value.ravel()
+        kept = kept_count(flat.size, sparsity)
+        index, width, count, index_chunk = "dense", 0, 0, np.zeros(0, np.uint8)
+        if kept < flat.size:
+            positions = select(flat, kept, sparsify, np.random.default_rng([*seeds, position]))
+            gap_width, gaps = gap_codes(positions)
+            if packed_nbytes(gaps.size, gap_width) < packed_nbytes(flat.size, 1):
+                index, width, count, index_chunk = "gaps", gap_width, int(gaps.size), pack_codes(gaps, gap_width)
+            else:
+                marks = np.zeros(flat.size, np.uint8)
+                marks[positions] = 1
+                index, index_chunk = "bitmap", np.packbits(marks, bitorder="little")
+            flat = flat[positions]
+        tensors.append([name, list(value.shape), value.dtype.name, kept, index, width, count])
+        chunks.append(index_chunk)
+        if bits < 32 and kept:
+            codes, low, step = quantise(flat, bits)
+            ranges.append((low, step))
+            chunks.append(pack_codes(codes, bits))
+        elif kept:
+            chunks.append(np.frombuffer(np.ascontiguousarray(flat).tobytes(), dtype=np.uint8))
+    header = {"format": FORMAT, "version": VERSION, "bits": bits, "content": content, "tensors": tensors}
+    return {
+        "header": np.frombuffer(json.dumps(header, separators=(",", ":")).encode(), dtype=np.uint8).copy(),
+        "ranges": np.asarray(ranges, dtype=np.float64).reshape(-1, 2),
+        "data": np.concatenate(chunks) if chunks else np.zeros(0, np.uint8),
+    }
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _well_formed(entry: Any) -> bool:
+    if not (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[0], str) and isinstance(entry[1], list)
+            and all(_is_count(d) for d in entry[1]) and entry[2] in FLOAT_DTYPES
+            and all(_is_count(v) for v in (entry[3], entry[5], entry[6])) and entry[4] in INDEX_ENCODINGS):
+        return False
+    _, shape, _, kept, index, width, codes = entry
+    size = math.prod(shape)
+    if kept > size:
+        return False
+    if index == "dense":
+        return kept == size and width == 0 and codes == 0
+    if index == "bitmap":
+        return width == 0 and codes == 0
+    return 1 <= width <= MAX_GAP_WIDTH and codes >= kept and (codes > 0) == (kept > 0)
+
+
+def read_sparse_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The checked header of a sparse change (its ``bits`` is the bit-width tag)."""
+    missing = [key for key in ("header", "ranges", "data") if key not in encoded]
+    if missing:
+        raise PayloadError(f"encoded change lacks {missing}")
+    raw = np.asarray(encoded["header"])
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise PayloadError(f"header must be a 1-D uint8 array, got {raw.dtype} {raw.shape}")
+    try:
+        header = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PayloadError(f"header is not JSON ({error})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise PayloadError(f"header is not a {FORMAT} version {VERSION} header")
+    try:
+        check_bit_width(header.get("bits"), "bit-width tag")
+    except ValueError as error:
+        raise PayloadError(str(error)) from None
+    if header.get("content") not in CONTENTS:
+        raise PayloadError(f"header's content {header.get('content')!r} is not one of {CONTENTS}")
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list) or not all(_well_formed(entry) for entry in tensors):
+        bad = next((entry for entry in tensors if not _well_formed(entry)), None) if isinstance(tensors, list) else None
+        raise PayloadError("header's tensor list is malformed (want [name, shape, float dtype, kept <= entries, "
+                           f"dense|bitmap|gaps, width, codes] entries, consistent with each other): {str(bad)[:200]}")
+    if len({entry[0] for entry in tensors}) != len(tensors):
+        raise PayloadError("header names a tensor twice")
+    return header
+
+
+def _index_nbytes(entry: list) -> int:
+    _, shape, _, _, index, width, codes = entry
+    if index == "dense":
+        return 0
+    return packed_nbytes(math.prod(shape), 1) if index == "bitmap" else packed_nbytes(codes, width)
+
+
+def _value_nbytes(entry: list, bits: int) -> int:
+    kept = entry[3]
+    return packed_nbytes(kept, bits) if bits < 32 else kept * np.dtype(entry[2]).itemsize
+
+
+def sparse_nbytes(header: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """(position bytes, value bytes) of every tensor a checked header describes."""
+    return [(_index_nbytes(entry), _value_nbytes(entry, header["bits"])) for entry in header["tensors"]]
+
+
+def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None,
+                  expected_bits: int | None = None, expected_content: str | None = None,
+                  expected_sparsity: float | None = None) -> NamedArrays:
+    """The dense arrays a sparse change stands for (zero where no entry was sent).
+
+    ``expected_bits``: the tag the sender was told to use; ``expected_content``: ``update`` or ``delta``;
+    ``expected_sparsity``: the fraction the sender was told to keep (each tensor must keep exactly
+    :func:`kept_count` entries); ``reference``: the names, shapes and dtypes the result must have. Anything that
+    does not match is a :class:`PayloadError`.
+    """
+    header = read_sparse_header(encoded)
+    bits, tensors = header["bits"], header["tensors"]
+    if expected_bits is not None and bits != expected_bits:
+        raise PayloadError(f"bit-width tag is {bits}, but {expected_bits} was assigned")
+    if expected_content is not None and header["content"] != expected_content:
+        raise PayloadError(f"payload is tagged {header['content']!r}, expected {expected_content!r}")
+    if reference is not None:  # before anything is allocated: a header cannot declare a tensor of any size
+        names = [entry[0] for entry in tensors]
+        missing, extra = [k for k in reference if k not in names], [k for k in names if k not in reference]
+        if missing or extra:
+            raise PayloadError(f"encoded change: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                               f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        for name, shape, dtype, *_ in tensors:
+            if tuple(shape) != reference[name].shape:
+                raise PayloadError(f"encoded change: {name} has shape {tuple(shape)}, expected {reference[name].shape}")
+            if np.dtype(dtype) != reference[name].dtype:
+                raise PayloadError(f"{name} has dtype {dtype}, expected {reference[name].dtype}")
+    if expected_sparsity is not None:
+        for name, shape, _, kept, *_ in tensors:
+            assigned = kept_count(math.prod(shape), expected_sparsity)
+            if kept != assigned:
+                raise PayloadError(f"{name}: {kept} of its {math.prod(shape)} entries sent, but {assigned} were "
+                                   f"assigned (sparsity {expected_sparsity:g})")
+    ranges, data = np.asarray(encoded["ranges"]), np.asarray(encoded["data"])
+    ranged = [entry for entry in tensors if bits < 32 and entry[3] > 0]
+    if ranges.dtype != np.float64 or ranges.shape != (len(ranged), 2):
+        raise PayloadError(f"ranges are {ranges.dtype} {ranges.shape}, expected float64 {(len(ranged), 2)}")
+    if not np.isfinite(ranges).all() or (ranges[:, 1] < 0).any():
+        bad = ranged[int(np.flatnonzero(~np.isfinite(ranges).all(axis=1) | (ranges[:, 1] < 0))[0])][0]
+        raise PayloadError(f"{bad}: min/step are not finite and non-negative")
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise PayloadError(f"data must be a 1-D uint8 array, got {data.dtype} {data.shape}")
+    sizes = sparse_nbytes(header)
+    needed = sum(a + b for a, b in sizes)
+    if data.size != needed:
+        raise PayloadError(f"data holds {data.size} bytes, but the header's {len(tensors)} tensors at {bits} bits "
+                           f"need {needed} ({'truncated' if data.size < needed else 'padded'})")
+    result: NamedArrays = {}
+    offset, next_range = 0, 0
+    for (name, shape, dtype, kept, index, width, codes), (index_size, value_size) in zip(tensors, sizes):
+        size = math.prod(shape)
+        index_chunk, value_chunk = data[offset:offset + index_size], data[offset + index_size:
+                                                                         offset + index_size + value_size]
+        offset += index_size + value_size
+        positions = None
+        if index == "bitmap":
+            marks = np.unpackbits(index_chunk, bitorder="little")
+            if marks[size:].any():
+                raise PayloadError(f"{name}: bitmap marks a position past its {size} entries (out of range)")
+            positions = np.flatnonzero(marks[:size])
+            if positions.size != kept:
+                raise PayloadError(f"{name}: bitmap marks {positions.size} positions, the header says {kept}")
+        elif index == "gaps":
+            positions, complete = indices_from_gap_codes(unpack_codes(index_chunk, codes, width), width)
+            if not complete:
+                raise PayloadError(f"{name}: its position codes end inside a gap (escape code last)")
+            if positions.size != kept:
+                raise PayloadError(f"{name}: its position codes hold {positions.size} positions, the header says "
+                                   f"{kept}")
+            check_indices(positions, size, name)
+        if bits < 32 and kept:
+            low, step = ranges[next_range]
+            next_range += 1
+            values = dequantise(unpack_codes(value_chunk, kept, bits), low, step, np.dtype(dtype))
+        else:
+            values = np.frombuffer(value_chunk.tobytes(), dtype=np.dtype(dtype))
+        if not np.isfinite(values).all():
+            raise PayloadError(f"{name} holds NaN or Inf")
+        if positions is None:
+            dense = values.copy()
+        else:
+            dense = np.zeros(size, dtype=np.dtype(dtype))
+            dense[positions] = values
+        result[name] = dense.reshape(shape)
+    if reference is not None:
+        result = {name: result[name] for name in reference}  # the receiver's order
+    return result
+
+
+def sparse_summary(encoded: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Bytes of an encoded change by part (header, ranges, positions, values), and its tensors by index encoding."""
+    header = read_sparse_header(encoded)
+    sizes = sparse_nbytes(header)
+    summary = {"header": int(np.asarray(encoded["header"]).nbytes), "ranges": int(np.asarray(encoded["ranges"]).nbytes),
+               "positions": sum(a for a, _ in sizes), "values": sum(b for _, b in sizes)}
+    for encoding in INDEX_ENCODINGS:
+        summary[f"tensors-{encoding}"] = sum(1 for entry in header["tensors"] if entry[4] == encoding)
+    return summary
