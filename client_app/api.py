@@ -25,6 +25,12 @@ own) and its node config (``data-dir``, ``state-dir``...). Which method runs com
 server's strategy. fedmed's own ClientApp (``client_app/app.py``) is these three handlers and nothing else.
 Any failure becomes an error reply whose reason names the hospital and the file or key at fault, so the server
 logs it and goes on.
+
+The hospital's policy (node config ``policy-file``: methods, min-samples, local DP, rounds; ``common/policy.py``) is
+applied to every answer, here or in the warm worker, so a ClientApp of your own enforces it as fedmed's does; what it
+refuses is an error reply with the reason. Every message received and every reply sent is a line of the hospital's
+audit log (node config ``audit-log``, default ``audit.jsonl`` in its state folder; ``common/audit.py``), and each
+reply carries the log's last hash (``audit-head``), which the server's own audit log records.
 """
 
 from __future__ import annotations
@@ -35,15 +41,18 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
+from common.audit import AuditLog, message_digest
 from common.payload import Payload
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
 log = logging.getLogger("fedmed")
 
 HOSPITAL_ERROR = 1  #: ``Error.code`` of a failure inside the hospital's answer
+AUDIT_HEAD_KEY = "audit-head"  #: reply config key: the hash of the last line of the hospital's audit log
 
 
 class Hospital:
@@ -58,22 +67,49 @@ class Hospital:
         return str(node.get("hospital") or f"partition {node.get('partition-id', '?')}")
 
     def answer(self, message: Message) -> Message:
-        """The reply to ``message`` (query, train or evaluate), or an error reply naming this hospital."""
+        """The reply to ``message`` (query, train or evaluate), or an error reply naming this hospital; both, and the
+        message, are written to the hospital's audit log."""
         kind = message.metadata.message_type.split(".")[0]
         handlers = {MessageType.QUERY: self.query, MessageType.TRAIN: self.train, MessageType.EVALUATE: self.evaluate}
+        audit, about = None, {}
         try:
+            audit, about = self.audit_log(), message_about(message, kind)
+            if audit is not None:
+                audit.append("message", direction="received", **about, **message_digest(message))
             if kind not in handlers:
                 raise ValueError(f"message type {message.metadata.message_type!r} is not one fedmed answers")
-            return handlers[kind](message)
+            reply = handlers[kind](message)
         except Exception as error:  # reported to the server, which logs it and carries on
             what = "" if type(error).__name__ == "WorkerFailed" else f"{type(error).__name__}: "  # already says
             reason = f"hospital {self.name}: {what}{error}"
             log.error("%s\n%s", reason, traceback.format_exc())
-            return Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+            reply = Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+        if audit is not None:
+            try:
+                audit.append("message", direction="sent", **about, **message_digest(reply))
+            except Exception as error:  # the reply is not sent unlogged
+                reason = f"hospital {self.name}: {type(error).__name__}: {error}"
+                log.error("%s", reason)
+                reply = Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+        return reply
+
+    def audit_log(self) -> AuditLog | None:
+        """This hospital's audit log (node config ``audit-log``; default: in its state folder), None for 'none'."""
+        from .node_config import load_node_config
+
+        node = load_node_config(self.context.node_config)
+        path = node.audit_path(str(self.context.run_config.get("state-dir", "state")))
+        return AuditLog(path, f"hospital:{node.name}") if path is not None else None
+
+    def audit_head(self) -> str | None:
+        audit = self.audit_log()
+        return audit.head() if audit is not None else None
 
     def query(self, message: Message) -> Message:
         identity = self.payload_answer("query", from_recorddict(message.content))
-        return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
+        head = self.audit_head()
+        config = {**identity.config, **({AUDIT_HEAD_KEY: head} if head else {})}
+        return Message(RecordDict({"hospital": ConfigRecord(config)}), reply_to=message)
 
     def train(self, message: Message) -> Message:
         started = seconds_before_handler()
@@ -81,6 +117,9 @@ class Hospital:
         reply = self.payload_answer("train", payload)
         if started is not None:  # the round's overhead, attributed (benchmarks/overhead)
             reply.metrics["clientapp-start-seconds"] = round(started, 3)
+        head = self.audit_head()
+        if head:
+            reply.config[AUDIT_HEAD_KEY] = head
         layout = payload.config.get("message-arrays")  # the layout and record names the server chose, both ways
         return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor",
                                      RecordKeys.of(message.content)), reply_to=message)
@@ -88,8 +127,9 @@ class Hospital:
     def evaluate(self, message: Message) -> Message:
         """Flower's evaluate phase: metrics of the received model on this hospital's validation data."""
         metrics = self.payload_answer("evaluate", from_recorddict(message.content)).metrics
-        return Message(to_recorddict(Payload(metrics=metrics), keys=RecordKeys.of(message.content)),
-                       reply_to=message)
+        head = self.audit_head()
+        return Message(to_recorddict(Payload(config={AUDIT_HEAD_KEY: head} if head else {}, metrics=metrics),
+                                     keys=RecordKeys.of(message.content)), reply_to=message)
 
     def payload_answer(self, kind: str, payload: Payload) -> Payload:
         """The method's hospital half answers the payload: here, or in the hospital's warm worker when Flower
@@ -101,6 +141,18 @@ class Hospital:
         from . import hospital  # torch, the methods and the data loaders
 
         return hospital.answer(kind, payload, self.context.run_config, self.context.node_config)
+
+
+def message_about(message: Message, kind: str) -> dict[str, Any]:
+    """What an audit line says of a message besides its digest: the run, round and method it names, its kind, the
+    Flower run and the peer that sent it."""
+    config: dict[str, Any] = {}
+    if not message.has_error():
+        for record in message.content.config_records.values():
+            config.update({k: record[k] for k in ("run-name", "server-round", "strategy") if k in record})
+    return {"kind": kind, "run": config.get("run-name"), "round": config.get("server-round"),
+            "method": config.get("strategy"), "flower-run": message.metadata.run_id,
+            "peer-node": message.metadata.src_node_id, "peer": "server"}
 
 
 def uses_worker(context: Context) -> bool:

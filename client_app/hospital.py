@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping
 
+from common.audit import AuditLog
 from common.config import JobConfig, hospital_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
+from common.policy import Enforcer, enforcer_for
 from common.site import HospitalStateStore, Site, build_site
 from strategies.registry import hospital_class
 
@@ -46,8 +48,24 @@ def hospital_method(run_config: Mapping[str, Any], node_config: Mapping[str, Any
     return hospital_class(cfg.strategy)(cfg, hospital_site(cfg, node, run_name))
 
 
+def hospital_audit(node: NodeConfig, run_state_dir: str) -> AuditLog | None:
+    """The hospital's audit log (node config ``audit-log``; default: audit.jsonl in its state folder)."""
+    path = node.audit_path(run_state_dir)
+    return AuditLog(path, f"hospital:{node.name}") if path is not None else None
+
+
+def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
+    """The hospital's own policy (node config ``policy-file``), read afresh for every message; None without one.
+    Its decisions go to the hospital's audit log."""
+    if not node.policy_file:
+        return None
+    audit = hospital_audit(node, cfg.state_dir)
+    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), audit.append if audit else None)
+
+
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:
-    """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics)."""
+    """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics), within the
+    hospital's policy (``policy-file``): a message it does not allow raises ``PolicyRefusal`` with the reason."""
     if kind == "query":
         info = hospital_method(run_config, node_config, payload).info()
         identity = {"name": info.name, "num-examples": info.num_examples,
@@ -58,16 +76,24 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
                                                     str(payload.config[NONCE_KEY]), info.name)
         return Payload(config=identity)
     method = hospital_method(run_config, node_config, payload)
+    enforcer = hospital_enforcer(load_node_config(node_config), method.cfg)
+    run, rnd = str(payload.config.get("run-name", "")), int(payload.config.get("server-round", 0))
+    where = {"run": run, "round": rnd, "method": method.cfg.strategy, "kind": kind}
     if kind == "train":
-        reply = method.timed_train(int(payload.config["server-round"]), payload)
+        rnd = int(payload.config["server-round"])
+        reply = (method.timed_train(rnd, payload) if enforcer is None
+                 else enforcer.train(method, rnd, payload, run, where))
         weight_key = payload.config.get("weighted-by-key")
         if isinstance(weight_key, str) and weight_key and weight_key != "num-examples":  # a strategy's weighted_by_key
             reply.metrics[weight_key] = reply.metrics["num-examples"]
         return reply
     if kind == "evaluate":
-        rnd = int(payload.config.get("server-round", 0))
+        if enforcer is not None:
+            enforcer.check_job(kind, method.cfg, where)
         if payload.config.get(CROSS_SITE_KEY):  # every model this hospital scores, as '<model>.<metric>'
-            return Payload(metrics={f"{model}.{key}": value for model, scores in method.cross_site(rnd, payload).items()
-                                    for key, value in scores.items()})
-        return Payload(metrics=method.evaluate(rnd, payload))
+            metrics = {f"{model}.{key}": value for model, scores in method.cross_site(rnd, payload).items()
+                       for key, value in scores.items()}
+        else:
+            metrics = method.evaluate(rnd, payload)
+        return Payload(metrics=metrics if enforcer is None else enforcer.evaluate_metrics(metrics, method.site, where))
     raise ValueError(f"unknown message kind {kind!r}")

@@ -36,6 +36,13 @@ class NodeConfig(Section):
     warm_worker: bool = Field(WARM_WORKER_BY_DEFAULT, description=(
         "Deployment: keep torch and the data loaded in a worker process between messages (client_app/worker.py); "
         "false: do all the work in each message's own ClientApp process."))
+    policy_file: str = Field("", description=(
+        "The hospital's data-protection policy (TOML, or JSON ending in .json; common/policy.py, docs/privacy.md): "
+        "tasks and methods it allows, min-samples, max-rounds-per-run, local-dp. Read at the hospital for every "
+        "message; nothing the server sends changes it."))
+    audit_log: str = Field("", description=(
+        "The hospital's audit log (common/audit.py): every message received and sent and every policy decision, "
+        "chained by SHA-256. Empty: audit.jsonl in its state folder; 'none': no log."))
 
     @field_validator("bit_width")
     @classmethod
@@ -76,9 +83,19 @@ class NodeConfig(Section):
     def name(self) -> str:
         return self.hospital or f"hospital-{self.partition_id:02d}"
 
+    def state_root(self, run_state_dir: str) -> Path:
+        """The hospital's own state folder (its runs' folders, its privacy ledger, its audit log): ``state-dir``, or
+        ``<run config state-dir>/<hospital>`` (simulation)."""
+        return Path(self.state_dir) if self.state_dir else Path(run_state_dir or "state") / self.name
+
     def state_folder(self, cfg: JobConfig, run_name: str) -> Path:
-        root = Path(self.state_dir) if self.state_dir else Path(cfg.state_dir) / self.name
-        return root / run_name
+        return self.state_root(cfg.state_dir) / run_name
+
+    def audit_path(self, run_state_dir: str) -> Path | None:
+        """Where the hospital's audit log is (None: 'none')."""
+        if self.audit_log.strip().lower() == "none":
+            return None
+        return Path(self.audit_log) if self.audit_log else self.state_root(run_state_dir) / "audit.jsonl"
 
     def properties(self) -> dict[str, Any]:
         """What the hospital tells the server about itself besides its name and size."""
@@ -100,4 +117,7 @@ def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(f"node config of {node.name} key 'identity-key': {node.identity_key!r} is not a file")
     if node.data_dir and not Path(node.data_dir).exists():
         raise ConfigError(f"node config of {node.name} key 'data-dir': {node.data_dir!r} does not exist")
+    if node.policy_file and not Path(node.policy_file).is_file():
+        raise ConfigError(f"node config of {node.name} key 'policy-file': {node.policy_file!r} is not a file (the "
+                          "hospital answers nothing until its policy can be read)")
     return node

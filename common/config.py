@@ -214,6 +214,11 @@ class CoreConfig(Section):
         "records, e.g. 'test.dice', 'train.val-dice' (the hospitals' validation mean), 'min:test.loss'; without "
         "max:/min: loss and hd95 are minimised, other metrics maximised. Empty: no best model."))
 
+    audit_log: str = Field("", description=(
+        "The server's audit log (common/audit.py, docs/privacy.md): every message it sends and receives (run, round, "
+        "method, kind, bytes, SHA-256 of the content, the hospital), chained by SHA-256, appended across restarts. "
+        "Empty: <results-dir>/<run-name>/audit.jsonl; 'none': no log."))
+
     screening: ScreeningSection = ScreeningSection()
     brain: BrainSection = BrainSection()
 

@@ -26,6 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
+from common.audit import AuditLog, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
@@ -285,6 +286,34 @@ class HospitalStrategy(Strategy):
         return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
                 **self.records.as_config(), "weighted-by-key": self.weighted_by_key}
 
+    # --- the audit log ------------------------------------------------------------------------------
+    def audit_log(self) -> AuditLog | None:
+        """The server's audit log (run config ``audit-log``; default: audit.jsonl in the run's results folder), None
+        for 'none'. It holds no state: every line is appended after the file's last line, checked."""
+        path = self.job.audit_log.strip()
+        if path.lower() == "none":
+            return None
+        return AuditLog(path or self.job.run_dir / "audit.jsonl", "server")
+
+    def audit_message(self, direction: str, message: Message, server_round: int, hospital: str | None = None,
+                      node: int | None = None, cross_site: bool = False, nbytes: int | None = None) -> None:
+        """A line of the audit log for a message sent or received: run, round, method, kind, bytes and SHA-256 of
+        the content, the hospital and its node, and the hospital's own audit head where its reply carries one.
+        An AuditError (a damaged log, a full disk) stops the run: nothing is exchanged unlogged."""
+        audit = self.audit_log()
+        if audit is None:
+            return
+        received = direction == "received"
+        head = None
+        if received and not message.has_error():
+            heads = [record.get("audit-head") for record in message.content.config_records.values()]
+            head = next((h for h in heads if isinstance(h, str)), None)
+        audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],
+                     run=self.job.run_name, round=server_round, method=self.job.strategy, peer=hospital,
+                     **{"peer-node": message.metadata.src_node_id if received else node or message.metadata.dst_node_id,
+                        "flower-run": message.metadata.run_id if received else None, "peer-audit-head": head,
+                        "cross-site": cross_site or None}, **message_digest(message, nbytes))
+
     # --- hospitals --------------------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
         """Learn the identity of every connected node not seen before (one query message each)."""
@@ -340,11 +369,14 @@ class HospitalStrategy(Strategy):
             config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0), NONCE_KEY: nonce})
             messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
                                     dst_node_id=node))
+            self.audit_message("sent", messages[-1], 0, node=node)
         return messages
 
     def learn_identity(self, node: int, reply: Message) -> None:
         """Record which hospital ``node`` is; a reply without a usable identity, a claim the hospital cannot
         sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
+        claimed = None if reply.has_error() else reply.content.config_records.get("hospital", {}).get("name")
+        self.audit_message("received", reply, 0, claimed if isinstance(claimed, str) else None, node)
         if reply.has_error():
             log.warning("node %d did not say which hospital it is: %s", node, cut(reply.error.reason))
             self.unusable[node] = time.time()
@@ -425,6 +457,8 @@ class HospitalStrategy(Strategy):
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
+            self.audit_message("sent", message, server_round, info.name, node_of[info.name],
+                               nbytes=self._bytes_down[info.name])
         return messages
 
     def message_layout(self) -> str:
@@ -464,6 +498,7 @@ class HospitalStrategy(Strategy):
         chosen, limit = {h.name for h in self._chosen}, self.reply_limit()
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
+            self.audit_message("received", message, server_round, hospital.name if hospital else None)
             if hospital is None and message.has_error():  # the SuperLink's own: the message never reached a reply
                 log.warning("round %d: a training message was not answered: %s", server_round,
                             message.error.reason)
@@ -587,6 +622,7 @@ class HospitalStrategy(Strategy):
         scores: list[tuple[float, dict[str, Any], RecordDict]] = []
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
+            self.audit_message("received", message, server_round, hospital.name if hospital else None)
             if hospital is None or hospital not in self._evaluated:
                 continue
             if message.has_error():
@@ -625,6 +661,7 @@ class HospitalStrategy(Strategy):
         failed: dict[str, str] = {}
         for message in send_and_receive(grid, messages, timeout, messages_in_flight(self.job, grid)):
             hospital = self.hospitals.get(message.metadata.src_node_id)
+            self.audit_message("received", message, rnd, hospital.name if hospital else None, cross_site=True)
             if hospital is None or hospital not in hospitals:
                 continue
             try:

@@ -1,0 +1,271 @@
+"""An append-only audit log, one JSON object a line, each line chained to the one before it by SHA-256.
+
+Every line holds ``seq`` (its line number, from 1), ``time`` (UTC), ``prev`` (the previous line's ``hash``; 64 zeros
+on the first line), what happened (``event`` and its fields) and ``hash``: the SHA-256 of the line's canonical JSON
+without ``hash`` (keys sorted, no spaces, ASCII). A line is written in one ``write`` under an exclusive lock on the
+file, after the writer has checked the file's last line, so writers in several processes (a hospital's warm worker and
+its ClientApp, a new process after a restart) extend one chain and never interleave. :func:`verify` names every line
+that was edited, inserted, removed, moved or cut short; whole lines removed from the end leave a shorter valid chain,
+which only a hash kept elsewhere shows (``head``; each end of a federation records the other's, see docs/privacy.md).
+
+Plain standard library (``hashlib``, ``json``, ``fcntl``): no Flower, no torch. :func:`message_digest` reads a Flower
+message when given one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+GENESIS = "0" * 64  #: ``prev`` of a log's first line
+RESERVED = ("seq", "time", "prev", "hash")  #: fields every line has; an event's own fields may not use them
+MAX_TEXT = 2000  #: characters kept of any text field (a refusal's reason, an error)
+_TAIL = 1 << 16  #: bytes read from the end of the file to find the last line
+
+
+class AuditError(RuntimeError):
+    """The log cannot be extended: its last line is damaged, or the file cannot be written."""
+
+
+def canonical(record: dict[str, Any]) -> str:
+    """The one text form a line may have: sorted keys, no spaces, ASCII, no NaN."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def line_hash(record: dict[str, Any]) -> str:
+    """SHA-256 of the line's canonical JSON without its ``hash`` field."""
+    return hashlib.sha256(canonical({k: v for k, v in record.items() if k != "hash"}).encode()).hexdigest()
+
+
+def _clean(value: Any) -> Any:
+    """A value as a line holds it: JSON types only, long texts cut, NaN/Inf as None."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, str):
+        return value if len(value) <= MAX_TEXT else value[:MAX_TEXT] + "..."
+    if isinstance(value, (bool, int)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item"):  # a NumPy scalar
+        return _clean(value.item())
+    return _clean(str(value))
+
+
+class AuditLog:
+    """An audit log file; :meth:`append` adds one line. Holds no state between calls: every append reads the
+    file's last line under the lock, so any number of processes may append to the same file."""
+
+    def __init__(self, path: str | Path, writer: str = ""):
+        self.path = Path(path)
+        self.writer = writer
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[int]:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o640)
+        except OSError as error:
+            raise AuditError(f"audit log {self.path} cannot be opened for writing: {error.strerror or error}") \
+                from None
+        try:
+            _lock(fd)
+            yield fd
+        finally:
+            os.close(fd)  # releases the lock
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one line for ``event`` with ``fields``; returns the line as written (with its ``hash``)."""
+        clash = sorted(set(fields) & set(RESERVED))
+        if clash:
+            raise ValueError(f"audit event fields may not be named {', '.join(clash)}")
+        with self._locked() as fd:
+            last = last_line(fd, self.path)
+            record: dict[str, Any] = {"seq": last["seq"] + 1 if last else 1,
+                                      "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                      "prev": last["hash"] if last else GENESIS, "event": event}
+            if self.writer:
+                record["writer"] = self.writer
+            record.update({k: _clean(v) for k, v in fields.items() if v is not None})
+            record["hash"] = line_hash(record)
+            data = (canonical(record) + "\n").encode()
+            try:
+                written = os.write(fd, data)
+                if written != len(data):
+                    raise OSError(f"wrote {written} of {len(data)} bytes")
+                os.fsync(fd)
+            except OSError as error:
+                raise AuditError(f"audit log {self.path}: line {record['seq']} not written ({error})") from None
+        return record
+
+    def head(self) -> str:
+        """The hash of the last line (64 zeros for an empty or absent log); the last line is checked."""
+        if not self.path.exists():
+            return GENESIS
+        with self._locked() as fd:
+            last = last_line(fd, self.path)
+        return last["hash"] if last else GENESIS
+
+
+def _lock(fd: int) -> None:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: one writer per file is the operator's to ensure
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
+    """The file's last line, checked (canonical form, hash); None for an empty file. AuditError when it is cut
+    short or does not match its hash: the chain is not extended past a damaged line."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return None
+    start, tail = size, b""
+    while start > 0:
+        step = min(_TAIL, start)
+        start -= step
+        tail = os.pread(fd, step, start) + tail
+        if tail.count(b"\n") >= 2 or start == 0:
+            break
+    if not tail.endswith(b"\n"):
+        raise AuditError(f"audit log {path}: its last line is cut short (no newline at its end): a write was "
+                         "interrupted or the file was edited. Check it with `fedmed audit verify`; move it aside to "
+                         "start a new chain (keep it for the audit)")
+    text = tail[:-1].rsplit(b"\n", 1)[-1]
+    problem = line_problem(text)
+    if problem:
+        raise AuditError(f"audit log {path}: its last line {problem}. Check it with `fedmed audit verify`; move it "
+                         "aside to start a new chain (keep it for the audit)")
+    return json.loads(text)
+
+
+def line_problem(text: bytes) -> str | None:
+    """What is wrong with one line on its own (not JSON, not canonical, hash mismatch), or None."""
+    try:
+        record = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return "is not a JSON object (edited, or cut short)"
+    if not isinstance(record, dict) or not all(key in record for key in RESERVED):
+        return f"is not an audit line (it lacks one of {', '.join(RESERVED)})"
+    if not isinstance(record["seq"], int) or not isinstance(record["hash"], str):
+        return "has a seq that is not a number or a hash that is not text"
+    if record["hash"] != line_hash(record):
+        return "does not match its hash: its content was edited"
+    try:
+        if canonical(record).encode() != text:
+            return "is not written as the log writes lines (its text was edited; the hash still matches its content)"
+    except ValueError:
+        return "holds a value the log never writes (NaN or Infinity)"
+    return None
+
+
+@dataclass
+class Verification:
+    """What :func:`verify` found: how many lines, the last line's hash, and every problem by line number."""
+
+    path: Path
+    lines: int = 0
+    head: str = GENESIS
+    problems: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def report(self) -> str:
+        if self.ok:
+            return f"{self.path}: {self.lines} lines, chain intact; last hash {self.head}"
+        return "\n".join([f"{self.path}: {len(self.problems)} problem(s) in {self.lines} lines"]
+                         + [f"  line {n}: {what}" for n, what in self.problems])
+
+
+def verify(path: str | Path, head: str | None = None) -> Verification:
+    """Check the whole chain: each line on its own (JSON, canonical, hash), its ``seq`` (one more than the line
+    before it's, 1 on the first) and its ``prev`` (the hash of the line before it), and that the file ends with a
+    newline. ``head``: a hash kept elsewhere (the other end's log, a note) that must be the hash of one of the
+    lines, the last one when the log has not grown since; a log cut back past it lacks it."""
+    result = Verification(Path(path))
+    data = Path(path).read_bytes()
+    if not data:
+        if head and head != GENESIS:
+            result.problems.append((0, f"the log is empty, but hash {head} was recorded for it"))
+        return result
+    texts = data.split(b"\n")
+    cut = texts[-1] != b""
+    texts = texts if cut else texts[:-1]
+    result.lines = len(texts)
+    previous: dict[str, Any] | None = None
+    hashes: set[str] = set()
+    for number, text in enumerate(texts, start=1):
+        if cut and number == len(texts):
+            result.problems.append((number, "is cut short: the file does not end with a newline (a write was "
+                                            "interrupted, or the end of the file was removed)"))
+            break
+        problem = line_problem(text)
+        if problem:
+            result.problems.append((number, problem))
+            previous = None
+            continue
+        record = json.loads(text)
+        hashes.add(record["hash"])
+        expected_seq = 1 if number == 1 else previous["seq"] + 1 if previous else None
+        if expected_seq is not None and record["seq"] != expected_seq:
+            result.problems.append((number, f"holds seq {record['seq']}, not {expected_seq}: a line before it was "
+                                            "removed or inserted, or lines were reordered"))
+        expected = GENESIS if number == 1 else previous["hash"] if previous else None
+        if expected is not None and record["prev"] != expected:
+            before = "the start of the log" if number == 1 else f"line {number - 1}"
+            result.problems.append((number, f"does not follow {before} (its prev is not {before}'s hash): a line "
+                                            "was removed, inserted or moved here"))
+        previous = record
+        result.head = record["hash"]
+    if head and head not in hashes:
+        result.problems.append((result.lines, f"the recorded hash {head} is no line's hash: lines were removed from "
+                                              "the end, or the log was rewritten"))
+    return result
+
+
+def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
+    """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
+    must each be the hash of a line of ``log``: problems as (line of ``other``, what)."""
+    hashes = set()
+    for text in Path(log).read_bytes().split(b"\n"):
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            record = json.loads(text)
+            if isinstance(record, dict) and isinstance(record.get("hash"), str):
+                hashes.add(record["hash"])
+    problems = []
+    for number, text in enumerate(Path(other).read_bytes().split(b"\n"), start=1):
+        try:
+            record = json.loads(text)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        recorded = record.get("peer-audit-head") if isinstance(record, dict) else None
+        if recorded and record.get("peer") == name and recorded != GENESIS and recorded not in hashes:
+            problems.append((number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were "
+                                     "removed from its end or it was rewritten"))
+    return problems
+
+
+def message_digest(message: Any, nbytes: int | None = None) -> dict[str, Any]:
+    """A Flower message as the audit log records it: ``sha256``, Flower's object id of the content (the SHA-256 of
+    its serialised form, which names each of its arrays and records by their own SHA-256, so it covers every byte;
+    the same at both ends), ``bytes``, the whole message serialised as metrics.jsonl's traffic counts it
+    (``common.wire.message_nbytes``; ``nbytes`` when the caller measured it already), and ``error`` for an error
+    reply."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    if nbytes is None:
+        nbytes = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+    if message.has_error():
+        return {"error": str(message.error.reason), "bytes": int(nbytes)}
+    return {"sha256": message.content.object_id, "bytes": int(nbytes)}

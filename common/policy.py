@@ -1,0 +1,504 @@
+"""A hospital's own data-protection policy, read from the file its node config names (``policy-file``) and enforced
+at the hospital, whatever the server asks (docs/privacy.md).
+
+    # policy.toml (or the same keys in a JSON object)
+    tasks = ["classification"]          # which tasks it takes part in (absent: any)
+    methods = ["fedavg", "fedproin"]    # which methods (strategies) it trains (absent: any)
+    min-samples = 20                    # k: no statistic of fewer than k samples leaves the hospital
+    max-rounds-per-run = 50             # the most rounds of one run it trains in (0: no limit)
+    release-metrics = "validation"      # all | validation | none (default: all; none under local-dp)
+
+    [local-dp]                          # clip each update to clip-norm, add N(0, (noise-multiplier * clip-norm)^2)
+    clip-norm = 1.0
+    noise-multiplier = 1.0
+    delta = 1e-5
+    max-epsilon = 8.0                   # refuse to train once the next round would pass it (0: no limit)
+
+What the rules do to each method's reply, and what epsilon means, is docs/privacy.md. Nothing in a message changes a
+policy: the hospital reads the file (again for every message) and the server only sees what it leads to (a smaller
+reply, a refusal with its reason). The privacy ledger (every round the hospital trained in, with its noise) is kept
+in the hospital's state folder, so its epsilon survives restarts and counts every run on the same data; epsilon is
+computed with Google's ``dp-accounting`` (RDP accountant), installed by the ``privacy`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Mapping
+
+import numpy as np
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from common.settings import ConfigError, Section
+
+#: Methods whose reply is the model the hospital received, trained: local DP clips and noises its update.
+DP_METHODS = frozenset({"fedavg", "fedprox", "moon", "fedbn", "fedproin"})
+#: Why local DP is refused for the others (their reply is not the received model).
+NO_DP_REASON = {
+    "fedproto": "FedProto's reply is its class means and its own model, never a model it received, so there is no "
+                "update to clip",
+    "qfedpolyp": "QFedPolyp's reply is b-bit packed codes of its update (common/quantization), which noise added "
+                 "here would not survive",
+    "fedmepd": "FedMEPD's reply (modality encoders and shared decoder filters, its personal filters masked out) is "
+               "not covered: local DP is not implemented for the FedMEPD family",
+    "fedmepd-fedavg": "local DP is not implemented for the FedMEPD family",
+    "fedmepd-federated-decoder": "local DP is not implemented for the FedMEPD family",
+    "fedmepd-local": "local DP is not implemented for the FedMEPD family",
+}
+#: Reply metrics that are counts the protocol needs, not statistics of the data (``release-metrics`` keeps them).
+PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "hospital-seconds", "state-from-round",
+                              "clientapp-start-seconds", "bit-width", "influence", "personal-filters"})
+LEDGER_FILE = "privacy-ledger.json"
+#: FedProIn's influence counts are noised with this many times noise-multiplier (in samples) under local DP.
+COUNT_NOISE_FACTOR = 2.0
+
+
+class PolicyRefusal(RuntimeError):
+    """The hospital's policy does not allow what the message asks; ``str()`` is the reason the server is given."""
+
+
+class LocalDP(Section):
+    """Local differential privacy of each training reply (docs/privacy.md)."""
+
+    clip_norm: float = Field(gt=0.0, description="C: the update's L2 norm is cut to at most this.")
+    noise_multiplier: float = Field(gt=0.0, description="sigma: Gaussian noise of std sigma * C per coordinate.")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The delta epsilon is reported at.")
+    max_epsilon: float = Field(0.0, ge=0.0, description="Refuse to train once the next round would pass this "
+                                                        "(0: track epsilon, no limit).")
+
+
+class Policy(Section):
+    """What the hospital allows: tasks, methods, the fewest samples behind a statistic, rounds per run, local DP."""
+
+    tasks: list[str] = Field(default_factory=list, description="Tasks it takes part in (empty: any).")
+    methods: list[str] = Field(default_factory=list, description="Methods it trains (empty: any).")
+    min_samples: int = Field(1, ge=1, description="k: no prototype, class mean or count of fewer than k samples "
+                                                  "leaves; with fewer than k training samples it does not train.")
+    max_rounds_per_run: int = Field(0, ge=0, description="The most rounds of one run it trains in (0: no limit).")
+    release_metrics: Literal["all", "validation", "none"] | None = Field(None, description=(
+        "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
+        "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp."))
+    local_dp: LocalDP | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, value: list[str]) -> list[str]:
+        from common.config import TASK_DATASETS
+
+        unknown = [task for task in value if task not in TASK_DATASETS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; tasks are {', '.join(TASK_DATASETS)}")
+        return value
+
+    @field_validator("methods")
+    @classmethod
+    def _known_methods(cls, value: list[str]) -> list[str]:
+        from strategies.registry import method_names
+
+        unknown = [name for name in value if name not in method_names()]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r}; methods are {', '.join(method_names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _dp_methods_only(self) -> "Policy":
+        if self.local_dp is not None and self.methods:
+            refused = [name for name in self.methods if name not in DP_METHODS]
+            if refused:
+                raise ValueError(f"local-dp: method {refused[0]!r} cannot be trained under local DP "
+                                 f"({NO_DP_REASON.get(refused[0], 'its reply is not the model')}); allow only "
+                                 f"{', '.join(sorted(DP_METHODS))} with local-dp")
+        return self
+
+    @property
+    def metrics_released(self) -> str:
+        return self.release_metrics or ("none" if self.local_dp is not None else "all")
+
+
+def read_policy(path: str | Path) -> tuple[Policy, str]:
+    """The policy in ``path`` (TOML, or JSON when it ends in .json) and the SHA-256 of the file's bytes;
+    ConfigError names the file and the key at fault."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"policy-file {str(path)!r} cannot be read: {error.strerror or error}") from None
+    try:
+        if path.suffix.lower() == ".json":
+            raw = json.loads(data.decode("utf-8"))
+        else:
+            import tomllib
+
+            raw = tomllib.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"policy-file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: "
+                          f"{error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"policy-file {str(path)!r} must hold a table of keys, not {type(raw).__name__}")
+    try:
+        policy = Policy.model_validate(raw)
+    except ValidationError as error:
+        from common.config import describe_validation_error
+
+        raise ConfigError(describe_validation_error(error, what=f"policy-file {str(path)!r}")) from None
+    if policy.local_dp is not None:
+        accountant_module()
+    return policy, hashlib.sha256(data).hexdigest()
+
+
+def accountant_module():
+    try:
+        import dp_accounting
+    except ImportError:
+        raise ConfigError("the policy's local-dp needs Google's dp-accounting to count epsilon: pip install "
+                          "'fedmed-hospitals[privacy]' (or dp-accounting) in the hospital's environment") from None
+    return dp_accounting
+
+
+def epsilon_of(noise_multipliers: list[float | None], delta: float) -> float:
+    """Epsilon at ``delta`` of the Gaussian mechanisms with these noise multipliers (relative to their sensitivity),
+    composed (RDP accountant); a release without noise (None) makes it infinite; no release, 0."""
+    if not noise_multipliers:
+        return 0.0
+    if any(z is None for z in noise_multipliers):
+        return math.inf
+    dp_accounting = accountant_module()
+    from dp_accounting import rdp
+
+    accountant = rdp.RdpAccountant()
+    counts: dict[float, int] = {}
+    for z in noise_multipliers:
+        counts[float(z)] = counts.get(float(z), 0) + 1
+    for z, count in sorted(counts.items()):
+        accountant.compose(dp_accounting.GaussianDpEvent(z), count)
+    return float(accountant.get_epsilon(delta))
+
+
+def effective_noise_multiplier(method: str, noise_multiplier: float) -> float:
+    """The noise multiplier of one round's release relative to its sensitivity when one sample of the hospital's
+    data is replaced by another: the clipped update moves by at most 2C, so sigma * C of noise is sigma / 2 of it;
+    FedProIn's influence counts (one sample moves two counts by 1, noise COUNT_NOISE_FACTOR * sigma) add to it."""
+    ratio = (2.0 / noise_multiplier) ** 2
+    if method == "fedproin":
+        ratio += (math.sqrt(2.0) / (COUNT_NOISE_FACTOR * noise_multiplier)) ** 2
+    return 1.0 / math.sqrt(ratio)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except ImportError:
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+class PrivacyLedger:
+    """Every round the hospital trained in (run, round, method, the noise multiplier of its release; None without
+    local DP), in ``privacy-ledger.json`` of its state folder: what its epsilon and rounds per run are counted from.
+    ``folder=None`` keeps it in memory (tests, in-process runs)."""
+
+    def __init__(self, folder: str | Path | None):
+        self.folder = Path(folder) if folder else None
+        self._memory: list[dict[str, Any]] = []
+
+    @property
+    def path(self) -> Path | None:
+        return self.folder / LEDGER_FILE if self.folder else None
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """One training at a time per ledger (the warm worker and a ClientApp of the same hospital)."""
+        if self.folder is None:
+            yield
+            return
+        with _file_lock(self.folder / f".{LEDGER_FILE}.lock"):
+            yield
+
+    def releases(self) -> list[dict[str, Any]]:
+        if self.path is None:
+            return list(self._memory)
+        if not self.path.exists():
+            return []
+        try:
+            data = json.loads(self.path.read_text())
+            releases = data["releases"]
+            if not isinstance(releases, list):
+                raise ValueError("'releases' is not a list")
+        except (OSError, ValueError, KeyError, TypeError) as error:  # never start counting afresh by accident
+            raise PolicyRefusal(f"its privacy ledger {self.path} cannot be read ({error}); it trains no more until "
+                                "an operator repairs it") from None
+        return releases
+
+    def record(self, run: str, rnd: int, method: str, noise_multiplier: float | None) -> None:
+        entry = {"run": run, "round": rnd, "method": method, "noise-multiplier": noise_multiplier,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if self.path is None:
+            self._memory.append(entry)
+            return
+        releases = self.releases() + [entry]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(f".{LEDGER_FILE}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"releases": releases}, indent=1))
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, self.path)
+
+    def rounds_in(self, run: str) -> set[int]:
+        return {int(r["round"]) for r in self.releases() if r.get("run") == run}
+
+    def epsilon(self, delta: float, extra: list[float | None] = ()) -> float:
+        return epsilon_of([r.get("noise-multiplier") for r in self.releases()] + list(extra), delta)
+
+
+AuditFn = Callable[..., Any]
+
+
+class Enforcer:
+    """A policy applied to one hospital's answers: checks before the work, what the reply may carry after it, the
+    ledger of its trainings. ``audit(event, **fields)`` is told every decision (the hospital's audit log)."""
+
+    def __init__(self, policy: Policy, ledger: PrivacyLedger, source: str = "policy", policy_sha256: str = "",
+                 audit: AuditFn | None = None):
+        self.policy = policy
+        self.ledger = ledger
+        self.source = source
+        self.policy_sha256 = policy_sha256
+        self._audit = audit
+
+    def note(self, decision: str, **fields: Any) -> None:
+        if self._audit is not None:
+            self._audit("policy", decision=decision, policy=self.source, **{"policy-sha256": self.policy_sha256},
+                        **fields)
+
+    def refuse(self, reason: str, **fields: Any) -> PolicyRefusal:
+        self.note("refused", reason=reason, **fields)
+        return PolicyRefusal(f"refused by its policy ({Path(self.source).name}): {reason}")
+
+    # --- before the work ---------------------------------------------------------------------------
+    def check_job(self, kind: str, cfg, where: dict[str, Any]) -> None:
+        """The task and method are allowed (and local DP can cover the method); evaluate: metrics may leave."""
+        policy = self.policy
+        if policy.tasks and cfg.task not in policy.tasks:
+            raise self.refuse(f"task {cfg.task!r} is not among the tasks it takes part in "
+                              f"({', '.join(policy.tasks)})", **where)
+        if policy.methods and cfg.strategy not in policy.methods:
+            raise self.refuse(f"method {cfg.strategy!r} is not among the methods it trains "
+                              f"({', '.join(policy.methods)})", **where)
+        if policy.local_dp is not None and cfg.strategy not in DP_METHODS:
+            raise self.refuse(f"local-dp: {NO_DP_REASON.get(cfg.strategy, 'its reply is not the model')}, so it "
+                              f"cannot be trained under the policy's local DP (methods it can: "
+                              f"{', '.join(sorted(DP_METHODS))})", **where)
+        if kind == "evaluate" and policy.metrics_released == "none":
+            raise self.refuse("release-metrics='none': it sends no metrics, so it does not evaluate", **where)
+
+    def check_train(self, cfg, site, run: str, rnd: int, where: dict[str, Any]) -> float | None:
+        """Enough samples, rounds left in this run, epsilon left; returns this round's noise multiplier."""
+        policy = self.policy
+        k = policy.min_samples
+        if len(site.train) < k:
+            raise self.refuse(f"it holds fewer training samples than min-samples={k}, so it does not train", **where)
+        if policy.max_rounds_per_run:
+            done = self.ledger.rounds_in(run) - {rnd}
+            if len(done) >= policy.max_rounds_per_run:
+                raise self.refuse(f"it has trained in {len(done)} rounds of run {run!r}, max-rounds-per-run="
+                                  f"{policy.max_rounds_per_run}", **where)
+        dp = policy.local_dp
+        if dp is None:
+            return None
+        z = effective_noise_multiplier(cfg.strategy, dp.noise_multiplier)
+        if dp.max_epsilon:
+            now, after = self.ledger.epsilon(dp.delta), self.ledger.epsilon(dp.delta, [z])
+            if after > dp.max_epsilon:
+                spent = "rounds trained without local DP make it infinite" if math.isinf(now) else f"{now:.3g}"
+                raise self.refuse(f"privacy budget spent: epsilon is {spent} at delta={dp.delta:g}, one more round "
+                                  f"would make it {after:.3g}, above max-epsilon={dp.max_epsilon:g}; it trains no "
+                                  "more on this data", epsilon=now if math.isfinite(now) else None, **where)
+        return z
+
+    # --- the work ---------------------------------------------------------------------------------
+    def train(self, method, rnd: int, payload, run: str, where: dict[str, Any]):
+        """The method's training reply as the policy lets it leave; the round goes into the ledger first."""
+        cfg, site = method.cfg, method.site
+        with self.ledger.locked():
+            self.check_job("train", cfg, where)
+            z = self.check_train(cfg, site, run, rnd, where)
+            reply = method.timed_train(rnd, payload)
+            self.apply_min_samples(method, payload, reply, where)
+            if self.policy.local_dp is not None:
+                self.apply_local_dp(method, payload, reply, where)
+            self.filter_metrics(reply.metrics, site, where)
+            self.ledger.record(run, rnd, cfg.strategy, z)
+        if z is not None:
+            dp = self.policy.local_dp
+            self.note("epsilon", epsilon=self.ledger.epsilon(dp.delta), delta=dp.delta,
+                      **{"noise-multiplier": dp.noise_multiplier, "clip-norm": dp.clip_norm,
+                         "effective-noise-multiplier": z, "max-epsilon": dp.max_epsilon}, **where)
+        else:
+            self.note("trained", **where)
+        return reply
+
+    def evaluate_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any]) -> dict[str, Any]:
+        """An evaluate reply's metrics as they may leave (validation data of at least k samples)."""
+        if self.policy.min_samples > 1 and len(site.val) < self.policy.min_samples:
+            raise self.refuse(f"its validation data holds fewer samples than min-samples={self.policy.min_samples}",
+                              **where)
+        kept = {k: v for k, v in metrics.items() if not self._per_subset(k)}
+        dropped = sorted(set(metrics) - set(kept))
+        if dropped:
+            self.note("metrics-withheld", metrics=dropped, **where)
+        return kept
+
+    # --- what the reply may carry -------------------------------------------------------------------
+    def _per_subset(self, key: str) -> bool:
+        """A metric of a part of the data (polyp ``dice/<source>``), which may hold fewer than k samples."""
+        return self.policy.min_samples > 1 and "/" in key
+
+    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any]) -> None:
+        release = self.policy.metrics_released
+        dropped = []
+        for key in list(metrics):
+            if key in PROTOCOL_METRICS:
+                continue
+            validation = key.startswith("val-")
+            keep = (release == "all" or release == "validation" and validation) and not self._per_subset(key)
+            if validation and len(site.val) < self.policy.min_samples:
+                keep = False
+            if not keep:
+                dropped.append(key)
+                del metrics[key]
+        if dropped:
+            self.note("metrics-withheld", metrics=sorted(dropped), **{"release-metrics": release}, **where)
+
+    def apply_min_samples(self, method, payload, reply, where: dict[str, Any]) -> None:
+        """k: FedProIn's influence counts below k are sent as 0 and those prototypes as received; FedProto's means
+        of classes with fewer than k samples are not sent (count 0, the received global mean in their place)."""
+        k, name = self.policy.min_samples, method.cfg.strategy
+        if name == "fedproin":
+            received = payload.arrays["model"]["prototypes"]
+            counts = np.asarray(reply.metrics["influence"], dtype=np.float64).reshape(received.shape[:2])
+            if self.policy.local_dp is not None:  # noised first: the threshold is then applied to noisy counts
+                sigma = COUNT_NOISE_FACTOR * self.policy.local_dp.noise_multiplier
+                counts = np.clip(np.rint(counts + noise_rng().normal(0.0, sigma, counts.shape)), 0, None)
+                limit = float(len(method.site.train))
+                if counts.sum() > limit:  # the server refuses more than the declared samples (post-processing)
+                    counts = np.floor(counts * limit / counts.sum())
+            small = counts < k
+            counts[small] = 0
+            prototypes = reply.arrays["model"]["prototypes"]
+            prototypes[small] = received[small]
+            reply.metrics["influence"] = [int(c) for c in counts.ravel()]
+            self.note("min-samples", k=k, **{"prototypes-withheld": int(small.sum()), "of": int(small.size)}, **where)
+        elif name == "fedproto" and k > 1:
+            from strategies.fedproto.server import PROTOTYPES
+
+            group = reply.arrays[PROTOTYPES]
+            per_class = np.bincount(np.asarray(method.site.train.labels), minlength=len(group["count"]))
+            small = per_class[:len(group["count"])] < k
+            group["count"] = np.where(small, 0, group["count"]).astype(group["count"].dtype)
+            group["mean"][small] = payload.arrays[PROTOTYPES]["mean"][small]
+            self.note("min-samples", k=k, **{"class-means-withheld": int(small.sum()), "of": int(small.size)},
+                      **where)
+
+    def apply_local_dp(self, method, payload, reply, where: dict[str, Any]) -> None:
+        """The model update clipped to C, N(0, (sigma C)^2) added to each coordinate; FedBN sends the initial
+        normalisation layers in place of its own. Any other array group makes the reply refused (fail closed)."""
+        dp = self.policy.local_dp
+        groups = set(reply.arrays) - {"model"}
+        if method.cfg.strategy == "fedbn":
+            from strategies.fedbn.norm_layers import NORM_GROUP
+
+            reply.arrays[NORM_GROUP] = initial_norm_layers(method, payload, set(reply.arrays[NORM_GROUP]))
+            groups.discard(NORM_GROUP)
+        if groups:
+            raise self.refuse(f"local-dp: the reply carries array groups {sorted(groups)} besides the model, which "
+                              "the policy cannot bound", **where)
+        noised, norm = clip_and_noise(payload.arrays["model"], reply.arrays["model"], dp.clip_norm,
+                                      dp.noise_multiplier, noise_rng())
+        reply.arrays["model"] = noised
+        self.note("local-dp", **{"clip-norm": dp.clip_norm, "noise-multiplier": dp.noise_multiplier,
+                                 "update-norm": norm, "clipped": bool(norm > dp.clip_norm)}, **where)
+
+
+def noise_rng() -> np.random.Generator:
+    """Noise the server cannot reproduce: seeded from the operating system's entropy, never from the run's seed
+    (which the server knows)."""
+    return np.random.default_rng(secrets.randbits(128))
+
+
+def clip_and_noise(received: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], clip_norm: float,
+                   noise_multiplier: float, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], float]:
+    """``received + clip(trained - received, C) + N(0, (sigma C)^2)``, every array; the update's norm before
+    clipping. Arrays must be floating point of the received shapes (anything else could leave unbounded)."""
+    deltas: dict[str, np.ndarray] = {}
+    for name, value in trained.items():
+        value = np.asarray(value)
+        base = received.get(name)
+        if base is None or np.shape(base) != value.shape or value.dtype.kind != "f":
+            raise PolicyRefusal(f"local-dp: array {name!r} of the reply is not a floating-point array of the received "
+                                "model, so its change cannot be bounded")
+        deltas[name] = value.astype(np.float64) - np.asarray(base, dtype=np.float64)
+    norm = math.sqrt(sum(float(np.sum(d * d)) for d in deltas.values()))
+    scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    std = noise_multiplier * clip_norm
+    noised = {}
+    for name, delta in deltas.items():
+        value = np.asarray(received[name], dtype=np.float64) + scale * delta + rng.normal(0.0, std, delta.shape)
+        if name.endswith("running_var"):  # post-processing: a variance stays positive (the server refuses others)
+            value = np.maximum(value, 1e-5)
+        noised[name] = value.astype(np.asarray(trained[name]).dtype)
+    return noised, norm
+
+
+def initial_norm_layers(method, payload, names: set[str]) -> dict[str, np.ndarray]:
+    """FedBN: the normalisation layers of the job's initial model (the same seed as the server's), which say nothing
+    about the hospital's data."""
+    import torch
+
+    from common.arrays import model_arrays
+
+    method.task.adopt_spec(payload.config)
+    torch.manual_seed(method.cfg.seed)
+    initial = model_arrays(method.task.initial_model())
+    return {name: initial[name] for name in names}
+
+
+def enforcer_for(policy_file: str, state_root: str | Path | None, audit: AuditFn | None = None) -> Enforcer | None:
+    """The hospital's enforcer for the policy in ``policy_file`` (None without one)."""
+    if not policy_file:
+        return None
+    policy, digest = read_policy(policy_file)
+    return Enforcer(policy, PrivacyLedger(state_root), policy_file, digest, audit)
+
+
+def policed(hospital_class: type, enforcer: Enforcer | Callable[[str], Enforcer], run: str = "in-process") -> type:
+    """``hospital_class`` whose training replies go through ``enforcer`` (or ``enforcer(hospital name)``, one per
+    hospital, each with its own ledger): in-process runs (benchmarks/privacy, tests)."""
+
+    class Policed(hospital_class):
+        def timed_train(self, rnd, payload):
+            if getattr(self, "_policed", False):
+                return super().timed_train(rnd, payload)
+            self._policed = True
+            try:
+                chosen = enforcer if isinstance(enforcer, Enforcer) else enforcer(self.site.name)
+                return chosen.train(self, rnd, payload, run, {"run": run, "round": rnd})
+            finally:
+                self._policed = False
+
+    Policed.__name__ = f"Policed{hospital_class.__name__}"
+    return Policed

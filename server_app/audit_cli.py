@@ -1,0 +1,51 @@
+"""``fedmed audit verify LOG [--head HASH] [--peer OTHER_LOG --name NAME]``: check an audit log's chain
+(``common/audit.py``, docs/privacy.md).
+
+Exit status 0 when the chain is intact (and the recorded hashes are found), 1 when a line was edited, inserted,
+removed, reordered or cut short (each named by its line number), 2 when the file cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.audit import cross_check, verify
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``argv``: the words after ``fedmed`` (a leading ``audit`` is skipped), e.g. ``["verify", "audit.jsonl"]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["audit"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="fedmed audit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("verify", help="check an audit log's SHA-256 chain, line by line")
+    check.add_argument("log", help="the audit log (a hospital's audit.jsonl, or the server's <run>/audit.jsonl)")
+    check.add_argument("--head", default="", help="a hash of this log recorded elsewhere (the last one printed by an "
+                       "earlier verify, a note): it must still be a line of the log, which shows lines removed from "
+                       "its end")
+    check.add_argument("--peer", default="", help="the other end's log, whose lines record this log's hashes "
+                       "(peer-audit-head: the server's log records each hospital's); needs --name")
+    check.add_argument("--name", default="", help="with --peer: the hospital whose log LOG is, as the server "
+                       "names it (hospital-00)")
+    args = parser.parse_args(argv)
+    if args.peer and not args.name:
+        parser.error("--peer needs --name (the hospital whose log is checked, as the other log names it)")
+    try:
+        result = verify(args.log, args.head or None)
+        peer_problems = cross_check(args.log, args.peer, args.name) if args.peer else []
+    except OSError as error:
+        print(f"fedmed audit: {error.filename or args.log}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    print(result.report())
+    for number, what in peer_problems:
+        print(f"  {args.peer} line {number}: {what}")
+    if args.peer and not peer_problems:
+        print(f"{args.peer}: every hash it recorded for {args.name} is a line of {args.log}")
+    return 0 if result.ok and not peer_problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The audit log (common/audit.py): a SHA-256 chain of JSON lines that a new process extends after checking its last
+line, that concurrent writers share without interleaving, and whose verification names every edited, inserted,
+removed, reordered or cut-short line; both ends of a federation log the same content hashes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+
+from common.audit import GENESIS, AuditError, AuditLog, cross_check, line_hash, verify
+from server_app.audit_cli import main as audit_main
+
+
+def written(path, count=5) -> list[dict]:
+    log = AuditLog(path, "test")
+    return [log.append("message", direction="sent", round=i, sha256="ab" * 32, bytes=10 * i) for i in range(count)]
+
+
+def lines_of(path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def problem_lines(path, **kw) -> list[int]:
+    return [number for number, _ in verify(path, **kw).problems]
+
+
+def test_each_line_holds_the_previous_hash_and_its_own(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    records = written(path)
+    assert records[0]["prev"] == GENESIS and records[0]["seq"] == 1
+    for before, after in zip(records, records[1:]):
+        assert after["prev"] == before["hash"] and after["seq"] == before["seq"] + 1
+    for text, record in zip(lines_of(path), records):
+        parsed = json.loads(text)
+        assert parsed == record and parsed["hash"] == line_hash(parsed)
+    result = verify(path)
+    assert result.ok and result.lines == 5 and result.head == records[-1]["hash"]
+
+
+def test_a_new_process_appends_to_the_same_chain(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    first = written(path, 3)
+    again = AuditLog(path, "restarted").append("policy", decision="refused", reason="x")  # a fresh object: a restart
+    assert again["seq"] == 4 and again["prev"] == first[-1]["hash"]
+    assert verify(path).ok
+
+
+def test_an_edited_line_is_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    lines[2] = lines[2].replace(b'"bytes":20', b'"bytes":21')
+    path.write_bytes(b"".join(lines))
+    result = verify(path)
+    assert problem_lines(path) == [3] and "edited" in result.problems[0][1]
+
+
+def test_a_line_rewritten_with_its_hash_recomputed_breaks_the_next_link(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    record = json.loads(lines[1])
+    record["bytes"] = 999
+    record["hash"] = line_hash(record)
+    lines[1] = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    path.write_bytes(b"".join(lines))
+    assert problem_lines(path) == [3]  # line 2 is self-consistent; line 3 no longer follows it
+
+
+def test_a_reformatted_line_is_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    lines[1] = json.dumps(json.loads(lines[1]), indent=None).encode() + b"\n"  # same content, spaces added
+    path.write_bytes(b"".join(lines))
+    assert problem_lines(path) == [2]
+
+
+def test_an_inserted_line_is_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    path.write_bytes(b"".join(lines[:2] + [lines[1]] + lines[2:]))  # a copy of line 2, hash and all
+    assert problem_lines(path)[0] == 3
+
+
+def test_a_removed_line_is_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    path.write_bytes(b"".join(lines[:2] + lines[3:]))
+    result = verify(path)
+    assert problem_lines(path) == [3, 3] and "removed" in result.problems[0][1]
+
+
+def test_reordered_lines_are_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    path.write_bytes(b"".join([lines[0], lines[2], lines[1], *lines[3:]]))
+    assert set(problem_lines(path)) == {2, 3, 4}
+
+
+def test_a_cut_short_last_line_is_named_and_not_extended(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    path.write_bytes(path.read_bytes()[:-20])
+    result = verify(path)
+    assert problem_lines(path) == [5] and "cut short" in result.problems[0][1]
+    with pytest.raises(AuditError, match="cut short"):
+        AuditLog(path).append("message")
+    assert len(lines_of(path)) == 5  # nothing appended past the damage
+
+
+def test_a_writer_refuses_to_extend_an_edited_last_line(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    path.write_bytes(path.read_bytes().replace(b'"round":4', b'"round":5'))
+    with pytest.raises(AuditError, match="edited"):
+        AuditLog(path).append("message")
+
+
+def test_lines_removed_from_the_end_are_found_by_a_recorded_head(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    records = written(path)
+    path.write_bytes(b"".join(lines_of(path)[:3]))
+    assert verify(path).ok  # a shorter chain is still a chain
+    assert problem_lines(path, head=records[-1]["hash"]) == [3]
+    assert verify(path, head=records[2]["hash"]).ok
+
+
+def _append_many(path: str, writer: str, count: int) -> None:
+    log = AuditLog(path, writer)
+    for i in range(count):
+        log.append("message", direction="sent", round=i, reason="x" * 3000)  # long lines: more chance to interleave
+
+
+def test_concurrent_writers_extend_one_chain(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_append_many, args=(str(path), f"w{i}", 40)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    result = verify(path)
+    assert result.ok and result.lines == 160, result.report()
+
+
+def test_audit_verify_command(tmp_path, capsys):
+    path = tmp_path / "audit.jsonl"
+    records = written(path)
+    assert audit_main(["audit", "verify", str(path)]) == 0
+    assert records[-1]["hash"] in capsys.readouterr().out
+    path.write_bytes(path.read_bytes().replace(b'"round":2', b'"round":7'))
+    assert audit_main(["verify", str(path)]) == 1
+    assert "line 3:" in capsys.readouterr().out
+    assert audit_main(["verify", str(tmp_path / "absent.jsonl")]) == 2
+
+
+def test_both_ends_log_the_same_content_hashes(tmp_path):
+    """A FakeGrid run: each message the server logs as sent, the hospital logs as received with the same SHA-256 and
+    size, and the other way round; the server's log holds the hospital's audit heads, each a line of its log."""
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, simulated_hospitals
+    from .test_strategies import SMALL_CLASSIFICATION, run_config
+
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    FedAvgStrategy(run_config=config).start(FakeGrid(simulated_hospitals(config, 2)), num_rounds=2)
+    server_log = tmp_path / "results" / "t" / "audit.jsonl"
+    hospital_log = tmp_path / "state" / "hospital-00" / "audit.jsonl"
+    assert verify(server_log).ok and verify(hospital_log).ok
+    server = [json.loads(line) for line in lines_of(server_log)]
+    hospital = [json.loads(line) for line in lines_of(hospital_log)]
+    at_hospital = {(r["direction"], r["kind"], r["round"]): r for r in hospital if r["event"] == "message"}
+    mine = [r for r in server if r.get("peer") == "hospital-00" and r["kind"] == "train"]
+    assert len(mine) == 4  # 2 rounds, each sent and received
+    for record in mine:
+        other = at_hospital["received" if record["direction"] == "sent" else "sent", "train", record["round"]]
+        assert record["sha256"] == other["sha256"]  # the content, byte for byte
+        assert abs(record["bytes"] - other["bytes"]) < 300  # the whole message: its metadata differs a little
+        assert record["run"] == other["run"] == "t" and record["method"] == other["method"] == "fedavg"
+    assert all(r.get("peer-audit-head") for r in mine if r["direction"] == "received")
+    assert cross_check(hospital_log, server_log, "hospital-00") == []
+    hospital_log.write_bytes(b"".join(lines_of(hospital_log)[:-3]))  # the hospital's last round cut away
+    assert cross_check(hospital_log, server_log, "hospital-00")
