@@ -416,6 +416,10 @@ PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_di
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
+        from server_app.audit_cli import main as audit_main
+
+        return audit_main(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

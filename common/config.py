@@ -370,7 +370,8 @@ JobConfig = _job_config_type()
 #: set and the hospitals' registered keys, how it schedules rounds.
 SERVER_ONLY_KEYS = frozenset({"results-dir", "resume-from", "overwrite-run", "keep-checkpoints", "test-dir",
                               "hospital-keys", "cross-site-evaluation", "evaluate-every", "messages-in-flight",
-                              "round-timeout", "min-available-hospitals", "min-train-hospitals", "fraction-train"})
+                              "round-timeout", "min-available-hospitals", "min-train-hospitals", "fraction-train",
+                              "tracking", "tracking-uri", "select-by", "audit-log"})
 #: Keys a hospital never takes from a message: where it keeps its own memory (a server must not choose where a
 #: hospital writes files).
 HOSPITAL_OWN_KEYS = frozenset({"state-dir"})
