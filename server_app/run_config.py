@@ -39,8 +39,8 @@ def comparable(flat: dict[str, Any]) -> dict[str, Any]:
     return {**flat, "model": flat.get("model") or TASK_DEFAULT.get(task, "")}
 
 
-RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots", "tensorboard", "mlruns", "status.json",
-                "tracking.json")
+RESULT_FILES = ("metrics.jsonl", "summary.md", "config.json", "checkpoints", "plots", "tensorboard", "mlruns",
+                "status.json", "tracking.json")
 
 
 def resolve(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any] | None]:
