@@ -1,0 +1,429 @@
+"""The server's side of secure aggregation (SecAgg+) for our strategies, over any ``flwr.serverapp.Grid``.
+
+A secure round is four exchanges of TRAIN messages whose ConfigRecord carries the stage (``secagg.stage``):
+
+1. setup: the protocol's parameters to the round's hospitals; each answers with two public keys;
+2. share keys: each gets its neighbours' public keys and answers with its key shares, encrypted for each;
+3. collect masked vectors: each gets the training message as today plus its neighbours' encrypted shares and the
+   round's sum layout; it trains with the method's hospital half, bounds its update, and answers with its
+   contribution masked (``common/secure_aggregation.py``: what each method sums) and its metrics in the clear;
+4. unmask: each that answered is asked for the shares that remove the masks; the server adds the masked vectors,
+   removes the masks (also those of hospitals that dropped out after sharing keys) and turns the sums into the
+   method's next state.
+
+Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stage 4 inside
+``aggregate_train`` (through :class:`SecureRoundEngine`), so a round runs the same under our ``start()`` and under
+Flower's own loop (a DP wrapper's). :class:`SecureAggregation` is what ``strategies/base.py`` calls;
+:class:`SecureAggregationMixin` adds it to any of our strategies (``with_secure_aggregation(FedAvgStrategy)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.common.secure_aggregation.secaggplus_constants import Stage
+from flwr.serverapp import Grid
+
+from common.config import ConfigError
+from common.methods.base import HospitalInfo, Payload
+from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
+from common.screening import brief, cut, metrics_problem, sample_count_problem, update_distance
+from common.secure_aggregation import (
+    MASKED_ARRAY,
+    MASKED_GROUP,
+    STAGE_KEY,
+    MethodPlan,
+    SecureAggregationSettings,
+    ServerRound,
+    add_masked_vector,
+    collect_config,
+    decode_sum,
+    modulus_bits,
+    plan_round,
+    receive_key_shares,
+    receive_public_keys,
+    secure_method,
+    setup_config,
+    share_keys_config,
+    threshold_problem,
+    unmask_config,
+    unmask_sum,
+    unpack_values,
+)
+from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
+
+if TYPE_CHECKING:
+    from strategies.base import HospitalStrategy
+
+log = logging.getLogger("fedmed")
+
+COLLECT = Stage.COLLECT_MASKED_VECTORS
+
+
+@dataclass
+class SecureRound:
+    """One round in progress: its hospitals by node, what it sums, the protocol's state, and what each stage cost."""
+
+    rnd: int
+    hospitals: dict[int, HospitalInfo]
+    plan: MethodPlan | None = None
+    protocol: ServerRound | None = None
+    skipped: str | None = None
+    norm_bound: float = 0.0
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
+    traffic: dict[str, dict[str, int]] = field(default_factory=dict)  #: hospital -> key-stage bytes each way
+
+    def name(self, node: int) -> str:
+        return self.hospitals[node].name
+
+
+class SecureAggregation:
+    """SecAgg+ for one strategy: :meth:`prepare` (from ``configure_train``) runs setup and share keys and returns the
+    training messages with the collect stage's keys; :meth:`complete` (the round engine's ``complete_round``) takes
+    the masked replies, runs the unmask stage and records the round."""
+
+    def __init__(self, strategy: "HospitalStrategy", settings: SecureAggregationSettings):
+        self.strategy = strategy
+        self.settings = settings
+        try:
+            self.method = secure_method(strategy.job.strategy, strategy.job)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.rounds: dict[int, SecureRound] = {}
+        self.grid: Grid | None = None
+
+    @classmethod
+    def of(cls, strategy: "HospitalStrategy") -> "SecureAggregation | None":
+        """The strategy's secure aggregation when its job enables it (``[secure-aggregation]``), else None."""
+        settings = getattr(strategy.job, "secure_aggregation", None)
+        if settings is None or not settings.enabled:
+            return None
+        return cls(strategy, settings)
+
+    def round_engine(self) -> "SecureRoundEngine":
+        """The strategy's round engine, with rounds completed by :meth:`complete`."""
+        return SecureRoundEngine(self.strategy.job, weight_key=self.strategy.weighted_by_key, secure=self)
+
+    # --- configure_train: setup, share keys, the training messages ---------------------------------------------
+    def prepare(self, server_round: int, messages: Iterable[Message], grid: Grid) -> list[Message]:
+        """Run the setup and share-keys stages with the hospitals ``messages`` go to, and return those messages (to
+        the hospitals that shared their keys) with the collect stage's keys; none when the round cannot run."""
+        messages = list(messages)
+        strategy = self.strategy
+        if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages):
+            return messages  # prepared already (the hook and a mixin both asked)
+        self.grid = grid
+        progress = SecureRound(server_round, {m.metadata.dst_node_id: strategy.hospitals[m.metadata.dst_node_id]
+                                              for m in messages})
+        progress.traffic = {h.name: {"down": 0, "up": 0} for h in progress.hospitals.values()}
+        self.rounds = {server_round: progress}
+        if not messages:
+            return messages
+        chosen = sorted(progress.hospitals.values(), key=lambda h: h.name)
+        try:
+            progress.norm_bound = self.norm_bound()
+            plan = progress.plan = self.method.plan(strategy.engine.method, chosen, self.settings, progress.norm_bound)
+            protocol = progress.protocol = plan_round(list(progress.hospitals), self.settings,
+                                                      [strategy.job.seed, server_round], plan.layout.size,
+                                                      plan.modulus, plan.quantization_range)
+            largest = plan.layout.largest(plan.quantization_range)
+            if len(chosen) * largest >= plan.modulus:
+                raise ValueError(f"{len(chosen)} hospitals x {largest} (the largest value one adds) does not stay "
+                                 f"below the modulus {plan.modulus}: raise modulus-range or lower quantization-range")
+        except ValueError as error:
+            return self.skip(progress, str(error))
+
+        answers = self.exchange(progress, Stage.SETUP, {node: setup_config(protocol) for node in protocol.nodes})
+        receive_public_keys(protocol, answers)
+        problem = threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
+        if problem:
+            return self.skip(progress, f"after the setup stage, {problem}")
+        answers = self.exchange(progress, Stage.SHARE_KEYS, {node: share_keys_config(protocol, node)
+                                                             for node in sorted(protocol.setup_done)})
+        receive_key_shares(protocol, answers)
+        problem = threshold_problem(protocol, protocol.keyed, protocol.keyed)
+        if problem:
+            return self.skip(progress, f"after the share-keys stage, {problem}")
+
+        prepared = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            if node not in protocol.keyed:
+                continue
+            name = progress.name(node)
+            config: ConfigRecord = message.content.config_records[strategy.records.config]
+            for key, value in {STAGE_KEY: COLLECT, **collect_config(protocol, node),
+                               **plan.hospital_config[name]}.items():
+                config[key] = value
+            strategy._bytes_down[name] = message_nbytes(message)
+            prepared.append(message)
+        return prepared
+
+    def norm_bound(self) -> float:
+        """The L2 bound hospitals clip their update to this round: ``update-norm-bound``, else ``update-norm-factor``
+        x the last aggregated update's norm (none before the first)."""
+        if self.settings.update_norm_bound > 0:
+            return self.settings.update_norm_bound
+        for record in reversed(self.strategy.engine.history):
+            norm = record.get("secure-aggregation", {}).get("mean-update-norm")
+            if norm:
+                return self.settings.update_norm_factor * float(norm)
+        return 0.0
+
+    def skip(self, progress: SecureRound, reason: str) -> list[Message]:
+        progress.skipped = f"secure aggregation cannot go on: {reason}; the global model is unchanged"
+        log.warning("round %d: %s", progress.rnd, progress.skipped)
+        return []
+
+    def exchange(self, progress: SecureRound, stage: str, configs: Mapping[int, dict[str, Any]]) -> dict[int, dict]:
+        """One key stage: a TRAIN message to each node with its config, and the config of each reply (nodes that
+        failed, answered out of turn or not at all are recorded in the protocol's ``lost``)."""
+        from strategies.base import messages_in_flight, send_and_receive
+
+        strategy, job, protocol = self.strategy, self.strategy.job, progress.protocol
+        base = {**strategy.records.as_config(), "server-round": progress.rnd, "run-name": job.run_name,
+                "strategy": job.strategy, STAGE_KEY: stage}
+        audit = getattr(strategy, "audit_message", None)
+        started, down, up = time.time(), 0, 0
+        messages = []
+        for node, config in configs.items():
+            content = to_recorddict(Payload(config={**base, **config}), keys=strategy.records)
+            message = Message(content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(progress.rnd))
+            size = message_nbytes(message)
+            progress.traffic[progress.name(node)]["down"] += size
+            down += size
+            if audit is not None:
+                audit("sent", message, progress.rnd, progress.name(node), node)
+            messages.append(message)
+        timeout = self.settings.stage_timeout or job.round_timeout
+        replies = send_and_receive(self.grid, messages, timeout, messages_in_flight(job, self.grid, queries=True))
+        answers: dict[int, dict] = {}
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in configs or node in answers:
+                continue
+            name = progress.name(node)
+            if audit is not None:
+                audit("received", reply, progress.rnd, name)
+            if reply.has_error():
+                protocol.lost.setdefault(node, f"{stage}: {cut(reply.error.reason)}")
+                continue
+            size = message_nbytes(reply)
+            progress.traffic[name]["up"] += size
+            up += size
+            try:
+                payload = from_recorddict(reply.content, 1_000_000 + 16_384 * len(configs), strategy.records)
+            except MalformedPayload as error:
+                protocol.lost.setdefault(node, f"{stage}: malformed reply: {error}")
+                continue
+            if payload.config.get(STAGE_KEY) != stage:
+                other = brief(payload.config.get(STAGE_KEY))
+                protocol.lost.setdefault(node, f"{stage}: its reply is for stage {other}")
+                continue
+            answers[node] = payload.config
+        for node in configs:
+            if node not in answers:
+                protocol.lost.setdefault(node, f"{stage}: no reply within {timeout:.0f} s")
+                log.warning("round %d: secure aggregation lost %s at the %s stage: %s", progress.rnd,
+                            progress.name(node), stage, protocol.lost[node])
+        progress.stages[stage] = {"seconds": round(time.time() - started, 3), "bytes-down": down, "bytes-up": up}
+        return answers
+
+    # --- aggregate_train: the masked vectors, unmask, the method's next state ----------------------------------
+    def complete(self, engine: RoundEngine, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply],
+                 started: float, bytes_down: Mapping[str, int] | None = None, evaluate: bool = True) -> dict[str, Any]:
+        """Round ``rnd`` from its masked replies, recorded as ``RoundEngine.complete_round`` records a round: what
+        each hospital's reply says in the clear is screened (a refused one counts as dropped: its masks are removed,
+        its vector never unmasked), the masked vectors are summed, the unmask stage removes the masks, and the
+        method turns the sums into its next state; below the threshold the round is skipped with its reason."""
+        progress = self.rounds.get(rnd)
+        if progress is None:
+            raise RuntimeError(f"round {rnd} did not run the secure-aggregation key stages (configure_train)")
+        protocol, plan = progress.protocol, progress.plan
+        node_of = {h.name: node for node, h in progress.hospitals.items()}
+        refused: dict[str, str] = {}
+        accepted: list[RoundReply] = []
+        stage_started = time.time()
+        for reply in sorted(replies, key=lambda r: r.hospital.name):
+            name = reply.hospital.name
+            node = node_of.get(name)
+            if reply.payload is None:
+                refused[name] = f"hospital reported an error: {cut(str(reply.error))}"
+            elif protocol is not None and node is not None:
+                reason, vector = self.screen(engine, reply, rnd, protocol)
+                if reason is None:
+                    try:
+                        add_masked_vector(protocol, node, vector)
+                        accepted.append(reply)
+                        continue
+                    except ValueError as error:
+                        reason = str(error)
+                refused[name] = cut(reason)
+            if protocol is not None and node is not None:
+                protocol.lost.setdefault(node, f"{COLLECT}: {refused.get(name, 'refused')}")
+        for name, reason in refused.items():
+            log.warning("round %d: refused the update of %s: %s", rnd, name, reason)
+        progress.stages[COLLECT] = {"seconds": round(time.time() - stage_started, 3),
+                                    "bytes-up": int(sum(r.bytes_up for r in accepted))}
+        answered = {r.hospital.name for r in replies}
+        missing = [h.name for h in chosen if h.name not in answered]
+        if missing:
+            log.warning("round %d: no reply from %s before the timeout", rnd, ", ".join(missing))
+        for name in missing:
+            if protocol is not None and node_of.get(name) in protocol.keyed:
+                protocol.lost.setdefault(node_of[name], f"{COLLECT}: no reply before the round's timeout")
+
+        method, method_record, mean_norm = engine.method, None, None
+        skipped = progress.skipped
+        needed = max(2, engine.cfg.min_train_hospitals, protocol.threshold if protocol else 2)
+        if skipped is None and len(accepted) < needed:
+            skipped = (f"{len(accepted)} masked update(s), fewer than {needed} (at least 2, min-train-hospitals, the "
+                       "reconstruction threshold): a sum of fewer would not hide a hospital; the global model is "
+                       "unchanged")
+        if skipped is None:
+            problem = threshold_problem(protocol, protocol.masked, protocol.masked | protocol.dropped)
+            if problem:
+                skipped = f"before the unmask stage, {problem}; the global model is unchanged"
+        if skipped is None:
+            answers = self.exchange(progress, Stage.UNMASK, {node: unmask_config(protocol, node)
+                                                            for node in sorted(protocol.masked)})
+            try:
+                total = unmask_sum(protocol, answers)
+                sums = decode_sum(plan.layout, total, len(protocol.masked), protocol.clipping_range,
+                                  protocol.quantization_range)
+                before = {k: v.copy() for k, v in method.global_arrays.items()}
+                method_record = self.method.apply(method, rnd, sums, plan, [r.hospital for r in accepted])
+                mean_norm = update_distance(method.global_arrays, before)
+                method_record.update(method.server_step(rnd))
+            except ValueError as error:
+                skipped = f"the unmask stage failed: {error}; the global model is unchanged"
+        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
+                                  "aggregated": [r.hospital.name for r in accepted], "missing": missing,
+                                  "refused": refused, "update-norm": {}, "update-norm-vs-median": {}}
+        if skipped is not None:
+            record["skipped"] = skipped
+            log.warning("round %d: %s", rnd, skipped)
+        else:
+            record["method"] = method_record
+        bytes_down = bytes_down or {}
+        bytes_up = {r.hospital.name: r.bytes_up for r in replies}
+        keys = {h.name: progress.traffic.get(h.name, {}) for h in chosen}  # the key stages' bytes
+        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)) + keys[h.name].get("down", 0),
+                                      "up": int(bytes_up.get(h.name, 0)) + keys[h.name].get("up", 0)} for h in chosen}
+        record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
+        record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
+        record["hospital_metrics"] = {r.hospital.name: {k: v for k, v in r.payload.metrics.items()
+                                                        if not isinstance(v, (list, tuple))} for r in accepted}
+        record["devices"] = {r.hospital.name: brief(r.payload.config.get("device", "?"), 80).strip("'")
+                             for r in accepted}
+        record["train"] = weighted_mean_metrics([(float(r.payload.metrics.get(engine.weight_key, 1) or 1),
+                                                  dict(r.payload.metrics)) for r in accepted])
+        record["train"].pop("num-examples", None)
+        record["secure-aggregation"] = self.summary(progress, mean_norm)
+        record["seconds"] = round(time.time() - started, 3)
+        engine.history.append(record)
+        self.rounds.pop(rnd, None)
+        if evaluate:
+            engine.evaluate_round(record)
+        else:
+            log.debug("round %d: %s", rnd, describe(record))
+        return record
+
+    def screen(self, engine: RoundEngine, reply: RoundReply, rnd: int,
+               protocol: ServerRound) -> tuple[str | None, np.ndarray | None]:
+        """What the server can still check of a masked reply: its metrics (numbers only: no list leaves a hospital
+        in the clear), its round, its sample count against what the hospital declared, and that it holds one
+        masked vector of the round's size and nothing else."""
+        payload, hospital = reply.payload, reply.hospital
+        metrics = payload.metrics
+        reason = metrics_problem(metrics)
+        if reason is None and metrics.get("server-round") != rnd:
+            reason = (f"the reply is for round {brief(metrics.get('server-round'))}, not this round {rnd} (a reply "
+                      "replayed from another round, or one that does not say its round)")
+        if reason is None:
+            reason = sample_count_problem(metrics.get(engine.weight_key), hospital.num_examples, engine.weight_key)
+        if reason is None and payload.config.get(STAGE_KEY) != COLLECT:
+            reason = "the reply is not a masked update (no collect stage in its config)"
+        if reason is None and (set(payload.arrays) != {MASKED_GROUP}
+                               or set(payload.arrays[MASKED_GROUP]) != {MASKED_ARRAY}):
+            reason = (f"the reply carries arrays {sorted(payload.arrays)} besides the one masked vector "
+                      f"{MASKED_GROUP!r}: under secure aggregation no array leaves a hospital in the clear")
+        if reason is not None:
+            return reason, None
+        try:
+            return None, unpack_values(payload.arrays[MASKED_GROUP][MASKED_ARRAY], modulus_bits(protocol.modulus),
+                                       protocol.size)
+        except ValueError as error:
+            return f"malformed masked vector: {error}", None
+
+    def summary(self, progress: SecureRound, mean_norm: float | None) -> dict[str, Any]:
+        """What the round record keeps of the protocol: its parameters, who was lost at which stage, each stage's
+        seconds and bytes, the norm bound hospitals applied and the aggregated update's norm."""
+        protocol, plan = progress.protocol, progress.plan
+        summary: dict[str, Any] = {"stages": progress.stages, "norm-bound": progress.norm_bound}
+        if protocol is not None:
+            summary.update({"shares": protocol.num_shares, "threshold": protocol.threshold,
+                            "modulus-bits": modulus_bits(protocol.modulus), "values": protocol.size,
+                            "hospitals-in-sum": len(protocol.masked),
+                            "lost": {progress.name(node): why for node, why in sorted(protocol.lost.items())}})
+        if plan is not None:
+            summary["quantization-range"] = plan.quantization_range
+        if mean_norm is not None:
+            summary["mean-update-norm"] = float(mean_norm)
+        return summary
+
+
+class SecureRoundEngine(RoundEngine):
+    """A RoundEngine whose rounds are completed by secure aggregation (:meth:`SecureAggregation.complete`)."""
+
+    def __init__(self, cfg, method=None, test_data=None, weight_key: str = "num-examples",
+                 secure: SecureAggregation | None = None):
+        super().__init__(cfg, method, test_data, weight_key)
+        self.secure = secure
+
+    def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply], started: float,
+                       bytes_down: dict[str, int] | None = None, evaluate: bool = True) -> dict[str, Any]:
+        if self.secure is None:
+            return super().complete_round(rnd, chosen, replies, started, bytes_down, evaluate)
+        return self.secure.complete(self, rnd, chosen, replies, started, bytes_down, evaluate)
+
+
+class SecureAggregationMixin:
+    """Secure aggregation for one of our strategies: ``class SecureFedAvg(SecureAggregationMixin, FedAvgStrategy)``,
+    or :func:`with_secure_aggregation`. ``secure_aggregation`` (keyword): its settings (a
+    :class:`SecureAggregationSettings` or its fields by run-config name); default: the run config's
+    ``[secure-aggregation]`` table where it has one, switched on."""
+
+    def __init__(self, *args: Any, secure_aggregation: SecureAggregationSettings | Mapping[str, Any] | None = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if isinstance(secure_aggregation, SecureAggregationSettings):
+            settings = secure_aggregation
+        else:
+            table = getattr(self.job, "secure_aggregation", None)
+            base = table.model_dump(by_alias=True) if table is not None else {}
+            settings = SecureAggregationSettings.model_validate({**base, "enabled": True,
+                                                                 **dict(secure_aggregation or {})})
+        self.secure_aggregation = SecureAggregation(self, settings)
+
+    @property
+    def engine(self) -> RoundEngine:
+        if self._engine is None:
+            self._engine = self.secure_aggregation.round_engine()
+        return self._engine
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> list[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        return self.secure_aggregation.prepare(server_round, messages, grid)
+
+
+def with_secure_aggregation(strategy_type: type) -> type:
+    """``strategy_type`` (one of our strategies) with secure aggregation: ``with_secure_aggregation(FedAvgStrategy)(
+    run_config=..., secure_aggregation={"reconstruction-threshold": 2})``."""
+    return type(f"Secure{strategy_type.__name__}", (SecureAggregationMixin, strategy_type), {})
