@@ -15,6 +15,7 @@ Imports neither torch nor the methods (QFedPolyp's codes are read with its codec
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
@@ -113,6 +114,7 @@ def masked_reply(message: Message, reply: Message, context: Context, state: SecA
                  keys: RecordKeys, bound_to: dict[str, Any]) -> Message:
     """The training reply with its arrays replaced by the hospital's masked contribution (what its method sums,
     its update bounded to the round's norm bound) and the metrics the method keeps at the hospital left out."""
+    started = time.perf_counter()
     received, trained = from_recorddict(message.content), from_recorddict(reply.content)
     method = secure_method(str(received.config.get("strategy", "")))
     layout = Layout.from_json(config.get(LAYOUT_KEY))
@@ -127,7 +129,8 @@ def masked_reply(message: Message, reply: Message, context: Context, state: SecA
     save_state(context, state, bound_to)
     clear = {k: v for k, v in trained.metrics.items() if k not in method.hidden_metrics and not isinstance(v, list)}
     payload = Payload(arrays={MASKED_GROUP: {MASKED_ARRAY: pack_values(masked, modulus_bits(state.mod_range))}},
-                      config={**trained.config, STAGE_KEY: Stage.COLLECT_MASKED_VECTORS}, metrics={**clear, **metrics})
+                      config={**trained.config, STAGE_KEY: Stage.COLLECT_MASKED_VECTORS},
+                      metrics={**clear, **metrics, "secagg-seconds": round(time.perf_counter() - started, 3)})
     return Message(to_recorddict(payload, "per-tensor", keys), reply_to=message)
 
 

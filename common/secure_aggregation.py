@@ -226,13 +226,14 @@ def packed_size(count: int, bits: int) -> int:
 def pack_values(values: np.ndarray, bits: int) -> np.ndarray:
     """Values below 2^bits as a little-endian bit stream, ``bits`` bits each (the masked vector on the wire: a
     masked value is uniform below the modulus, so this is as small as it gets)."""
-    values = np.asarray(values, dtype=np.uint64).ravel()
+    values = np.asarray(values).ravel()
     if bits in (8, 16, 32):
         return np.ascontiguousarray(values.astype(f"<u{bits // 8}")).view(np.uint8)
-    chunks, step = [], 1 << 16  # whole bytes per chunk: 2^16 values of any width end on a byte boundary
+    width = 4 if bits <= 32 else 8
+    chunks, step = [], 1 << 16  # 2^16 values of any width end on a byte boundary
     for start in range(0, values.size, step):
-        part = values[start:start + step]
-        planes = ((part[:, None] >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+        part = np.ascontiguousarray(values[start:start + step].astype(f"<u{width}")).view(np.uint8)
+        planes = np.unpackbits(part.reshape(-1, width), axis=1, bitorder="little")[:, :bits]
         chunks.append(np.packbits(planes.ravel(), bitorder="little"))
     return np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
 
@@ -245,13 +246,16 @@ def unpack_values(data: np.ndarray, bits: int, count: int) -> np.ndarray:
                          f"bytes, not {data.dtype} {data.shape}")
     if bits in (8, 16, 32):
         return data.view(f"<u{bits // 8}").astype(np.int64)
+    width = 4 if bits <= 32 else 8
     result = np.zeros(count, dtype=np.int64)
     step = 1 << 16
     for start in range(0, count, step):
         n = min(step, count - start)
         first = start * bits // 8
         planes = np.unpackbits(data[first:first + packed_size(n, bits)], count=n * bits, bitorder="little")
-        result[start:start + n] = (planes.reshape(n, bits).astype(np.int64) << np.arange(bits)).sum(axis=1)
+        full = np.zeros((n, 8 * width), dtype=np.uint8)
+        full[:, :bits] = planes.reshape(n, bits)
+        result[start:start + n] = np.packbits(full, axis=1, bitorder="little").view(f"<u{width}").ravel()
     return result
 
 
@@ -271,6 +275,7 @@ GRID_BITS_KEY = PREFIX + "grid-bits"
 CODE_WEIGHT_KEY = PREFIX + "code-weight"
 RANGE_LOW_KEY = PREFIX + "range-low"
 RANGE_HIGH_KEY = PREFIX + "range-high"
+FILTER_WEIGHTS_KEY = PREFIX + "filter-weights"
 STAGES = Stage.all()
 _FLOWER_KEYS = {
     Stage.SETUP: (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
@@ -605,15 +610,17 @@ Contribution = tuple[dict[str, np.ndarray], dict[str, float]]  #: the parts to s
 @dataclass(frozen=True)
 class SecureMethod:
     """A method under secure aggregation: ``plan`` (server: what the round sums), ``contribution`` (hospital: its
-    parts, from the message it received and its method's reply), ``apply`` (server: the sums into its state),
-    ``hidden_metrics`` (reply metrics that never leave the hospital in the clear), ``refuse`` (why a job's settings
-    cannot run it securely)."""
+    parts, from the message it received and its method's reply), ``apply`` (server: the sums into its state, given
+    the hospitals in the sum as updates holding only what they said in the clear), ``hidden_metrics`` (reply metrics
+    that never leave the hospital in the clear), ``refuse`` (why a job's settings cannot run it securely),
+    ``sum_problem`` (why the survivors' sums must not be unmasked: a part only one of them contributed to)."""
 
     plan: Callable[..., MethodPlan]
     contribution: Callable[[Payload, Payload, Mapping[str, Any], Layout], Contribution]
     apply: Callable[..., dict[str, Any]]
     hidden_metrics: frozenset[str] = frozenset()
     refuse: Callable[["JobConfig"], str | None] = lambda job: None
+    sum_problem: Callable[[MethodPlan, list["HospitalInfo"]], str | None] = lambda plan, hospitals: None
 
 
 def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
@@ -622,7 +629,7 @@ def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
 
 def clip_update(update: dict[str, np.ndarray], bound: float) -> tuple[dict[str, np.ndarray], bool]:
     """The update scaled to L2 norm ``bound`` if it is longer (0: as it is), and whether it was."""
-    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in update.values()))
+    norm = math.sqrt(sum(float(np.einsum("i,i->", v.ravel(), v.ravel())) for v in update.values()))  # no BLAS
     if bound > 0 and norm > bound:
         return {k: v * (bound / norm) for k, v in update.items()}, True
     return update, False
@@ -671,7 +678,32 @@ def weighted_plan(method: "ServerMethod", hospitals: list["HospitalInfo"], setti
     layout = Layout((Entry("weight", ()), *float_entries(arrays, skip=skip), *extra))
     config = {h.name: {WEIGHT_CAP_KEY: cap, WEIGHT_BOUND_KEY: bound, NORM_BOUND_KEY: float(norm_bound),
                        LAYOUT_KEY: layout.to_json(), **dict(extra_config or {})} for h, cap in zip(hospitals, caps)}
-    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config, {"weight-bound": bound})
+    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config,
+                      {"weight-bound": bound, "caps": {h.name: cap for h, cap in zip(hospitals, caps)},
+                       "norm-bound": float(norm_bound), "step": 2 * settings.clipping_range /
+                       settings.quantization_range})
+
+
+def check_bounds(sums: Mapping[str, np.ndarray], plan: MethodPlan, updates: list) -> None:
+    """What the server can still verify of a FedAvg-family sum (ValueError: some hospital sent a vector outside
+    its bounds, which masking hides but cannot undo): the weights add up to no more than the survivors' caps
+    allow, and the mean update, a convex combination of updates each clipped to the norm bound, is no longer than
+    that bound (plus the quantisation error)."""
+    context, count = plan.context, len(updates)
+    total = float(sums["weight"])
+    allowed = sum(context["caps"][u.hospital.name] for u in updates) / context["weight-bound"]
+    slack = count * context["step"]
+    if not 0 < total <= allowed + slack:
+        raise ValueError(f"the hospitals' weights sum to {total:.6g}, outside (0, {allowed:.6g}] that their caps "
+                         "allow: a hospital sent a vector outside its bounds")
+    bound = context["norm-bound"]
+    if bound > 0:
+        parts = [v for k, v in sums.items() if k.startswith("model/")]
+        values = sum(v.size for v in parts)
+        norm = math.sqrt(sum(float(np.einsum("i,i->", v.ravel(), v.ravel())) for v in parts)) / total
+        if norm > bound * (1 + 1e-6) + math.sqrt(values) * slack / total:
+            raise ValueError(f"the mean update's norm {norm:.6g} exceeds the norm bound {bound:.6g} every hospital "
+                             "clips to: a hospital sent a vector outside its bounds")
 
 
 def weighted_update_contribution(received: Payload, reply: Payload, params: Mapping[str, Any],
@@ -704,12 +736,12 @@ def mean_update(sums: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]
     return result
 
 
-def stand_in(hospitals: list["HospitalInfo"], arrays: NamedArrays, metrics: dict[str, Any] | None = None):
+def stand_in(updates: list, arrays: NamedArrays, metrics: dict[str, Any] | None = None):
     """The round's secure sum as the one update a method's own ``aggregate`` is given (its weighted mean of one
     update is that update): so the method's bookkeeping runs on what the server may know."""
     from common.methods.base import HospitalInfo, HospitalUpdate
 
-    total = sum(h.num_examples for h in hospitals)
+    total = sum(u.hospital.num_examples for u in updates)
     return HospitalUpdate(HospitalInfo("secure-sum", total), Payload(arrays={"model": arrays},
                                                                        metrics={"num-examples": total,
                                                                                 **(metrics or {})}), share=1.0)
@@ -719,8 +751,14 @@ def fedavg_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     return weighted_plan(method, hospitals, settings, norm_bound, method.global_arrays)
 
 
-def fedavg_apply(method, rnd: int, sums, plan: MethodPlan, hospitals) -> dict[str, Any]:
-    return method.aggregate(rnd, [stand_in(hospitals, mean_update(sums, method.global_arrays))])
+def fedavg_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
+    check_bounds(sums, plan, updates)
+    record = method.aggregate(rnd, [stand_in(updates, mean_update(sums, method.global_arrays))])
+    if "hospital-average" in record:  # FedMEPD's FedAvg baseline: the hospitals' own scores, said in the clear
+        from strategies.fedmepd.harness import hospital_average
+
+        record["hospital-average"] = hospital_average(updates)
+    return record
 
 
 def fedavg_refuse(job: "JobConfig") -> str | None:
@@ -734,9 +772,10 @@ def fedbn_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     return weighted_plan(method, hospitals, settings, norm_bound, method.shared())
 
 
-def fedbn_apply(method, rnd: int, sums, plan: MethodPlan, hospitals) -> dict[str, Any]:
+def fedbn_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
     """The shared part moves by the mean update; the normalisation layers never leave the hospitals (so the server
     scores the shared weights with the initial ones: a new site's model)."""
+    check_bounds(sums, plan, updates)
     shared = mean_update(sums, method.shared())
     method.global_arrays = {k: shared.get(k, v) for k, v in method.global_arrays.items()}
     return {}
@@ -780,7 +819,7 @@ def fedproin_contribution(received: Payload, reply: Payload, params: Mapping[str
     return values, {"secagg-clipped": int(clipped)}
 
 
-def fedproin_apply(method, rnd: int, sums, plan: MethodPlan, hospitals) -> dict[str, Any]:
+def fedproin_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
     """Encoder by the mean update; prototypes by NIA from the two sums: P + (sum I D / W_I) W_I / sum I where
     sum I > 0, the previous prototype where it is 0 (FedProIn's own ``aggregate`` then keeps its bookkeeping:
     unused prototypes, re-seeding)."""
@@ -793,7 +832,7 @@ def fedproin_apply(method, rnd: int, sums, plan: MethodPlan, hospitals) -> dict[
         used = counts > 0
         moved[used] += sums["prototype-sum"][used] * plan.context["influence-bound"] / counts[used][:, None]
         arrays["prototypes"] = moved.astype(previous.dtype)
-    record = method.aggregate(rnd, [stand_in(hospitals, arrays, {INFLUENCE: counts.ravel().tolist()})])
+    record = method.aggregate(rnd, [stand_in(updates, arrays, {INFLUENCE: counts.ravel().tolist()})])
     record.pop(INFLUENCE, None)  # the one stand-in's: the same as prototype-usage
     return record
 
@@ -886,9 +925,9 @@ def qfedpolyp_contribution(received: Payload, reply: Payload, params: Mapping[st
     return values, {"secagg-clipped": int(clipped), "secagg-out-of-range": round(outside / max(total, 1), 6)}
 
 
-def qfedpolyp_apply(method, rnd: int, sums, plan: MethodPlan, hospitals) -> dict[str, Any]:
+def qfedpolyp_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
     """The weighted mean of the hospitals' weights: low + (sum of codes / sum of weights) x the finest grid's step."""
-    context = plan.context
+    context, hospitals = plan.context, [u.hospital for u in updates]
     weight = sum(context["weights"][h.name] for h in hospitals)
     step = 2.0 ** -context["grid-bits"]
     arrays = dict(method.global_arrays)
@@ -900,6 +939,122 @@ def qfedpolyp_apply(method, rnd: int, sums, plan: MethodPlan, hospitals) -> dict
     return {"bit-widths": {h.name: context["bits"][h.name] for h in hospitals}, "grid-bits": context["grid-bits"]}
 
 
+# FedMEPD: encoders per modality, the decoder per filter ---------------------------------------------------------------
+ENCODERS = "encoders."
+
+
+def modality_of(name: str) -> str:
+    return name[len(ENCODERS):].split(".", 1)[0]
+
+
+def fedmepd_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
+    """Each modality's encoder as the sum of the updates of the hospitals that have it (a modality only one chosen
+    hospital has stays out: its sum would be that hospital's update; the server knows who has which), the decoder
+    per filter as the sum of w_k[f] x the update of filter f (w_k: the server's per-filter weights, 0 where
+    personal) with sum w_k[f] known to the server."""
+    from strategies.fedmepd.decoder import DECODER
+    from strategies.fedmepd.filter_personalisation import filter_layers
+    from strategies.fedmepd.harness import hospital_modalities
+
+    arrays = method.global_arrays
+    having = {h.name: set(hospital_modalities(h)) for h in hospitals}
+    shared = sorted(m for m in {m for ms in having.values() for m in ms}
+                    if sum(m in ms for ms in having.values()) >= 2)
+    encoders = [n for n in float_names(arrays) if n.startswith(ENCODERS) and modality_of(n) in shared]
+    decoder = [n for n in float_names(arrays) if n.startswith(DECODER)]
+    layers = filter_layers({n: arrays[n] for n in decoder})
+    layout = Layout(tuple(Entry(f"model/{n}", tuple(np.shape(arrays[n]))) for n in encoders + decoder))
+    caps, _ = sample_shares(method.cfg, hospitals)
+    total = sum(caps)
+    by_share = not method.personalise or method.cfg.fedmepd.initial_weight == "share"
+    weights, config = {}, {}
+    for hospital, cap in zip(hospitals, caps):
+        known = method.personalisation.weights.get(hospital.name)
+        start = cap / total if by_share else 1.0
+        weights[hospital.name] = {layer: np.asarray(known[layer] if known is not None
+                                                    else np.full(np.shape(arrays[names[0]])[0], start))
+                                  for layer, names in layers.items()}
+        config[hospital.name] = {NORM_BOUND_KEY: float(norm_bound), LAYOUT_KEY: layout.to_json(),
+                                 FILTER_WEIGHTS_KEY: np.concatenate(list(weights[hospital.name].values())).tolist()}
+    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config,
+                      {"modalities": having, "shared": shared, "weights": weights, "layers": layers,
+                       "shares": {h.name: cap / total for h, cap in zip(hospitals, caps)}})
+
+
+def fedmepd_contribution(received: Payload, reply: Payload, params: Mapping[str, Any],
+                         layout: Layout) -> Contribution:
+    from strategies.fedmepd.decoder import DECODER
+    from strategies.fedmepd.filter_personalisation import filter_layers
+
+    model_in, model_out = received.arrays.get("model", {}), reply.arrays.get("model", {})
+    names = [n.removeprefix("model/") for n in layout.names]
+    own = [n for n in names if n in model_in]  # the encoders of modalities it lacks: zeros
+    change, clipped = clip_update(model_change(model_in, model_out, own), float(params[NORM_BOUND_KEY]))
+    shapes = {e.name.removeprefix("model/"): e.shape for e in layout.entries}
+    layers = filter_layers({n: np.zeros(shapes[n]) for n in names if n.startswith(DECODER)})
+    weights = np.asarray(params[FILTER_WEIGHTS_KEY], dtype=np.float64)
+    if weights.size != sum(shapes[ns[0]][0] for ns in layers.values()):
+        raise ValueError("the per-filter weights do not fit the decoder's filters")
+    values, offset = {}, 0
+    for layer, layer_names in layers.items():
+        count = shapes[layer_names[0]][0]
+        for name in layer_names:
+            scale = weights[offset:offset + count].reshape((-1,) + (1,) * (len(shapes[name]) - 1))
+            values[f"model/{name}"] = scale * change[name]
+        offset += count
+    for name in names:
+        if not name.startswith(DECODER):
+            values[f"model/{name}"] = change.get(name, np.zeros(shapes[name]))
+    return values, {"secagg-clipped": int(clipped)}
+
+
+def fedmepd_sum_problem(plan: MethodPlan, hospitals: list["HospitalInfo"]) -> str | None:
+    alone = [m for m in plan.context["shared"] if sum(m in plan.context["modalities"][h.name] for h in hospitals) < 2]
+    if alone:
+        return (f"the encoder of {', '.join(alone)} would be the update of the one hospital in the sum that has it; "
+                "the round is not unmasked")
+    return None
+
+
+def fedmepd_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
+    """Encoders: the mean update over the hospitals that have the modality; decoder: per filter the weighted mean
+    of the hospitals' filters, EMA'd into the server's where any hospital contributed (FedMEPD's
+    ``aggregate_filters``). The per-filter personalisation stays as it is: its rule compares each hospital's
+    decoder change with the server's, which the server no longer sees (docs/secure-aggregation.md)."""
+    from strategies.fedmepd.harness import hospital_average
+
+    context, hospitals = plan.context, [u.hospital for u in updates]
+    arrays = dict(method.global_arrays)
+    contributors = {}
+    for modality in sorted({m for h in hospitals for m in context["modalities"][h.name]}):
+        count = sum(modality in context["modalities"][h.name] for h in hospitals)
+        contributors[modality] = count
+        if modality not in context["shared"]:
+            continue
+        for name in float_names(arrays):
+            if name.startswith(f"{ENCODERS}{modality}."):
+                arrays[name] = (arrays[name].astype(np.float64) + sums[f"model/{name}"] / count).astype(
+                    arrays[name].dtype)
+    momentum, aggregated, filters = method.cfg.fedmepd.server_momentum, 0, 0
+    for layer, names in context["layers"].items():
+        total = sum(context["weights"][h.name][layer] for h in hospitals)
+        used = total > 0
+        aggregated, filters = aggregated + int(used.sum()), filters + used.size
+        for name in names:
+            shape = (-1,) + (1,) * (arrays[name].ndim - 1)
+            sent = arrays[name].astype(np.float64)
+            mean = sent + sums[f"model/{name}"] / np.where(used, total, 1.0).reshape(shape)
+            blended = momentum * sent + (1.0 - momentum) * mean
+            arrays[name] = np.where(used.reshape(shape), blended, sent).astype(arrays[name].dtype)
+    method.global_arrays = arrays
+    for hospital in hospitals:
+        by_share = not method.personalise or method.cfg.fedmepd.initial_weight == "share"
+        method.personalisation.ensure(hospital.name, context["shares"][hospital.name] if by_share else 1.0)
+    method._round = {}  # no per-hospital upload: the personalisation rule does not run
+    return {"hospital-average": hospital_average(updates), "encoder-contributors": contributors,
+            "decoder-filters-aggregated": aggregated / max(filters, 1)}
+
+
 _FEDAVG = SecureMethod(fedavg_plan, weighted_update_contribution, fedavg_apply, refuse=fedavg_refuse)
 #: method name -> how it runs under secure aggregation
 SECURE_METHODS: dict[str, SecureMethod] = {
@@ -907,13 +1062,16 @@ SECURE_METHODS: dict[str, SecureMethod] = {
     "fedbn": SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=fedavg_refuse),
     "fedproin": SecureMethod(fedproin_plan, fedproin_contribution, fedproin_apply, frozenset({INFLUENCE})),
     "qfedpolyp": SecureMethod(qfedpolyp_plan, qfedpolyp_contribution, qfedpolyp_apply, refuse=qfedpolyp_refuse),
+    "fedmepd": SecureMethod(fedmepd_plan, fedmepd_contribution, fedmepd_apply, sum_problem=fedmepd_sum_problem),
+    "fedmepd-federated-decoder": SecureMethod(fedmepd_plan, fedmepd_contribution, fedmepd_apply,
+                                              sum_problem=fedmepd_sum_problem),
+    "fedmepd-fedavg": _FEDAVG,
 }
 #: why the other methods do not run under secure aggregation (docs/secure-aggregation.md)
 NOT_SECURE = {
     "fedproto": "FedProto's replies are each hospital's class means and the server keeps per-hospital state; the "
                 "count-weighted means could be summed as FedProIn's prototypes are, which is not built yet",
-    "fedmepd": "FedMEPD's per-filter personalisation compares each hospital's decoder change with the server's; "
-               "see docs/secure-aggregation.md for what can be summed and what is left",
+    "fedmepd-local": "its hospitals send nothing to aggregate",
 }
 
 

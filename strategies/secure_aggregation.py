@@ -30,9 +30,9 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage
 from flwr.serverapp import Grid
 
 from common.config import ConfigError
-from common.methods.base import HospitalInfo, Payload
+from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
-from common.screening import brief, cut, metrics_problem, sample_count_problem, update_distance
+from common.screening import brief, cut, metrics_problem, sample_count_problem
 from common.secure_aggregation import (
     MASKED_ARRAY,
     MASKED_GROUP,
@@ -286,22 +286,29 @@ class SecureAggregation:
                        "reconstruction threshold): a sum of fewer would not hide a hospital; the global model is "
                        "unchanged")
         if skipped is None:
-            problem = threshold_problem(protocol, protocol.masked, protocol.masked | protocol.dropped)
+            problem = threshold_problem(protocol, protocol.masked, protocol.masked | protocol.dropped) \
+                or self.method.sum_problem(plan, [r.hospital for r in accepted])
             if problem:
                 skipped = f"before the unmask stage, {problem}; the global model is unchanged"
         if skipped is None:
             answers = self.exchange(progress, Stage.UNMASK, {node: unmask_config(protocol, node)
                                                             for node in sorted(protocol.masked)})
+            computing, before = time.perf_counter(), None
             try:
                 total = unmask_sum(protocol, answers)
                 sums = decode_sum(plan.layout, total, len(protocol.masked), protocol.clipping_range,
                                   protocol.quantization_range)
                 before = {k: v.copy() for k, v in method.global_arrays.items()}
-                method_record = self.method.apply(method, rnd, sums, plan, [r.hospital for r in accepted])
-                mean_norm = update_distance(method.global_arrays, before)
-                method_record.update(method.server_step(rnd))
+                clear = [HospitalUpdate(r.hospital, Payload(config=r.payload.config, metrics=r.payload.metrics),
+                                        weight_key=engine.weight_key) for r in accepted]  # what they said openly
+                method_record = self.method.apply(method, rnd, sums, plan, clear)
+                mean_norm = distance(method.global_arrays, before)
+                progress.stages[Stage.UNMASK]["sum-seconds"] = round(time.perf_counter() - computing, 3)
             except ValueError as error:
-                skipped = f"the unmask stage failed: {error}; the global model is unchanged"
+                method.global_arrays = before if before is not None else method.global_arrays
+                skipped = f"the unmasked sums cannot be used: {error}; the global model is unchanged"
+            else:
+                method_record.update(method.server_step(rnd))
         record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
                                   "aggregated": [r.hospital.name for r in accepted], "missing": missing,
                                   "refused": refused, "update-norm": {}, "update-norm-vs-median": {}}
@@ -376,6 +383,16 @@ class SecureAggregation:
         if mean_norm is not None:
             summary["mean-update-norm"] = float(mean_norm)
         return summary
+
+
+def distance(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
+    """L2 distance over the float arrays both hold (without BLAS, whose threads spin on a busy machine)."""
+    total = 0.0
+    for name, value in arrays.items():
+        if name in reference and value.dtype.kind == "f" and value.shape == reference[name].shape:
+            difference = (value.astype(np.float64) - reference[name]).ravel()
+            total += float(np.einsum("i,i->", difference, difference))
+    return total ** 0.5
 
 
 class SecureRoundEngine(RoundEngine):
