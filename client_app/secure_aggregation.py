@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from common.payload import Payload
@@ -27,9 +28,7 @@ from common.secure_aggregation import (
     MASKED_ARRAY,
     MASKED_GROUP,
     STAGE_KEY,
-    STAGES,
     Layout,
-    SecAggPlusState,
     encode,
     hospital_stage,
     modulus_bits,
@@ -52,7 +51,7 @@ def stage_of(message: Message) -> str | None:
     for record in message.content.config_records.values():
         stage = record.get(STAGE_KEY)
         if stage is not None:
-            if stage not in STAGES:
+            if stage not in Stage.all():
                 raise ValueError(f"unknown secure-aggregation stage {stage!r}")
             return str(stage)
     return None

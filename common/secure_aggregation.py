@@ -28,27 +28,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
-from flwr.app import ConfigRecord
-from flwr.client.mod.secure_aggregation.secaggplus_mod import (
-    SecAggPlusState,
-    _setup,
-    _share_keys,
-    _unmask,
-    check_configs,
-    check_stage,
-)
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
-from flwr.common.secure_aggregation.quantization import dequantize, quantize
-from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
-from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen, share_keys_plaintext_separate
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 from pydantic import Field, field_validator, model_validator
 
 from common.payload import NamedArrays, Payload
 from common.settings import Section
 
-if TYPE_CHECKING:  # the hospital side imports neither torch nor the methods
+if TYPE_CHECKING:  # the hospital side imports neither torch nor the methods; Flower when first used (below)
+    from flwr.app import ConfigRecord
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+
     from common.config import JobConfig
     from common.methods.base import HospitalInfo, ServerMethod
 
@@ -177,6 +165,8 @@ def encode(layout: Layout, values: Mapping[str, np.ndarray], clipping_range: flo
            quantization_range: int) -> np.ndarray:
     """One hospital's contribution as the layout's integer vector: float entries through Flower's ``quantize``
     (clipped, stochastic rounding to [0, quantization-range]), integer entries rounded and held to [0, bound]."""
+    from flwr.common.secure_aggregation.quantization import quantize
+
     missing = [name for name in layout.names if name not in values]
     if missing or len(values) != len(layout.entries):
         raise ValueError(f"the contribution's parts {sorted(values)} are not the layout's {layout.names}")
@@ -199,6 +189,8 @@ def decode_sum(layout: Layout, total: np.ndarray, count: int, clipping_range: fl
                quantization_range: int) -> dict[str, np.ndarray]:
     """The sums of ``count`` hospitals' contributions from the unmasked vector: float entries in float64 (Flower's
     ``dequantize`` and its offset for ``count`` summands), integer entries as int64."""
+    from flwr.common.secure_aggregation.quantization import dequantize
+
     if total.shape != (layout.size,):
         raise ValueError(f"the unmasked vector has {total.size} values, the layout {layout.size}")
     sums, offset = {}, 0
@@ -276,13 +268,19 @@ CODE_WEIGHT_KEY = PREFIX + "code-weight"
 RANGE_LOW_KEY = PREFIX + "range-low"
 RANGE_HIGH_KEY = PREFIX + "range-high"
 FILTER_WEIGHTS_KEY = PREFIX + "filter-weights"
-STAGES = Stage.all()
-_FLOWER_KEYS = {
-    Stage.SETUP: (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
-                  Key.MOD_RANGE, Key.MAX_WEIGHT),
-    Stage.COLLECT_MASKED_VECTORS: (Key.CIPHERTEXT_LIST, Key.SOURCE_LIST),
-    Stage.UNMASK: (Key.ACTIVE_NODE_ID_LIST, Key.DEAD_NODE_ID_LIST),
-}
+
+
+def flower_keys(stage: str) -> tuple[str, ...]:
+    """The keys of Flower's ConfigRecord for ``stage`` (all but share keys, whose keys are node ids)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
+    keys = {Stage.SETUP: (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
+                          Key.MOD_RANGE, Key.MAX_WEIGHT),
+            Stage.COLLECT_MASKED_VECTORS: (Key.CIPHERTEXT_LIST, Key.SOURCE_LIST),
+            Stage.UNMASK: (Key.ACTIVE_NODE_ID_LIST, Key.DEAD_NODE_ID_LIST)}
+    if stage not in keys:
+        raise ValueError(f"unknown secure-aggregation stage {stage!r}")
+    return keys[stage]
 
 
 def ours(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,21 +288,22 @@ def ours(values: Mapping[str, Any]) -> dict[str, Any]:
     return {PREFIX + key: value for key, value in values.items()}
 
 
-def flower_config(stage: str, config: Mapping[str, Any]) -> ConfigRecord:
+def flower_config(stage: str, config: Mapping[str, Any]) -> "ConfigRecord":
     """The ConfigRecord Flower's stage functions read, from a message's config (KeyError names a missing key)."""
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import Stage
+
     if stage == Stage.SHARE_KEYS:
         return ConfigRecord({key.removeprefix(PUBLIC_KEYS_PREFIX): value for key, value in config.items()
                              if key.startswith(PUBLIC_KEYS_PREFIX)})
-    if stage not in _FLOWER_KEYS:
-        raise ValueError(f"unknown secure-aggregation stage {stage!r}")
-    return ConfigRecord({key: config[PREFIX + key] for key in _FLOWER_KEYS[stage]})
+    return ConfigRecord({key: config[PREFIX + key] for key in flower_keys(stage)})
 
 
 # --- the protocol: a hospital's side --------------------------------------------------------------------------------
 
 
-def hospital_stage(state: SecAggPlusState, stage: str, config: Mapping[str, Any], node_id: int,
-                   vector: np.ndarray | None = None) -> tuple[SecAggPlusState, Any]:
+def hospital_stage(state: "SecAggPlusState", stage: str, config: Mapping[str, Any], node_id: int,
+                   vector: np.ndarray | None = None) -> tuple["SecAggPlusState", Any]:
     """One stage at a hospital: its new state and what it replies (setup: its public keys; share keys: its key
     shares encrypted for each neighbour; collect: ``vector`` masked; unmask: the shares the server asks for).
 
@@ -312,6 +311,17 @@ def hospital_stage(state: SecAggPlusState, stage: str, config: Mapping[str, Any]
     and ``_unmask``; besides them a hospital refuses a threshold below 2, a node listed as both alive and dropped
     (the server would learn both its mask seed and its key, hence its update), and after the unmask stage it keeps
     no secret of the round."""
+    from flwr.app import ConfigRecord
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import (
+        SecAggPlusState,
+        _setup,
+        _share_keys,
+        _unmask,
+        check_configs,
+        check_stage,
+    )
+    from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
     check_stage(state.current_stage, ConfigRecord({Key.STAGE: stage}))
     flower = flower_config(stage, config)
     check_configs(stage, flower)
@@ -346,7 +356,7 @@ def hospital_stage(state: SecAggPlusState, stage: str, config: Mapping[str, Any]
     return done, answer
 
 
-def setup_problem(state: SecAggPlusState) -> str | None:
+def setup_problem(state: "SecAggPlusState") -> str | None:
     """Why a hospital will not run a round with these parameters (None: it will)."""
     if not 2 <= state.threshold <= state.share_num <= state.sample_num:
         return (f"threshold {state.threshold}, shares {state.share_num} and hospitals {state.sample_num} must satisfy "
@@ -359,9 +369,14 @@ def setup_problem(state: SecAggPlusState) -> str | None:
     return None
 
 
-def mask_vector(state: SecAggPlusState, flower: ConfigRecord, vector: np.ndarray) -> np.ndarray:
+def mask_vector(state: "SecAggPlusState", flower: "ConfigRecord", vector: np.ndarray) -> np.ndarray:
     """Flower's ``_collect_masked_vectors`` for an integer vector of ours: decrypt and check the neighbours' key
     shares, then add the private mask and the pairwise masks, modulo the round's modulus."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen, share_keys_plaintext_separate
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
     ciphertexts, sources = list(flower[Key.CIPHERTEXT_LIST]), [int(s) for s in flower[Key.SOURCE_LIST]]
     if len(ciphertexts) + 1 < state.threshold:
         raise ValueError("Not enough available neighbour clients.")
@@ -461,6 +476,8 @@ def plan_round(nodes: list[int], settings: SecureAggregationSettings, seed: Any,
 
 
 def setup_config(plan: ServerRound) -> dict[str, Any]:
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
     return ours({Key.SAMPLE_NUMBER: len(plan.nodes), Key.SHARE_NUMBER: plan.num_shares, Key.THRESHOLD: plan.threshold,
                  Key.CLIPPING_RANGE: float(plan.clipping_range), Key.TARGET_RANGE: int(plan.quantization_range),
                  Key.MOD_RANGE: int(plan.modulus), Key.MAX_WEIGHT: 1.0})
@@ -479,6 +496,8 @@ def threshold_problem(plan: ServerRound, alive: set[int], owners: set[int]) -> s
 
 def receive_public_keys(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> None:
     """Setup replies: each node's two public keys (bytes, unique across the round)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
     seen: set[bytes] = set()
     for node in sorted(replies):
         config = replies[node]
@@ -502,6 +521,8 @@ def share_keys_config(plan: ServerRound, node: int) -> dict[str, Any]:
 
 def receive_key_shares(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> None:
     """Share-keys replies: each node's encrypted shares, one per neighbour, forwarded to nodes that also answered."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
     sources: dict[int, list[int]] = {}
     for node in sorted(replies):
         config = replies[node]
@@ -525,6 +546,8 @@ def receive_key_shares(plan: ServerRound, replies: Mapping[int, Mapping[str, Any
 
 def collect_config(plan: ServerRound, node: int) -> dict[str, Any]:
     """What ``node`` gets with its training message: its neighbours' encrypted key shares."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
     sources, ciphertexts = plan.forward[node]
     return ours({Key.CIPHERTEXT_LIST: list(ciphertexts), Key.SOURCE_LIST: list(sources)})
 
@@ -543,6 +566,8 @@ def add_masked_vector(plan: ServerRound, node: int, vector: np.ndarray) -> None:
 def unmask_config(plan: ServerRound, node: int) -> dict[str, Any]:
     """What ``node`` is asked in the unmask stage: its neighbours whose vector is in the sum (their mask seeds) and
     those that shared keys but whose vector is not (their pairwise-mask keys)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
     active = sorted(plan.neighbours[node] & plan.masked)
     dead = sorted(plan.neighbours[node] & plan.dropped)
     plan.asked[node] = set(active) | set(dead)
@@ -553,6 +578,12 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
     """The sum of the masked nodes' vectors modulo the modulus: every private mask and every pairwise mask with a
     node that dropped out removed, each rebuilt from at least ``threshold`` shares (Flower's ``unmask_stage``).
     ValueError when some secret has too few shares or its shares do not combine."""
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
     if plan.total is None:
         raise ValueError("no masked vector was received")
     collected: dict[int, list[bytes]] = {node: [] for node in plan.masked | plan.dropped}

@@ -424,8 +424,8 @@ class SecureAggregationMixin:
         else:
             table = getattr(self.job, "secure_aggregation", None)
             base = table.model_dump(by_alias=True) if table is not None else {}
-            settings = SecureAggregationSettings.model_validate({**base, "enabled": True,
-                                                                 **dict(secure_aggregation or {})})
+            given = {key.replace("_", "-"): value for key, value in dict(secure_aggregation or {}).items()}
+            settings = SecureAggregationSettings.model_validate({**base, "enabled": True, **given})
         self.secure_aggregation = SecureAggregation(self, settings)
 
     @property

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from flwr.app import Context, Error, Message, MessageType, RecordDict
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from client_app.secure_aggregation import secure_train, stage_of
@@ -24,7 +25,6 @@ from common.secure_aggregation import (
     MASKED_GROUP,
     Entry,
     Layout,
-    SecAggPlusState,
     SecureAggregationSettings,
     add_masked_vector,
     code_ranges,
@@ -527,6 +527,18 @@ def test_methods_it_cannot_sum_are_refused_when_the_strategy_is_built(tmp_path):
                                                                "qfedpolyp.quantise": "update"})
     with pytest.raises(ValueError, match="power of 2"):
         SecureAggregationSettings(modulus_range=3 * 2**20)
+
+
+def test_the_settings_import_without_flower():
+    """``common.config`` imports the settings, and the methods' halves import it on GPU machines without Flower."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['flwr'] = None\n"
+            "from common.secure_aggregation import SecureAggregationSettings, Layout, Entry, SECURE_METHODS\n"
+            "print(SecureAggregationSettings(enabled=True).reconstruction_threshold, sorted(SECURE_METHODS))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("0.5 ['fedavg', 'fedbn', 'fedmepd'")
 
 
 def test_modulus_bits_name_the_wire_width():
