@@ -128,24 +128,31 @@ def encode_model(arrays: Mapping[str, np.ndarray], bits: int, content: str = "we
     }
 
 
-def read_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """The checked header of an encoded model (its ``bits`` is the bit-width tag)."""
+def parse_header(encoded: Mapping[str, np.ndarray], form: str, version: int, what: str) -> dict[str, Any]:
+    """A payload's header, read and checked as far as every payload of ``form`` shares: its three arrays, a JSON
+    header of that format and version, a bit-width tag the codec has."""
     missing = [key for key in ("header", "ranges", "data") if key not in encoded]
     if missing:
-        raise PayloadError(f"encoded model lacks {missing}")
-    raw = encoded["header"]
+        raise PayloadError(f"{what} lacks {missing}")
+    raw = np.asarray(encoded["header"])
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise PayloadError(f"header must be a 1-D uint8 array, got {raw.dtype} {raw.shape}")
     try:
         header = json.loads(raw.tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise PayloadError(f"header is not JSON ({error})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise PayloadError(f"header is not a {FORMAT} version {VERSION} header")
+    if not isinstance(header, dict) or header.get("format") != form or header.get("version") != version:
+        raise PayloadError(f"header is not a {form} version {version} header")
     try:
         check_bit_width(header.get("bits"), "bit-width tag")
     except ValueError as error:
         raise PayloadError(str(error)) from None
+    return header
+
+
+def read_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The checked header of an encoded model (its ``bits`` is the bit-width tag)."""
+    header = parse_header(encoded, FORMAT, VERSION, "encoded model")
     if header.setdefault("content", "weights") not in CONTENTS:  # payloads written before the tag: weights
         raise PayloadError(f"header's content {header['content']!r} is not one of {CONTENTS}")
     tensors = header.get("tensors")

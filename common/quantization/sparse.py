@@ -43,7 +43,16 @@ import numpy as np
 
 from common.arrays import NamedArrays
 
-from .codec import PayloadError, check_bit_width, dequantise, pack_codes, packed_nbytes, quantise, unpack_codes
+from .codec import (
+    PayloadError,
+    check_bit_width,
+    dequantise,
+    pack_codes,
+    packed_nbytes,
+    parse_header,
+    quantise,
+    unpack_codes,
+)
 
 FORMAT = "fedmed-sparse-change"
 VERSION = 1
@@ -183,22 +192,7 @@ def _well_formed(entry: Any) -> bool:
 
 def read_sparse_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """The checked header of a sparse change (its ``bits`` is the bit-width tag)."""
-    missing = [key for key in ("header", "ranges", "data") if key not in encoded]
-    if missing:
-        raise PayloadError(f"encoded change lacks {missing}")
-    raw = np.asarray(encoded["header"])
-    if raw.dtype != np.uint8 or raw.ndim != 1:
-        raise PayloadError(f"header must be a 1-D uint8 array, got {raw.dtype} {raw.shape}")
-    try:
-        header = json.loads(raw.tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PayloadError(f"header is not JSON ({error})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise PayloadError(f"header is not a {FORMAT} version {VERSION} header")
-    try:
-        check_bit_width(header.get("bits"), "bit-width tag")
-    except ValueError as error:
-        raise PayloadError(str(error)) from None
+    header = parse_header(encoded, FORMAT, VERSION, "encoded change")
     if header.get("content") not in CONTENTS:
         raise PayloadError(f"header's content {header.get('content')!r} is not one of {CONTENTS}")
     tensors = header.get("tensors")
