@@ -49,6 +49,8 @@ from common.audit import AuditLog, message_digest
 from common.payload import Payload
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
+from .secure_aggregation import secure_train
+
 log = logging.getLogger("fedmed")
 
 HOSPITAL_ERROR = 1  #: ``Error.code`` of a failure inside the hospital's answer
@@ -70,7 +72,8 @@ class Hospital:
         """The reply to ``message`` (query, train or evaluate), or an error reply naming this hospital; both, and the
         message, are written to the hospital's audit log."""
         kind = message.metadata.message_type.split(".")[0]
-        handlers = {MessageType.QUERY: self.query, MessageType.TRAIN: self.train, MessageType.EVALUATE: self.evaluate}
+        handlers = {MessageType.QUERY: self.query, MessageType.EVALUATE: self.evaluate,
+                    MessageType.TRAIN: lambda m: secure_train(m, self.context, self.train)}  # SecAgg+ stages
         audit, about = None, {}
         try:
             audit, about = self.audit_log(), message_about(message, kind)

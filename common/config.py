@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
+from common.secure_aggregation import SecureAggregationSettings
 from common.settings import ConfigError, Section, hyphenated
 
 __all__ = ["ConfigError", "Section", "JobConfig", "load_job_config"]
@@ -220,6 +221,7 @@ class CoreConfig(Section):
         "Empty: <results-dir>/<run-name>/audit.jsonl; 'none': no log."))
 
     screening: ScreeningSection = ScreeningSection()
+    secure_aggregation: SecureAggregationSettings = SecureAggregationSettings()
     brain: BrainSection = BrainSection()
 
     @field_validator("tracking")

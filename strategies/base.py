@@ -209,6 +209,9 @@ class HospitalStrategy(Strategy):
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
+        from strategies.secure_aggregation import SecureAggregation
+
+        self.secure_aggregation = SecureAggregation.of(self)  # None unless secure-aggregation.enabled
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:
@@ -267,7 +270,9 @@ class HospitalStrategy(Strategy):
         """The method's round engine, built on first use (it loads the server's test set, and for
         FedMEPD its own training cases, from the run config)."""
         if self._engine is None:
-            self._engine = RoundEngine(self.job, weight_key=self.weighted_by_key)
+            secure = getattr(self, "secure_aggregation", None)
+            self._engine = (secure.round_engine() if secure is not None
+                            else RoundEngine(self.job, weight_key=self.weighted_by_key))
         return self._engine
 
     def initial_arrays(self) -> ArrayRecord:
@@ -490,6 +495,8 @@ class HospitalStrategy(Strategy):
         self._bytes_down = {}
         messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN)
         log.info("round %d: training on %s", server_round, ", ".join(h.name for h in self._chosen))
+        if self.secure_aggregation is not None:  # setup and share keys; the messages carry the collect stage
+            messages = self.secure_aggregation.prepare(server_round, messages, grid)
         return messages
 
     def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:

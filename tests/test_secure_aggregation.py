@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 import pytest
-from flwr.app import Context, Error, Message, MessageType, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
-from client_app.secure_aggregation import secure_train, stage_of
+from client_app.secure_aggregation import stage_of
 from common.config import ConfigError, load_job_config
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine
@@ -258,8 +258,8 @@ def test_fedproin_secure_nia_equals_plain_nia_within_the_quantisation_error():
 
 
 # --- over a Flower Grid: FakeGrid nodes answering with fedmed's ClientApp handlers ---------------------------------
-def secure_node(run_config, node_config, node_id, silent_at=None, log=None, tamper=None):
-    """A hospital answering with fedmed's ClientApp handlers through ``secure_train`` (what the api.py hook does);
+def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None):
+    """A hospital answering with fedmed's ClientApp handlers (``Hospital.answer`` runs the stages: ``secure_train``);
     ``silent_at``: the stage from which it stops answering (as when its SuperNode dies); ``tamper``: changes each
     message it receives first (a hostile hospital ignoring what the server set)."""
     from client_app import app as client
@@ -276,14 +276,9 @@ def secure_node(run_config, node_config, node_id, silent_at=None, log=None, tamp
         kind = message.metadata.message_type
         if tamper is not None:
             tamper(message)
-        try:
-            if kind == MessageType.TRAIN:
-                return secure_train(message, context, lambda m: client.train(m, context))
-            return {MessageType.QUERY: client.query, MessageType.EVALUATE: client.evaluate}[kind](message, context)
-        except Exception as error:  # as Hospital.answer turns it into an error reply
-            if log is not None:
-                log.append(error)
-            return Message(Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message)
+        handlers = {MessageType.TRAIN: client.train, MessageType.QUERY: client.query,
+                    MessageType.EVALUATE: client.evaluate}
+        return handlers[kind](message, context)
 
     return answer
 
@@ -653,3 +648,19 @@ if __name__ == "__main__":
     print(measure_protocol())
     with tempfile.TemporaryDirectory() as folder:
         print(measure(Path(folder)))
+
+
+def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_every_reply(tmp_path):
+    """No mixin, no own ClientApp: the run config switches it on, fedmed's own ClientApp answers the stages."""
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, simulated_hospitals
+
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "plain", **{"secure-aggregation.enabled": True})
+    strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config=config)
+    assert strategy.secure_aggregation is not None
+    grid = FakeGrid(simulated_hospitals(config, 3))
+    strategy.start(grid, num_rounds=1)
+    assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"]
+    trained = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN and not m.has_error()]
+    assert trained and not any(len(m.content.array_records.get("arrays", {})) for m in trained)  # never a model
