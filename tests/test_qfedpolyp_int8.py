@@ -123,8 +123,8 @@ def test_benchmark_finds_the_time_spent_in_quantised_convolutions():
 
 
 def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_fp32(tmp_path):
-    """7-bit weights: on CPUs without int8 dot-product instructions ONNX Runtime's uint8 x int8 products saturate
-    at 8 bits (0.031 Dice lost on the trained U-Net, none at 7 bits: common/quantization/onnx_int8.py)."""
+    """7-bit weights: at 8 bits the trained U-Net lost 0.031 Dice in ONNX Runtime on a CPU without int8
+    dot-product instructions, at 7 bits nothing (common/quantization/onnx_int8.py)."""
     pytest.importorskip("onnxruntime")
     import onnx
     from onnx import numpy_helper
