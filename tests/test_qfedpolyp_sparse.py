@@ -647,3 +647,15 @@ def test_three_flower_simulation_rounds_with_sparse_updates_and_a_delta_downlink
         if base:
             assert all(m["state-from-round"] == base for m in record["hospital_metrics"].values())
     assert int(load_checkpoint(results / "sparse")["method/held-round"]) == 3
+
+
+def test_table1_reuses_a_finished_run_that_predates_new_settings_but_not_one_with_other_values(tmp_path):
+    """A run saved before a setting existed is the same run when that setting is at its default."""
+    from benchmarks.qfedpolyp.table1 import PRESETS, PROTOCOL, changed_settings, job_config
+
+    cfg = job_config({**PROTOCOL, **PRESETS["cpu"]}, "32,32,32,32,32", tmp_path)
+    saved = json.loads(json.dumps(cfg.to_flat()))
+    older = {k: v for k, v in saved.items() if not k.startswith(("tracking", "secure-aggregation."))}
+    assert changed_settings(older, cfg) == []
+    assert changed_settings({**saved, "learning-rate": 1.0}, cfg) == ["learning-rate"]
+    assert changed_settings({**older, "tracking": "mlflow"}, cfg) == ["tracking"]

@@ -150,6 +150,14 @@ def job_config(base: dict[str, Any], config: str, out: Path) -> JobConfig:
     return cfg.model_copy(update={"qfedpolyp": settings})
 
 
+def changed_settings(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
+    """Keys whose value differs from a finished run's ``config.json``. A key the saved run predates counts only if it
+    is set away from its default (settings added since then with their default change nothing)."""
+    now, defaults = json.loads(json.dumps(cfg.to_flat())), json.loads(json.dumps(JobConfig().to_flat()))
+    return sorted(key for key in saved.keys() | now.keys()
+                  if saved.get(key, defaults.get(key)) != now.get(key, defaults.get(key)))
+
+
 def run_config(cfg: JobConfig) -> list[dict[str, Any]]:
     """One configuration, resumed from its checkpoint if an earlier start was interrupted."""
     from server_app.app import save_round
@@ -157,8 +165,9 @@ def run_config(cfg: JobConfig) -> list[dict[str, Any]]:
     from server_app.results import read_history
 
     saved = cfg.run_dir / "config.json"
-    if saved.exists() and json.loads(saved.read_text()) != json.loads(json.dumps(cfg.to_flat())):
-        raise SystemExit(f"{cfg.run_dir} holds a run with other settings; pass a fresh --out")
+    if saved.exists() and (changed := changed_settings(json.loads(saved.read_text()), cfg)):
+        raise SystemExit(f"{cfg.run_dir} holds a run with other settings ({', '.join(changed[:5])}); "
+                         "pass a fresh --out")
     if (cfg.run_dir / "metrics.jsonl").exists() and len(read_history(cfg.run_dir)) >= cfg.num_server_rounds:
         return read_history(cfg.run_dir)
     engine = RoundEngine(cfg)
