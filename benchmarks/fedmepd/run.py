@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--data", type=Path, default=BRATS, help="a folder of BraTS case folders")
-    parser.add_argument("--hospitals", type=int, help="simulated hospitals (default: 4 for the 8 real cases, 8 for "
+    parser.add_argument("--hospitals", type=int, help="simulated hospitals (default: 4 for the real cases, 8 for "
                         "generated-cpu: the paper's 8 kinds of modality subsets)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
