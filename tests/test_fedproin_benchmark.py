@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from benchmarks.fedproin.report import ablation_table, curves, late_test, paired_differences, table, write_report
+from benchmarks.fedproin.report import (
+    ablation_table,
+    curves,
+    late_test,
+    paired_differences,
+    shift_table,
+    table,
+    write_report,
+)
 from benchmarks.fedproin.run import ABLATIONS, METHODS, PRESETS, PROTOCOL, job_config
 from common.config import JobConfig
 
@@ -93,3 +101,14 @@ def test_report_lists_the_rows_that_were_run_and_the_commands_that_made_them(tmp
     assert "| FedProIn |" in text and "| FedAvg |" not in text and "| FedProIn MCL |" not in text
     assert "| FedProIn M 1 | 50.0 | 0.200 | 0.0 | -0.100 | 0 |" in text
     assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_shift_table_pairs_each_run_with_the_same_seed_before_and_skips_unpaired_ones():
+    before = [run_record("FedAvg", "iid", 0, 0.7, 0.70, 0.50), run_record("FedAvg", "iid", 1, 0.7, 0.72, 0.52),
+              run_record("FedAvg", "iid", 2, 0.7, 0.90, 0.90)]
+    now = [run_record("FedAvg", "iid", 0, 0.7, 0.66, 0.45), run_record("FedAvg", "iid", 1, 0.7, 0.70, 0.49),
+           run_record("FedAvg", "iid", 3, 0.7, 0.10, 0.10), run_record("FedProx", "iid", 0, 0.7, 0.6, 0.4)]
+    lines = shift_table(now, before, ["FedAvg", "FedProx"], ["iid"]).splitlines()
+    assert lines[2] == ("| FedAvg | IID | 0, 1 | 71.0 ± 1.0 | 68.0 ± 2.0 | -3.0 ± 1.0 | 0.510 ± 0.010 | "
+                        "0.470 ± 0.020 | -0.040 ± 0.010 |")
+    assert len(lines) == 3  # FedProx has no run before: no row

@@ -152,9 +152,36 @@ def ablation_table(runs: list[dict[str, Any]], variants: list[str], partitions: 
     return "\n".join(lines)
 
 
-def write_report(out: Path, methods: list[str], variants: list[str], title: str, default_command: str) -> str:
+def shift_table(runs: list[dict[str, Any]], before: list[dict[str, Any]], methods: list[str],
+                partitions: list[str]) -> str:
+    """How far each row moved from ``before`` (the same benchmark on another split or code), run for run: the final
+    W-F1 (%) and MCC of the seeds both have, before and now, and the mean ± std of the paired differences."""
+    earlier = {(r["method"], r["partition"], r["seed"]): final_test(r) for r in before}
+    lines = ["| method | split | seeds | W-F1 before | W-F1 now | Δ W-F1 | MCC before | MCC now | Δ MCC |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method in methods:
+        for partition in partitions:
+            pairs = [(earlier[(method, partition, r["seed"])], final_test(r)) for r in runs
+                     if r["method"] == method and r["partition"] == partition
+                     and (method, partition, r["seed"]) in earlier]
+            if not pairs:
+                continue
+            seeds = sorted(r["seed"] for r in runs if r["method"] == method and r["partition"] == partition
+                           and (method, partition, r["seed"]) in earlier)
+            cells = [method, PARTITION_TITLES.get(partition, partition), ", ".join(map(str, seeds))]
+            for metric, scale, digits in (("f1_weighted", 100, 1), ("mcc", 1, 3)):
+                cells += [mean_std([b[metric] for b, _ in pairs], scale, digits),
+                          mean_std([n[metric] for _, n in pairs], scale, digits),
+                          mean_std([n[metric] - b[metric] for b, n in pairs], scale, digits)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, methods: list[str], variants: list[str], title: str, default_command: str,
+                 before: Path | None = None) -> str:
     """``table.md`` and ``accuracy.png`` from every run in ``out/runs``: the Table-1 rows (``methods``, in that
-    order, where run), then FedProIn's ablations and choices (``variants``) against FedProIn on the same seeds."""
+    order, where run), then FedProIn's ablations and choices (``variants``) against FedProIn on the same seeds, and
+    with ``before`` (another result folder of the same benchmark) how far each row moved from it."""
     runs = load_runs(out)
     present = {r["method"] for r in runs}
     partitions = [p for p in PARTITION_TITLES if any(r["partition"] == p for r in runs)]
@@ -174,6 +201,9 @@ def write_report(out: Path, methods: list[str], variants: list[str], title: str,
                   "One change each from FedProIn's defaults (`benchmarks/fedproin/run.py` `ABLATIONS`); Δ is the "
                   "variant minus FedProIn on the same seeds and split, mean ± std over those seeds.", "",
                   ablation_table(runs, variant_rows, partitions), ""]
+    if before is not None:
+        parts += [f"## Against `{before.name}`", "", f"The same rows in `{before}`, seed for seed (final round).", "",
+                  shift_table(runs, load_runs(before), rows, partitions), ""]
     parts += ["![accuracy and MCC over rounds](accuracy.png)", ""]
     text = "\n".join(parts)
     (out / "table.md").write_text(text)

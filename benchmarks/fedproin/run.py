@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(benchmarks.fedproin.pretrain, cached); results go to <dataset>-<preset>-pretrained")
     parser.add_argument("--pretrain-epochs", type=int, default=10)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/fedproin/<dataset>-<preset>")
+    parser.add_argument("--before", type=Path, help="a result folder of this benchmark run before a change (another "
+                        "split, other code): the report says how far each row moved from it, seed for seed")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine two threads ran 10x slower "
                              "than one whenever another job was running; use more on a machine of your own)")
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("=== %s, %s, seed %d: %s in %.0fs", name, partition, seed,
                          history[-1].get("test"), record["seconds"])
     write_report(out, list(METHODS), list(ABLATIONS), f"{args.dataset}, preset {args.preset}"
-                 + (", pretrained encoder" if args.pretrained else ""), MAIN_COMMAND.format(dataset=args.dataset))
+                 + (", pretrained encoder" if args.pretrained else ""), MAIN_COMMAND.format(dataset=args.dataset),
+                 before=args.before)
     return 0
 
 
