@@ -6,12 +6,20 @@ import platform
 from pathlib import Path
 
 
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (e.g. 'Intel(R) Xeon(R) Processor'), else what Python knows."""
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo with its family and model numbers (e.g. 'AMD EPYC (family 23,
+    model 1)': a virtual machine's bare 'AMD EPYC' covers generations whose int8 and AVX2 speeds differ several
+    times over), else what Python knows."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" in fields:
+        numbers = [f"{label} {fields[key]}" for key, label in (("cpu family", "family"), ("model", "model"))
+                   if fields.get(key)]
+        return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
     return platform.processor() or platform.machine() or "unknown CPU"

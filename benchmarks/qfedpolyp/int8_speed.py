@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                      + " | ".join(f"{scores[f'dice/{s}']:.4f}" for s in test.source_names()) + " |")
     speedup = fastest[1][0] / best_int8[1][0]
     gap = abs(fp32_scores["dice"] - int8_scores["dice"])
-    eager = fastest[1][0] / results[1]["INT8 eager"]
+    old_path = min((results[1][k], k) for k in ("INT8 eager", "INT8 TorchScript (frozen)"))  # as exported
+    eager = fastest[1][0] / old_path[0]
     maintained = min((results[1][k], k) for k in onnx_models if k.startswith("INT8"))
     maintained_speedup = fastest[1][0] / maintained[0]
     maintained_gap = abs(fp32_scores["dice"] - onnx_scores[maintained[1]]["dice"])
@@ -239,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{'yes' if speedup >= 4 else 'no'} |",
               f"| INT8 Dice within 0.005 of FP32 | {int8_scores['dice']:.4f} vs {fp32_scores['dice']:.4f} "
               f"(difference {gap:.4f}) | {'yes' if gap <= 0.005 else 'no'} |",
-              f"| the maintained path ({maintained[1]}) at least as fast as eager INT8 (speed-up over the fastest "
-              f"FP32 path at batch 1) | {maintained_speedup:.2f}x vs eager {eager:.2f}x | "
+              f"| the maintained path ({maintained[1]}) at least as fast as the eager path's faster form "
+              f"({old_path[1]}; speed-up over the fastest FP32 path at batch 1) | {maintained_speedup:.2f}x vs "
+              f"{eager:.2f}x | "
               f"{'yes' if maintained_speedup >= eager else 'no'} |",
               f"| the maintained path's Dice within 0.005 of FP32 | {onnx_scores[maintained[1]]['dice']:.4f} vs "
               f"{fp32_scores['dice']:.4f} (difference {maintained_gap:.4f}) | "
