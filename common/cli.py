@@ -289,7 +289,8 @@ def best_int8_model(run: Path) -> Path:
     from server_app.checkpoint import find_best, read_best
 
     best = read_best(find_best(run))
-    model = Path(run) / BEST_INT8
+    written = [Path(run) / BEST_INT8.with_suffix(suffix) for suffix in (".pt", ".onnx")]
+    model = max((m for m in written if m.is_file()), key=lambda m: m.stat().st_mtime, default=written[0])
     again = f"fedmed export-int8 --run {run} --best"
     if not model.is_file():
         raise ValueError(f"--best: {run} has no INT8 model of its best round ({model}); export it first: {again}")
@@ -309,9 +310,9 @@ def int8_command(args: argparse.Namespace) -> int:
     try:
         if args.command == "export-int8":
             checkpoint = find_best(args.run) if args.best else find_checkpoint(args.run)
-            out = args.out or Path(args.run) / BEST_INT8
+            out = args.out or Path(args.run) / BEST_INT8.with_suffix(".onnx" if args.engine == "onnxruntime" else ".pt")
             path, metadata = export_int8(load_checkpoint(checkpoint), out, args.calibration_dir,
-                                         args.calibration_images, source=str(checkpoint))
+                                         args.calibration_images, source=str(checkpoint), engine=args.engine)
             print(f"INT8 model of {checkpoint} written to {path}\n{json.dumps(metadata, indent=2)}")
         else:
             model = best_int8_model(args.run) if args.best else args.model
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--hospitals", type=int, required=True)
     part.add_argument("--out", type=Path, required=True)
 
-    export = sub.add_parser("export-int8", help="a run's final global polyp U-Net as an INT8 TorchScript model")
+    export = sub.add_parser("export-int8", help="a run's final global polyp segmentation model as an INT8 model")
     export.add_argument("--run", type=Path, required=True, help="run folder (its latest checkpoint) or checkpoint file")
     export.add_argument("--out", type=Path, default=None,
                         help="model file to write, e.g. polyp-int8.pt (--best: default <run>/exports/int8-best.pt)")
@@ -449,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--calibration-dir", type=Path, default=None,
                         help="images to calibrate activation ranges on (default: the run's training data)")
     export.add_argument("--calibration-images", type=int, default=64)
+    export.add_argument("--engine", choices=("auto", "torch", "onnxruntime"), default="auto",
+                        help="torch: PyTorch's eager quantisation, the built-in U-Net only (.pt); onnxruntime: ONNX "
+                        "Runtime's static quantisation of any network (.onnx, extra fedmed-hospitals[int8]); auto: "
+                        "torch for the built-in U-Net, onnxruntime otherwise")
 
     segment = sub.add_parser("segment", help="masks for a folder of images with an exported model")
     segment.add_argument("--model", type=Path, default=None, help="file written by `fedmed export-int8`")

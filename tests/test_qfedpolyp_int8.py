@@ -145,3 +145,39 @@ def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_
     output = segmenter(images[32:])
     assert (output - reference).abs().mean() < 0.15 * reference.std()
     assert ((output > 0) == (reference > 0)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("model", ["", "monai.networks.nets:UNet"])
+def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capsys, model):
+    """`export-int8 --engine onnxruntime` (and `auto` for a network of the user's own): an .onnx model that
+    `segment` and `evaluate` run; the eager engine names what it cannot take."""
+    pytest.importorskip("onnxruntime")
+    own = {"model": model, "model_args": '{"spatial_dims": 2, "channels": [8, 16, 32], "strides": [2, 2]}'}
+    cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
+                    image_size=32, min_partition_size=5, **(own if model else {}))
+    engine = RoundEngine(cfg)
+    engine.history = [{"round": 1}]
+    save_checkpoint(tmp_path / "run", 1, engine.state_dict())
+    run = str(tmp_path / "run")
+    model_file = tmp_path / "polyp-int8.onnx"
+    arguments = ["export-int8", "--run", run, "--out", str(model_file), "--calibration-images", "16"]
+    assert fedmed(arguments + (["--engine", "onnxruntime"] if not model else [])) == 0
+    loaded, metadata = load_deployment(model_file)
+    assert metadata["engine"] == "onnxruntime" and metadata["image-size"] == 32 and metadata["rounds"] == 1
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(frames / "a.png")
+    assert fedmed(["segment", "--model", str(model_file), "--images", str(frames), "--out", str(tmp_path / "m")]) == 0
+    with Image.open(tmp_path / "m" / "a.png") as mask:
+        assert mask.size == (40, 30)
+    labelled = tmp_path / "labelled"
+    write_site(cfg, generate("polyp-segmentation", 8, 32, seed=5), labelled, "test")
+    assert fedmed(["evaluate", "--run", run, "--data", str(labelled), "--model", str(model_file),
+                   "--out", str(tmp_path / "scores")]) == 0
+    assert json.loads((tmp_path / "scores.json").read_text())["overall"]["num-examples"] == 8
+    capsys.readouterr()
+    if model:
+        assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "torch"]) == 2
+        assert "only the built-in U-Net, not UNet" in capsys.readouterr().err
+    assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "onnxruntime"]) == 2
+    assert "written as a .onnx file" in capsys.readouterr().err

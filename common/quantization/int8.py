@@ -32,7 +32,7 @@ from common.config import JobConfig
 from common.data.containers import DataError
 from common.data.image_files import image_size_of, list_images, read_rgb
 from common.data.image_mask import data_set_folders
-from common.models.unet2d import Concat, ConvBlock
+from common.models.unet2d import Concat, ConvBlock, PolypUNet
 from common.tasks.base import images_to_tensor
 
 ENGINE = "x86"
@@ -170,10 +170,16 @@ def save_deployment(model: nn.Module, path: str | Path, metadata: dict[str, Any]
     return path
 
 
-def load_deployment(path: str | Path) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
+def load_deployment(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    """An exported INT8 model and its metadata: TorchScript (``.pt``, the eager path) or ONNX Runtime (``.onnx``)."""
     files = {METADATA_FILE: ""}
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such model file")
+    if Path(path).suffix == ".onnx":
+        from .onnx_int8 import OnnxSegmenter
+
+        segmenter = OnnxSegmenter(path)
+        return segmenter, segmenter.metadata
     use_engine(ENGINE)
     try:
         with quiet_deprecations():
@@ -241,9 +247,11 @@ def model_from_checkpoint(state: dict[str, np.ndarray]) -> tuple[JobConfig, nn.M
         raise ValueError("checkpoint holds no run config or no 'method/global/*' model arrays")
     cfg = JobConfig.model_validate(unpack_json(state["run/config"]))
     if cfg.task != "polyp-segmentation":
-        raise ValueError(f"INT8 export is for the polyp U-Net; this run's task is {cfg.task!r}")
+        raise ValueError(f"INT8 export is for polyp segmentation; this run's task is {cfg.task!r}")
     arrays = {k.removeprefix("method/global/"): v for k, v in state.items() if k.startswith("method/global/")}
-    model = get_task(cfg, {"in-channels": int(arrays["enc1.conv1.weight"].shape[1])}).build_model()
+    first_kernel = next((v for v in arrays.values() if v.ndim == 4), None)  # any network: its first convolution
+    channels = int(first_kernel.shape[1]) if first_kernel is not None else 3
+    model = get_task(cfg, {"in-channels": channels}).build_model()
     load_model_arrays(model, arrays)
     return cfg, model.eval(), len(unpack_json(state["run/history"])) if "run/history" in state else 0
 
@@ -266,13 +274,34 @@ def calibration_images(cfg: JobConfig, folder: str | Path | None = None, count: 
     return pool.images[np.sort(rng.choice(len(pool), size=min(count, len(pool)), replace=False))]
 
 
+#: ``export-int8 --engine``: PyTorch's eager quantisation of the built-in U-Net (TorchScript ``.pt``; deprecated by
+#: PyTorch, kept while it is as fast as ONNX Runtime's path), or ONNX Runtime's static quantisation of any network
+#: (``.onnx``, common/quantization/onnx_int8.py); ``auto``: torch for the built-in U-Net, ONNX Runtime otherwise
+ENGINES = ("auto", "torch", "onnxruntime")
+
+
 def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: str | Path | None = None,
-                num_calibration: int = 64, source: str = "") -> tuple[Path, dict[str, Any]]:
-    """A run's final global model as an INT8 TorchScript file; returns the path and its metadata."""
+                num_calibration: int = 64, source: str = "", engine: str = "auto") -> tuple[Path, dict[str, Any]]:
+    """A run's final global model as an INT8 model file (:data:`ENGINES`); returns the path and its metadata."""
     cfg, model, rounds = model_from_checkpoint(state)
+    if engine not in ENGINES:
+        raise ValueError(f"INT8 engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        engine = "torch" if isinstance(model, PolypUNet) else "onnxruntime"
+    if engine == "torch" and not isinstance(model, PolypUNet):
+        raise ValueError(f"the eager INT8 path takes only the built-in U-Net, not {type(model).__name__} "
+                         "(model=...); use --engine onnxruntime")
     images = calibration_images(cfg, calibration_dir, num_calibration, cfg.seed)
-    quantised = int8_model(model, image_batches(images))
     metadata = {"image-size": cfg.image_size, "in-channels": int(images.shape[-1]), "threshold": 0.5,
                 "normalisation": "imagenet" if images.shape[-1] == 3 else "0.5/0.5", "run-name": cfg.run_name,
                 "rounds": rounds, "checkpoint": source, "calibration-images": int(len(images))}
+    if engine == "onnxruntime":
+        from .onnx_int8 import export_int8 as export_onnx_int8
+
+        out = Path(out)
+        if out.suffix != ".onnx":
+            raise ValueError(f"{out}: an ONNX Runtime INT8 model is written as a .onnx file")
+        path = export_onnx_int8(model, list(image_batches(images)), out, metadata)
+        return path, {"engine": "onnxruntime", **metadata}
+    quantised = int8_model(model, image_batches(images))
     return save_deployment(quantised, out, metadata), metadata
