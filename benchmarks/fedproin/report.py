@@ -203,7 +203,7 @@ def write_report(out: Path, methods: list[str], variants: list[str], title: str,
                   ablation_table(runs, variant_rows, partitions), ""]
     if before is not None:
         parts += [f"## Against `{before.name}`", "", f"The same rows in `{before}`, seed for seed (final round).", "",
-                  shift_table(runs, load_runs(before), rows, partitions), ""]
+                  shift_table(runs, load_runs(before), rows + variant_rows, partitions), ""]
     parts += ["![accuracy and MCC over rounds](accuracy.png)", ""]
     text = "\n".join(parts)
     (out / "table.md").write_text(text)
