@@ -278,8 +278,8 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             stop_all(STOP_GRACE, keep=others)
 
 
-#: where ``export-int8 --best`` writes without --out, and what ``segment --best`` runs
-BEST_INT8 = Path("exports") / "int8-best.pt"
+#: where ``export-int8 --best`` writes without --out (.pt or .onnx, by engine), and what ``segment --best`` runs
+BEST_INT8 = Path("exports") / "int8-best"
 
 
 def best_int8_model(run: Path) -> Path:
@@ -310,7 +310,7 @@ def int8_command(args: argparse.Namespace) -> int:
     try:
         if args.command == "export-int8":
             checkpoint = find_best(args.run) if args.best else find_checkpoint(args.run)
-            out = args.out or Path(args.run) / BEST_INT8.with_suffix(".onnx" if args.engine == "onnxruntime" else ".pt")
+            out = args.out or Path(args.run) / BEST_INT8  # export_int8 adds the engine's suffix
             path, metadata = export_int8(load_checkpoint(checkpoint), out, args.calibration_dir,
                                          args.calibration_images, source=str(checkpoint), engine=args.engine)
             print(f"INT8 model of {checkpoint} written to {path}\n{json.dumps(metadata, indent=2)}")
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export-int8", help="a run's final global polyp segmentation model as an INT8 model")
     export.add_argument("--run", type=Path, required=True, help="run folder (its latest checkpoint) or checkpoint file")
     export.add_argument("--out", type=Path, default=None,
-                        help="model file to write, e.g. polyp-int8.pt (--best: default <run>/exports/int8-best.pt)")
+                        help="model file to write, e.g. polyp-int8.pt (--best: <run>/exports/int8-best.pt or .onnx)")
     export.add_argument("--best", action="store_true",
                         help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the latest")
     export.add_argument("--calibration-dir", type=Path, default=None,

@@ -181,3 +181,7 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
         assert "only the built-in U-Net, not UNet" in capsys.readouterr().err
     assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "onnxruntime"]) == 2
     assert "written as a .onnx file" in capsys.readouterr().err
+    if model:  # a path without a suffix (as --best's default) gets the engine's file type
+        assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "exports" / "own"),
+                       "--calibration-images", "8"]) == 0
+        assert (tmp_path / "exports" / "own.onnx").is_file()

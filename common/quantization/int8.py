@@ -295,10 +295,12 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
     metadata = {"image-size": cfg.image_size, "in-channels": int(images.shape[-1]), "threshold": 0.5,
                 "normalisation": "imagenet" if images.shape[-1] == 3 else "0.5/0.5", "run-name": cfg.run_name,
                 "rounds": rounds, "checkpoint": source, "calibration-images": int(len(images))}
+    out = Path(out)
+    if not out.suffix:  # a default path: the engine's own file type
+        out = out.with_suffix(".onnx" if engine == "onnxruntime" else ".pt")
     if engine == "onnxruntime":
         from .onnx_int8 import export_int8 as export_onnx_int8
 
-        out = Path(out)
         if out.suffix != ".onnx":
             raise ValueError(f"{out}: an ONNX Runtime INT8 model is written as a .onnx file")
         path = export_onnx_int8(model, list(image_batches(images)), out, metadata)
