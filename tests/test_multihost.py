@@ -34,8 +34,8 @@ HOSPITALS = ["hospital-00", "hospital-01", "hospital-02"]
 PORT = 9200
 #: The run's length if the test never stops it. A node that comes back is listed again only after its next
 #: heartbeat reaches the SuperLink (Flower retries a failed one after up to 20 s, and keeps a silent node online
-#: for 60 s), while rounds here take about a second; so the run goes on until every hospital is back in, and
-#: then the test stops it.
+#: for 60 s), while rounds here take about a second; so each fault is undone once a round has seen it, the run
+#: goes on until the hospital is back in, and then the test stops it.
 MOST_ROUNDS = 300
 
 
@@ -87,9 +87,16 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
                 "image-size": 16, "batch-size": 16, "num-server-rounds": MOST_ROUNDS, "min-available-hospitals": 3,
                 "min-train-hospitals": 2, "round-timeout": 60.0, "run-name": "consortium",
                 "results-dir": str(tmp_path / "results"), "hospital-keys": str(tmp_path / "keys")})
-            # after round 1: kill hospital-02 as round 2 starts; after 2: restart it (same key and state
-            # folder); after 3: cut hospital-01's cable; after 4: restore it
-            schedule = {1: "kill", 2: "restart", 3: "cut", 4: "restore"}
+            # after round 1: kill hospital-02; once a round has missed it: restart it (same key and state
+            # folder); once it has trained again: cut hospital-01's cable; once a round has missed hospital-01:
+            # restore it. Each fault is undone only after a round has seen it: rounds take about a second, so the
+            # round in flight when a fault strikes may already hold the hospital's reply.
+            schedule = {
+                "kill": lambda history: len(history) >= 1,
+                "restart": lambda history: first_round(history, "missing", "hospital-02", events["kill"]),
+                "cut": lambda history: first_round(history, "aggregated", "hospital-02", events["restart"]),
+                "restore": lambda history: first_round(history, "missing", "hospital-01", events["cut"]),
+            }
             events: dict[str, int] = {}
             deadline = time.time() + 1200
             status, last_check = "unknown", 0.0
@@ -99,22 +106,21 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
                     if status.startswith("finished"):
                         break
                 history = read_history(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-                done = len(history)
-                if "restore" in events and everyone_back(history, events):
+                if "restore" in events and first_round(history, "aggregated", "hospital-01", events["restore"]):
                     assert flwr(home, "stop", str(run_id), "consortium").returncode == 0
                     status = wait_for_run(home, "consortium", run_id, 120)
                     break
-                for after, event in schedule.items():
-                    if done >= after and event not in events:
-                        events[event] = done + 1  # the round it hits
-                        if event == "kill":  # at once: a graceful stop may still deliver this round's reply
-                            nodes["hospital-02"].kill()
-                        elif event == "restart":
-                            nodes["hospital-02"] = hospital("hospital-02", "hospital-02")
-                        elif event == "cut":
-                            net.cut("hospital-01")
-                        else:
-                            net.restore("hospital-01")
+                event = next((e for e in schedule if e not in events), None)
+                if event and schedule[event](history):
+                    events[event] = len(history) + 1  # the first round it can hit
+                    if event == "kill":  # at once: a graceful stop may still deliver this round's reply
+                        nodes["hospital-02"].kill()
+                    elif event == "restart":
+                        nodes["hospital-02"] = hospital("hospital-02", "hospital-02")
+                    elif event == "cut":
+                        net.cut("hospital-01")
+                    else:
+                        net.restore("hospital-01")
                 time.sleep(1)
             assert status == "finished:stopped", run_log(home, "consortium", run_id)[-4000:]
             intruder_exit = intruder.process.wait(timeout=60)
@@ -124,13 +130,15 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
     last = len(history)
     assert [r["round"] for r in history] == list(range(1, last + 1)) and last < MOST_ROUNDS
     by_round = {r["round"]: r for r in history}
-    assert "hospital-02" in by_round[events["kill"]]["missing"]
-    rejoined = [r for r in range(events["restart"], last + 1) if "hospital-02" in by_round[r]["aggregated"]]
+    killed = first_round(history, "missing", "hospital-02", events["kill"])
+    assert killed and killed < events["restart"]
+    rejoined = first_round(history, "aggregated", "hospital-02", events["restart"])
     assert rejoined, "the restarted hospital never trained again"
     # it continued from the prototypes it saved in round 1, read back from its own state folder
-    assert by_round[rejoined[0]]["hospital_metrics"]["hospital-02"]["state-from-round"] == 1
-    assert "hospital-01" in by_round[events["cut"]]["missing"]
-    assert any("hospital-01" in by_round[r]["aggregated"] for r in range(events["restore"] + 1, last + 1))
+    assert by_round[rejoined]["hospital_metrics"]["hospital-02"]["state-from-round"] == 1
+    cut = first_round(history, "missing", "hospital-01", events["cut"])
+    assert cut and cut < events["restore"]
+    assert first_round(history, "aggregated", "hospital-01", events["restore"])
     for record in history:  # every round either aggregated enough hospitals or said why not
         assert len(record["aggregated"]) >= 2 or "min-train-hospitals" in record.get("skipped", "")
     everyone = {name for r in history for name in r["chosen"]}
@@ -141,8 +149,6 @@ def test_tls_consortium_across_hosts_survives_faults(tmp_path):
     assert "Hospitals missing or refused" in summary and "hospital-02" in summary
 
 
-def everyone_back(history: list[dict], events: dict[str, int]) -> bool:
-    """Whether both hospitals have trained again since their fault: hospital-02 after its restart, hospital-01
-    after its cable was restored."""
-    since = {"hospital-02": events["restart"], "hospital-01": events["restore"] + 1}
-    return all(any(name in r["aggregated"] for r in history if r["round"] >= first) for name, first in since.items())
+def first_round(history: list[dict], field: str, hospital: str, since: int) -> int | None:
+    """The first round from `since` on whose `field` ("missing" or "aggregated") lists the hospital, if any."""
+    return next((r["round"] for r in history if r["round"] >= since and hospital in r[field]), None)
