@@ -144,6 +144,63 @@ def test_a_unet_update_at_2_bits_top_10_percent_is_more_than_32_times_smaller_th
 
 
 # --- refusals -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [7, 8])
+def test_block_positions_send_whole_blocks_of_largest_norm_for_a_fraction_of_the_position_bytes(block):
+    change = sample_change()
+    encoded = encode_sparse(change, 32, 0.1, block=block)
+    decoded = decode_sparse(encoded, reference=change, expected_bits=32, expected_sparsity=0.1, expected_block=block)
+    for name in ("conv.weight", "wide"):  # 18432 and 5000 entries: block 7 leaves a short last block
+        flat, sent = change[name].ravel(), decoded[name].ravel()
+        blocks = -(-flat.size // block)
+        padded = np.zeros(blocks * block, flat.dtype)
+        padded[:flat.size] = flat
+        norms = np.linalg.norm(padded.reshape(blocks, block).astype(np.float64), axis=1)
+        kept = np.sort(np.argsort(-norms, kind="stable")[:kept_count(flat.size, 0.1, block)])
+        assert kept.size == math.ceil(0.1 * blocks)
+        mask = np.zeros(blocks * block, bool)
+        mask[(kept[:, None] * block + np.arange(block)).ravel()] = True
+        mask = mask[:flat.size]
+        np.testing.assert_array_equal(sent[mask], flat[mask])  # whole blocks, exactly at 32 bits
+        assert not sent[~mask].any()
+    np.testing.assert_array_equal(decoded["bias"], change["bias"])  # small tensors still go whole
+    # the same entries' worth of positions costs about 1/block of the bytes
+    one_by_one = sparse_summary(encode_sparse(change, 2, 0.1))
+    blocked = sparse_summary(encode_sparse(change, 2, 0.1, block=block))
+    assert blocked["positions"] * (block - 2) < one_by_one["positions"]
+    assert abs(blocked["values"] - one_by_one["values"]) < 0.02 * one_by_one["values"]
+
+
+def test_block_payloads_that_disagree_with_the_assignment_are_refused():
+    change = sample_change()
+    good = encode_sparse(change, 4, 0.1, block=8)
+    decode_sparse(good, change, 4, "update", 0.1, expected_block=8)
+    header = json.loads(good["header"].tobytes())
+    assert header["block"] == 8 and header["tensors"][0][3] == 231  # ceil(0.1 * 2304) blocks
+
+    def refused(payload, match, **expect):
+        with pytest.raises(PayloadError, match=match):
+            decode_sparse(payload, change, **expect)
+
+    refused(good, "positions are of blocks of 8 entries, but 1 was assigned", expected_block=1)
+    refused(encode_sparse(change, 4, 0.1), "blocks of 1 entries, but 8 was assigned", expected_block=8)
+    refused(good, r"conv.weight: 231 of its 2304 blocks of 8 sent, but 461 were assigned \(sparsity 0.2\)",
+            expected_sparsity=0.2)
+    for bad in (0, 5000, "8", 2.5):
+        refused(tampered(good, block=bad), f"header's block {bad!r} is not a whole number of entries")
+    refused(retensor(good, "conv.weight", kept=2305), "tensor list is malformed")  # more blocks than it has
+    refused(tampered(good, block=16), "truncated|malformed|positions")  # read as blocks of 16: the bytes disagree
+    bitmap = encode_sparse(change, 4, 0.6, block=8)
+    offset, positions, _ = section(bitmap, "conv.weight")
+    assert positions == 2304 // 8  # a bitmap over the 2304 blocks
+    assert json.loads(bitmap["header"].tobytes())["tensors"][0][4] == "bitmap"
+    odd = encode_sparse({"w": np.arange(1, 1026, dtype=np.float32)}, 32, 0.5, block=8)  # 129 blocks, 17 bits past
+    offset, positions, _ = section(odd, "w")
+    data = odd["data"].copy()
+    data[offset + positions - 1] |= 0x80  # mark block 135 of 129
+    with pytest.raises(PayloadError, match="bitmap marks a position past its 129 blocks"):
+        decode_sparse(with_data(odd, data))
+
+
 def tampered(encoded: dict, **changes) -> dict:
     header = json.loads(encoded["header"].tobytes())
     header.update(changes)
@@ -317,7 +374,9 @@ def test_settings_are_validated_with_the_key_named():
                          ({"qfedpolyp.quantise": "weights", "qfedpolyp.sparsity": 0.1},
                           "sparsity=0.1 needs qfedpolyp.quantise='update'"),
                          ({"qfedpolyp.downlink-sparsity": 0.3},
-                          "downlink-sparsity=0.3 needs qfedpolyp.downlink='delta'")):
+                          "downlink-sparsity=0.3 needs qfedpolyp.downlink='delta'"),
+                         ({"qfedpolyp.sparse-block": 8}, "sparse-block=8 needs qfedpolyp.sparsity < 1"),
+                         ({"qfedpolyp.sparsity": 0.1, "qfedpolyp.sparse-block": 0}, "'qfedpolyp.sparse-block'")):
         with pytest.raises(ConfigError, match=match):
             load_job_config({**BASE, **extra})
 
@@ -341,6 +400,9 @@ def test_table1_reads_the_new_configuration_strings():
             parse_config(bad)
     assert CONFIGS["cpu"][:6] == ["32,32,32,32,32", "16,16,16,16,16", "8,8,8,8,8", "8,8,8,16,16", "4,4,4,4,4",
                                   "3,3,3,3,3"]  # the paper's rows first, unchanged
+    assert parse_config("2,2,2,2,2/update+ef/top0.4/block8/delta4+top0.4") == {
+        "bit_widths": "2,2,2,2,2", "quantise": "update", "error_feedback": True, "sparsity": 0.4, "sparsify": "top-k",
+        "sparse_block": 8, "downlink": "delta", "downlink_bit_width": 4, "downlink_sparsity": 0.4}
     assert parse_config("fedbn") == {}
     for config in CONFIGS["cpu"]:
         parse_config(config)
@@ -461,8 +523,9 @@ def test_sparse_error_feedback_keeps_what_was_not_sent_and_replays_after_a_resta
     assert (second["enc2.conv2.weight"] != 0).sum() == kept_count(second["enc2.conv2.weight"].size, 0.1)
 
 
-def test_hospitals_rebuild_the_servers_record_bit_for_bit_across_rounds_skips_and_late_joins(quick_training):
-    cfg = sparse_job(**{"num-server-rounds": 5})
+@pytest.mark.parametrize("block", [1, 8])
+def test_hospitals_rebuild_the_servers_record_bit_for_bit_across_rounds_skips_and_late_joins(quick_training, block):
+    cfg = sparse_job(**{"num-server-rounds": 5, "qfedpolyp.sparse-block": block})
     sites = simulated_sites(cfg, 3)
     engine = RoundEngine(cfg)
     server = engine.method

@@ -90,7 +90,8 @@ def parse_config(config: str) -> dict[str, Any]:
     ``update`` (send the round's update) with ``+ef`` (error feedback), ``top<p>`` or ``rand<p>`` (send only the
     fraction p of each tensor's entries: the largest, or a random draw), and the downlink: ``down<b>`` (the global
     model at b bits) or ``delta<b>`` (the change of the model hospitals hold, at b bits) with ``+top<p>`` or
-    ``+rand<p>`` (its sparsity; one way of choosing entries for both directions)."""
+    ``+rand<p>`` (its sparsity; one way of choosing entries for both directions); ``block<B>``: sparse positions
+    are of blocks of B entries (both directions; p is then the fraction of blocks)."""
     if config in OTHER_METHODS:
         return {}
     widths, *options = config.split("/")
@@ -98,7 +99,7 @@ def parse_config(config: str) -> dict[str, Any]:
 
     def fail(option: str, why: str = "") -> SystemExit:
         return SystemExit(f"configuration {config!r}: {why or f'unknown option {option!r}'} (update, update+ef, "
-                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>]; 0 < p <= 1)")
+                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>; 0 < p <= 1)")
 
     def fraction(option: str) -> float | None:
         """``top0.1`` -> 0.1 (and the way of choosing entries noted), None if it is not a sparsity option."""
@@ -118,6 +119,8 @@ def parse_config(config: str) -> dict[str, Any]:
     for option in options:
         if option in ("update", "update+ef"):
             settings.update(quantise="update", error_feedback=option.endswith("+ef"))
+        elif option.startswith("block") and option[5:].isdigit():
+            settings["sparse_block"] = int(option[5:])
         elif option.startswith("down") and option[4:].isdigit():
             settings["downlink_bit_width"] = int(option[4:])
         elif option.startswith("delta"):

@@ -4,14 +4,17 @@ update this way (``qfedpolyp.sparsity < 1``) and the server its downlink delta (
 
 Which entries: per tensor, the ``k = ceil(sparsity * n)`` of largest magnitude (``top-k``) or ``k`` drawn at
 random (``random-k``, seeded); tensors of fewer than :data:`DENSE_BELOW` entries (biases, BatchNorm scales) go
-whole, their positions would cost more than they save. The kept values are quantised as the dense codec does
-(``common.quantization.codec``: per tensor min-max over the kept values, codes packed at exactly b bits; b = 32
-sends the floats). What is not sent is the sender's to keep (error feedback).
+whole, their positions would cost more than they save. With ``block = B > 1`` the units are blocks of B
+consecutive entries of the flattened tensor (the last one padded with zeros): ``k = ceil(sparsity * n / B)``
+blocks of largest L2 norm (or drawn at random) travel whole, so each kept entry costs 1/B of a position and more
+entries fit in the same bytes; the header's ``block`` says B (absent: 1). The kept values are quantised as the
+dense codec does (``common.quantization.codec``: per tensor min-max over the kept values, codes packed at exactly
+b bits; b = 32 sends the floats). What is not sent is the sender's to keep (error feedback).
 
 Where they are, per tensor, whichever is smaller (ties: the bitmap), tagged in the header:
 
 ``dense``   every entry is sent, no positions
-``bitmap``  one bit per entry, little-endian bit order; bits past the tensor's end must be 0
+``bitmap``  one bit per entry (or block), little-endian bit order; bits past the tensor's end must be 0
 ``gaps``    the gaps between sorted positions (the first position, then each minus the one before; a gap of 0
             would repeat a position), as codes of ``w`` bits; a gap of ``E = 2^w - 1`` or more is written as
             escape codes of value ``E`` followed by the remainder (below ``E``), so a few long gaps do not widen
@@ -21,8 +24,9 @@ Where they are, per tensor, whichever is smaller (ties: the bitmap), tagged in t
 An encoded change is three named arrays, like the dense codec's:
 
 ``header`` (uint8)   compact JSON: format, version, the bit-width tag, the content (a hospital's ``update``, the
-                     server's downlink ``delta``), and per tensor ``[name, shape, dtype, kept, index, width, codes]``
-                     (kept entries; index encoding; for ``gaps`` the code width and the number of codes, else 0 0)
+                     server's downlink ``delta``), the block size, and per tensor ``[name, shape, dtype, kept,
+                     index, width, codes]`` (kept entries, or kept blocks where positions are sent; index
+                     encoding; for ``gaps`` the code width and the number of codes, else 0 0)
 ``ranges`` (float64) ``(m, 2)``: min and step of each tensor that has kept entries (none at b = 32)
 ``data``   (uint8)   per tensor its position bytes, then its value bytes, each tensor on a byte boundary
 
@@ -62,13 +66,22 @@ INDEX_ENCODINGS = ("dense", "bitmap", "gaps")
 FLOAT_DTYPES = ("float16", "float32", "float64")
 DENSE_BELOW = 1024  #: tensors with fewer entries travel whole at every sparsity
 MAX_GAP_WIDTH = 32
+MAX_BLOCK = 4096
 
 
-def kept_count(size: int, sparsity: float) -> int:
-    """How many of a tensor's ``size`` entries travel at ``sparsity`` (fraction kept; 1.0: all)."""
+def block_count(size: int, block: int) -> int:
+    """How many blocks of ``block`` entries a tensor of ``size`` entries is cut into (the last may be short)."""
+    return -(-size // block)
+
+
+def kept_count(size: int, sparsity: float, block: int = 1) -> int:
+    """What of a tensor's ``size`` entries travels at ``sparsity`` (fraction kept; 1.0: all): ``size`` where it goes
+    whole, else the number of kept units (entries, or blocks of ``block`` entries)."""
     if sparsity >= 1.0 or size < DENSE_BELOW:
         return size
-    return max(1, min(size, math.ceil(sparsity * size - 1e-9)))
+    units = block_count(size, block)
+    kept = max(1, min(units, math.ceil(sparsity * units - 1e-9)))
+    return size if kept == units and block == 1 else kept
 
 
 def select(values: np.ndarray, k: int, sparsify: str, rng: np.random.Generator | None = None) -> np.ndarray:
@@ -80,6 +93,18 @@ def select(values: np.ndarray, k: int, sparsify: str, rng: np.random.Generator |
     else:
         raise ValueError(f"sparsify {sparsify!r} is not one of {SPARSIFIERS}")
     return np.sort(chosen).astype(np.int64)
+
+
+def blocks_of(flat: np.ndarray, block: int) -> np.ndarray:
+    """``flat`` as rows of ``block`` entries, the last row padded with zeros."""
+    padded = np.zeros(block_count(flat.size, block) * block, dtype=flat.dtype)
+    padded[:flat.size] = flat
+    return padded.reshape(-1, block)
+
+
+def entries_of(positions: np.ndarray, block: int) -> np.ndarray:
+    """The entry positions (in the padded tensor) the kept block ``positions`` cover, in order."""
+    return (positions[:, None] * block + np.arange(block)).ravel()
 
 
 # --- positions <-> bytes --------------------------------------------------------------------------
@@ -123,12 +148,21 @@ def check_indices(indices: np.ndarray, size: int, name: str) -> None:
 
 
 # --- whole changes --------------------------------------------------------------------------------
+def check_block(block: Any, what: str = "block") -> int:
+    """A block size: a whole number of entries from 1 to :data:`MAX_BLOCK`."""
+    if not _is_count(block) or not 1 <= block <= MAX_BLOCK:
+        raise PayloadError(f"{what} {block!r} is not a whole number of entries from 1 to {MAX_BLOCK}")
+    return block
+
+
 def encode_sparse(arrays: Mapping[str, np.ndarray], bits: int, sparsity: float, sparsify: str = "top-k",
-                  seed: int | Sequence[int] = 0, content: str = "update") -> NamedArrays:
+                  seed: int | Sequence[int] = 0, content: str = "update", block: int = 1) -> NamedArrays:
     """Float arrays (a change of a model) as ``{"header", "ranges", "data"}``: per tensor the entries
-    :func:`kept_count` keeps (chosen by ``sparsify``; ``random-k`` draws with ``seed`` and the tensor's position),
-    at ``bits`` bits, their positions as a bitmap or gap codes, whichever is smaller."""
+    :func:`kept_count` keeps (chosen by ``sparsify``; ``random-k`` draws with ``seed`` and the tensor's position;
+    ``block > 1``: whole blocks of that many entries, ranked by their L2 norm), at ``bits`` bits, their positions as
+    a bitmap or gap codes, whichever is smaller."""
     bits = check_bit_width(bits)
+    block = check_block(block)
     if content not in CONTENTS:
         raise PayloadError(f"content {content!r} is not one of {CONTENTS}")
     if not 0.0 < sparsity <= 1.0:
@@ -142,18 +176,20 @@ def encode_sparse(arrays: Mapping[str, np.ndarray], bits: int, sparsity: float, 
         if not np.isfinite(value).all():
             raise PayloadError(f"{name}: holds NaN or Inf, cannot be encoded")
         flat = value.ravel()
-        kept = kept_count(flat.size, sparsity)
+        kept = kept_count(flat.size, sparsity, block)
         index, width, count, index_chunk = "dense", 0, 0, np.zeros(0, np.uint8)
         if kept < flat.size:
-            positions = select(flat, kept, sparsify, np.random.default_rng([*seeds, position]))
+            rows = blocks_of(flat, block)
+            scores = rows[:, 0] if block == 1 else np.sqrt(np.square(rows.astype(np.float64)).sum(axis=1))
+            positions = select(scores, kept, sparsify, np.random.default_rng([*seeds, position]))
             gap_width, gaps = gap_codes(positions)
-            if packed_nbytes(gaps.size, gap_width) < packed_nbytes(flat.size, 1):
+            if packed_nbytes(gaps.size, gap_width) < packed_nbytes(rows.shape[0], 1):
                 index, width, count, index_chunk = "gaps", gap_width, int(gaps.size), pack_codes(gaps, gap_width)
             else:
-                marks = np.zeros(flat.size, np.uint8)
+                marks = np.zeros(rows.shape[0], np.uint8)
                 marks[positions] = 1
                 index, index_chunk = "bitmap", np.packbits(marks, bitorder="little")
-            flat = flat[positions]
+            flat = rows[positions].ravel()
         tensors.append([name, list(value.shape), value.dtype.name, kept, index, width, count])
         chunks.append(index_chunk)
         if bits < 32 and kept:
@@ -162,7 +198,8 @@ def encode_sparse(arrays: Mapping[str, np.ndarray], bits: int, sparsity: float, 
             chunks.append(pack_codes(codes, bits))
         elif kept:
             chunks.append(np.frombuffer(np.ascontiguousarray(flat).tobytes(), dtype=np.uint8))
-    header = {"format": FORMAT, "version": VERSION, "bits": bits, "content": content, "tensors": tensors}
+    header = {"format": FORMAT, "version": VERSION, "bits": bits, "content": content, "block": block,
+              "tensors": tensors}
     return {
         "header": np.frombuffer(json.dumps(header, separators=(",", ":")).encode(), dtype=np.uint8).copy(),
         "ranges": np.asarray(ranges, dtype=np.float64).reshape(-1, 2),
@@ -174,17 +211,17 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _well_formed(entry: Any) -> bool:
+def _well_formed(entry: Any, block: int) -> bool:
     if not (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[0], str) and isinstance(entry[1], list)
             and all(_is_count(d) for d in entry[1]) and entry[2] in FLOAT_DTYPES
             and all(_is_count(v) for v in (entry[3], entry[5], entry[6])) and entry[4] in INDEX_ENCODINGS):
         return False
     _, shape, _, kept, index, width, codes = entry
     size = math.prod(shape)
-    if kept > size:
-        return False
     if index == "dense":
         return kept == size and width == 0 and codes == 0
+    if kept > block_count(size, block):
+        return False
     if index == "bitmap":
         return width == 0 and codes == 0
     return 1 <= width <= MAX_GAP_WIDTH and codes >= kept and (codes > 0) == (kept > 0)
@@ -195,47 +232,59 @@ def read_sparse_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
     header = parse_header(encoded, FORMAT, VERSION, "encoded change")
     if header.get("content") not in CONTENTS:
         raise PayloadError(f"header's content {header.get('content')!r} is not one of {CONTENTS}")
+    block = header.setdefault("block", 1)
+    check_block(block, "header's block")
     tensors = header.get("tensors")
-    if not isinstance(tensors, list) or not all(_well_formed(entry) for entry in tensors):
-        bad = next((entry for entry in tensors if not _well_formed(entry)), None) if isinstance(tensors, list) else None
-        raise PayloadError("header's tensor list is malformed (want [name, shape, float dtype, kept <= entries, "
-                           f"dense|bitmap|gaps, width, codes] entries, consistent with each other): {str(bad)[:200]}")
+    if not isinstance(tensors, list) or not all(_well_formed(entry, block) for entry in tensors):
+        bad = (next((entry for entry in tensors if not _well_formed(entry, block)), None)
+               if isinstance(tensors, list) else None)
+        raise PayloadError("header's tensor list is malformed (want [name, shape, float dtype, kept <= entries "
+                           f"or blocks, dense|bitmap|gaps, width, codes] entries, consistent with each other): "
+                           f"{str(bad)[:200]}")
     if len({entry[0] for entry in tensors}) != len(tensors):
         raise PayloadError("header names a tensor twice")
     return header
 
 
-def _index_nbytes(entry: list) -> int:
+def _index_nbytes(entry: list, block: int) -> int:
     _, shape, _, _, index, width, codes = entry
     if index == "dense":
         return 0
-    return packed_nbytes(math.prod(shape), 1) if index == "bitmap" else packed_nbytes(codes, width)
+    return packed_nbytes(block_count(math.prod(shape), block), 1) if index == "bitmap" else packed_nbytes(codes, width)
 
 
-def _value_nbytes(entry: list, bits: int) -> int:
-    kept = entry[3]
-    return packed_nbytes(kept, bits) if bits < 32 else kept * np.dtype(entry[2]).itemsize
+def _values_sent(entry: list, block: int) -> int:
+    """Entries whose values travel: all of a dense tensor's, else each kept block's (padding included)."""
+    return entry[3] if entry[4] == "dense" else entry[3] * block
+
+
+def _value_nbytes(entry: list, bits: int, block: int) -> int:
+    sent = _values_sent(entry, block)
+    return packed_nbytes(sent, bits) if bits < 32 else sent * np.dtype(entry[2]).itemsize
 
 
 def sparse_nbytes(header: Mapping[str, Any]) -> list[tuple[int, int]]:
     """(position bytes, value bytes) of every tensor a checked header describes."""
-    return [(_index_nbytes(entry), _value_nbytes(entry, header["bits"])) for entry in header["tensors"]]
+    block = header["block"]
+    return [(_index_nbytes(entry, block), _value_nbytes(entry, header["bits"], block)) for entry in header["tensors"]]
 
 
 def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None,
                   expected_bits: int | None = None, expected_content: str | None = None,
-                  expected_sparsity: float | None = None) -> NamedArrays:
+                  expected_sparsity: float | None = None, expected_block: int | None = None) -> NamedArrays:
     """The dense arrays a sparse change stands for (zero where no entry was sent).
 
     ``expected_bits``: the tag the sender was told to use; ``expected_content``: ``update`` or ``delta``;
     ``expected_sparsity``: the fraction the sender was told to keep (each tensor must keep exactly
-    :func:`kept_count` entries); ``reference``: the names, shapes and dtypes the result must have. Anything that
-    does not match is a :class:`PayloadError`.
+    :func:`kept_count` entries or blocks); ``expected_block``: the block size it was told to use; ``reference``:
+    the names, shapes and dtypes the result must have. Anything that does not match is a :class:`PayloadError`.
     """
     header = read_sparse_header(encoded)
-    bits, tensors = header["bits"], header["tensors"]
+    bits, tensors, block = header["bits"], header["tensors"], header["block"]
     if expected_bits is not None and bits != expected_bits:
         raise PayloadError(f"bit-width tag is {bits}, but {expected_bits} was assigned")
+    if expected_block is not None and block != expected_block:
+        raise PayloadError(f"positions are of blocks of {block} entries, but {expected_block} was assigned")
     if expected_content is not None and header["content"] != expected_content:
         raise PayloadError(f"payload is tagged {header['content']!r}, expected {expected_content!r}")
     if reference is not None:  # before anything is allocated: a header cannot declare a tensor of any size
@@ -251,9 +300,11 @@ def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.
                 raise PayloadError(f"{name} has dtype {dtype}, expected {reference[name].dtype}")
     if expected_sparsity is not None:
         for name, shape, _, kept, *_ in tensors:
-            assigned = kept_count(math.prod(shape), expected_sparsity)
+            assigned = kept_count(math.prod(shape), expected_sparsity, block)
             if kept != assigned:
-                raise PayloadError(f"{name}: {kept} of its {math.prod(shape)} entries sent, but {assigned} were "
+                units = "entries" if block == 1 or assigned == math.prod(shape) else f"blocks of {block}"
+                total = math.prod(shape) if units == "entries" else block_count(math.prod(shape), block)
+                raise PayloadError(f"{name}: {kept} of its {total} {units} sent, but {assigned} were "
                                    f"assigned (sparsity {expected_sparsity:g})")
     ranges, data = np.asarray(encoded["ranges"]), np.asarray(encoded["data"])
     ranged = [entry for entry in tensors if bits < 32 and entry[3] > 0]
@@ -273,15 +324,17 @@ def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.
     offset, next_range = 0, 0
     for (name, shape, dtype, kept, index, width, codes), (index_size, value_size) in zip(tensors, sizes):
         size = math.prod(shape)
+        units = size if index == "dense" else block_count(size, block)
         index_chunk, value_chunk = data[offset:offset + index_size], data[offset + index_size:
                                                                          offset + index_size + value_size]
         offset += index_size + value_size
         positions = None
         if index == "bitmap":
             marks = np.unpackbits(index_chunk, bitorder="little")
-            if marks[size:].any():
-                raise PayloadError(f"{name}: bitmap marks a position past its {size} entries (out of range)")
-            positions = np.flatnonzero(marks[:size])
+            if marks[units:].any():
+                raise PayloadError(f"{name}: bitmap marks a position past its {units} "
+                                   f"{'entries' if block == 1 else 'blocks'} (out of range)")
+            positions = np.flatnonzero(marks[:units])
             if positions.size != kept:
                 raise PayloadError(f"{name}: bitmap marks {positions.size} positions, the header says {kept}")
         elif index == "gaps":
@@ -291,11 +344,12 @@ def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.
             if positions.size != kept:
                 raise PayloadError(f"{name}: its position codes hold {positions.size} positions, the header says "
                                    f"{kept}")
-            check_indices(positions, size, name)
+            check_indices(positions, units, name)
+        sent = _values_sent([name, shape, dtype, kept, index, width, codes], block)
         if bits < 32 and kept:
             low, step = ranges[next_range]
             next_range += 1
-            values = dequantise(unpack_codes(value_chunk, kept, bits), low, step, np.dtype(dtype))
+            values = dequantise(unpack_codes(value_chunk, sent, bits), low, step, np.dtype(dtype))
         else:
             values = np.frombuffer(value_chunk.tobytes(), dtype=np.dtype(dtype))
         if not np.isfinite(values).all():
@@ -303,8 +357,9 @@ def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.
         if positions is None:
             dense = values.copy()
         else:
-            dense = np.zeros(size, dtype=np.dtype(dtype))
-            dense[positions] = values
+            dense = np.zeros(units * block, dtype=np.dtype(dtype))
+            dense[entries_of(positions, block)] = values
+            dense = dense[:size]
         result[name] = dense.reshape(shape)
     if reference is not None:
         result = {name: result[name] for name in reference}  # the receiver's order

@@ -86,7 +86,7 @@ class QFedPolypHospital(HospitalMethod):
                 raise PayloadError(str(error)) from None
             delta = decode_sparse(payload.arrays[PACKED], reference=weights_reference,
                                   expected_bits=settings.downlink_bit_width, expected_content="delta",
-                                  expected_sparsity=settings.downlink_sparsity)
+                                  expected_sparsity=settings.downlink_sparsity, expected_block=settings.sparse_block)
             weights = apply_delta({k: held[k] for k in weights_reference}, delta)
         arrays = {k: weights[k] if k in weights else statistics[k] for k in reference}
         if model_digest(arrays) != payload.config.get(DOWNLINK_DIGEST_KEY):
@@ -135,7 +135,7 @@ class QFedPolypHospital(HospitalMethod):
         change = {k: v.astype(weights[k].dtype) for k, v in change.items()}
         if settings.sparsity < 1.0:
             encoded = encode_sparse(change, bits, settings.sparsity, settings.sparsify,
-                                    seed=self.site.round_seed(rnd), content="update")
+                                    seed=self.site.round_seed(rnd), content="update", block=settings.sparse_block)
             sent = decode_sparse(encoded, reference=change) if feedback else {}
         else:
             encoded = encode_model(change, bits, content="update")

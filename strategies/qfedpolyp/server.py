@@ -113,7 +113,8 @@ class QFedPolypServer(ServerMethod):
             base, _ = split_statistics(self.held)
             change = {k: (v.astype(np.float64) - base[k]).astype(v.dtype) for k, v in weights.items()}
             encoded = encode_sparse(change, settings.downlink_bit_width, settings.downlink_sparsity,
-                                    settings.sparsify, seed=(self.cfg.seed, rnd), content="delta")
+                                    settings.sparsify, seed=(self.cfg.seed, rnd), content="delta",
+                                    block=settings.sparse_block)
             held_weights = apply_delta(base, decode_sparse(encoded, reference=base))
             self._delta = (rnd, self.held_round, encoded)
         self.held = {k: held_weights[k] if k in held_weights else statistics[k].copy() for k in self.global_arrays}
@@ -159,7 +160,7 @@ class QFedPolypServer(ServerMethod):
         sparsity = self.cfg.qfedpolyp.sparsity
         if sparsity < 1.0:
             change = decode_sparse(packed, reference=weights, expected_bits=bits, expected_content="update",
-                                   expected_sparsity=sparsity)
+                                   expected_sparsity=sparsity, expected_block=self.cfg.qfedpolyp.sparse_block)
             self._uplink_arrays[update.hospital.name] = [int(packed["header"].size), int(packed["ranges"].shape[0]),
                                                          int(packed["data"].size)]
         else:

@@ -37,6 +37,10 @@ class QFedPolypSettings(Section):
         "it does not carry is sent later; a hospital that missed a round gets the full model)."))
     downlink_sparsity: float = Field(1.0, description=(
         "downlink='delta': the fraction of each tensor's entries the downlink delta carries (1.0: all)."))
+    sparse_block: int = Field(1, ge=1, le=4096, description=(
+        "Sparse updates and deltas: send whole blocks of this many consecutive entries (of each flattened tensor), "
+        "the blocks of largest norm, so a position costs 1/block of its bits and more entries fit in the same "
+        "bytes (sparsity is then the fraction of blocks kept); 1: single entries."))
 
     @model_validator(mode="after")
     def _feedback_needs_updates(self) -> "QFedPolypSettings":
@@ -45,6 +49,9 @@ class QFedPolypSettings(Section):
         if self.sparsity < 1.0 and self.quantise != "update":
             raise ValueError(f"qfedpolyp.sparsity={self.sparsity:g} needs qfedpolyp.quantise='update' (weights "
                              "cannot be sent in part)")
+        if self.sparse_block > 1 and self.sparsity >= 1.0 and self.downlink_sparsity >= 1.0:
+            raise ValueError(f"qfedpolyp.sparse-block={self.sparse_block} needs qfedpolyp.sparsity < 1 or "
+                             "qfedpolyp.downlink-sparsity < 1 (nothing is sent sparse)")
         if self.downlink_sparsity < 1.0 and self.downlink != "delta":
             raise ValueError(f"qfedpolyp.downlink-sparsity={self.downlink_sparsity:g} needs "
                              "qfedpolyp.downlink='delta' (the global model cannot be sent in part)")
