@@ -408,6 +408,29 @@ def test_table1_reads_the_new_configuration_strings():
         parse_config(config)
 
 
+def test_table1_judges_every_sparse_row_against_the_past_32x_goals():
+    from benchmarks.qfedpolyp.table1 import goals
+
+    def row(config, up, down, dice):
+        return {"config": config, "uplink_bytes": up, "downlink_bytes": down, "dice_last5": dice, "dice": dice}
+
+    baseline = row("32,32,32,32,32", 3200, 3200, 0.700)
+    rows = [baseline, row("2,2,2,2,2/update+ef/top0.35/block8", 95, 3200, 0.690),  # 33.7x, -0.010: met
+            row("2,2,2,2,2/update+ef/top0.1", 85, 3200, 0.680),  # 37.6x, -0.020: Dice missed
+            row("2,2,2,2,2/update+ef/top0.5/block8", 110, 3200, 0.699),  # 29.1x: ratio missed
+            row("2,2,2,2,2/update+ef/top0.35/block8/delta4+top0.4", 95, 300, 0.690),  # 16.2x both ways: met
+            row("2,2,2,2,2/update+ef/top0.1/delta4+top0.4", 85, 400, 0.695),  # 13.2x both ways: missed
+            row("2,2,2,2,2/update+ef", 210, 3200, 0.700)]  # dense: judged by the 15x goal, not here
+    lines = {line.split(")")[0].lstrip("| ("): line for line in goals(rows, baseline) if line.startswith("| (")}
+    verdict = {config: line.rstrip(" |").rsplit("| ", 1)[1] for config, line in lines.items()}
+    assert verdict == {"2,2,2,2,2/update+ef": "yes", "2,2,2,2,2/update+ef/top0.35/block8": "yes",
+                       "2,2,2,2,2/update+ef/top0.1": "no", "2,2,2,2,2/update+ef/top0.5/block8": "no",
+                       "2,2,2,2,2/update+ef/top0.35/block8/delta4+top0.4": "yes",
+                       "2,2,2,2,2/update+ef/top0.1/delta4+top0.4": "no"}
+    assert "uplink >= 32x and traffic both ways >= 15x" in lines["2,2,2,2,2/update+ef/top0.35/block8/delta4+top0.4"]
+    assert "32-bit minus it: +0.020" in lines["2,2,2,2,2/update+ef/top0.1"]
+
+
 # --- whole rounds, with a stand-in for training ---------------------------------------------------
 @pytest.fixture
 def quick_training(monkeypatch):
