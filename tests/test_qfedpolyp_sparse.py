@@ -431,6 +431,40 @@ def test_table1_judges_every_sparse_row_against_the_past_32x_goals():
     assert "32-bit minus it: +0.020" in lines["2,2,2,2,2/update+ef/top0.1"]
 
 
+def test_seeds_table_judges_a_row_on_its_mean_gap_over_seeds(tmp_path):
+    from benchmarks.qfedpolyp import seeds
+
+    def seed_folder(seed, dice_by_config):
+        folder = tmp_path / f"seed{seed}"
+        (folder / "runs" / "32-32-32-32-32").mkdir(parents=True)
+        (folder / "runs" / "32-32-32-32-32" / "config.json").write_text(json.dumps({"seed": seed}))
+        rows = [{"config": c, "uplink_bytes": up, "downlink_bytes": down, "dice_last5": dice}
+                for c, (up, down, dice) in dice_by_config.items()]
+        (folder / "table1.json").write_text(json.dumps(rows))
+        return folder
+
+    block, delta = "2,2,2,2,2/update+ef/top0.35/block8", "2,2,2,2,2/update+ef/top0.35/block8/delta4+top0.6"
+    entries = "2,2,2,2,2/update+ef/top0.1/delta4+top0.4"
+    first = seed_folder(42, {"32,32,32,32,32": (3200, 3200, 0.700), block: (95, 3200, 0.690),
+                             delta: (95, 300, 0.680), entries: (85, 300, 0.680), "4,4,4,4,4": (400, 3200, 0.7)})
+    second = seed_folder(43, {"32,32,32,32,32": (3200, 3200, 0.650), block: (95, 3200, 0.645),
+                              delta: (95, 305, 0.642), entries: (85, 300, 0.638)})
+    table = tmp_path / "seeds.md"
+    seeds.main([str(first), str(second), "--table", str(table)])
+    rows = {line.split(")")[0].lstrip("| ("): line.split(" | ") for line in table.read_text().splitlines()
+            if line.startswith("| (")}
+    assert set(rows) == {block, delta, entries}  # dense rows are not past-32x rows
+    assert rows[block][3:6] == ["+0.010", "+0.005", "+0.008"] and rows[block][-1] == "yes |"
+    # 0.020 below on one seed, 0.008 on the other: the mean (0.014) is within 0.015; both ways the smaller ratio
+    assert rows[delta][2:6] == ["16.00x", "+0.020", "+0.008", "+0.014"] and rows[delta][-1] == "yes |"
+    assert rows[entries][3:6] == ["+0.020", "+0.012", "+0.016"] and rows[entries][-1] == "no |"
+    with pytest.raises(SystemExit, match="seed 42 is already given"):
+        seeds.main([str(first), str(first), "--table", str(table)])
+    (first / "table1.json").write_text(json.dumps([{"config": block, "dice_last5": 0.69}]))
+    with pytest.raises(ValueError, match="seed42: table1.json has no 32-bit row"):
+        seeds.load_seed(first)
+
+
 # --- whole rounds, with a stand-in for training ---------------------------------------------------
 @pytest.fixture
 def quick_training(monkeypatch):
