@@ -3,8 +3,8 @@
     fedmed demo                               # the main job on generated data, printed as a table
     fedmed simulate --hospitals 5 --run-config "task='polyp-segmentation' num-server-rounds=10"
     fedmed partition --run-config "dataset='ham10000' data-dir='../shared/data/ham10000'" --hospitals 5 --out sites
-    fedmed export-int8 --run results/<run-name> --out polyp-int8.pt    # QFedPolyp's INT8 deployment model
-    fedmed segment --model polyp-int8.pt --images new-frames/ --out masks/
+    fedmed export-int8 --run results/<run-name> --out polyp-int8.pt2   # QFedPolyp's INT8 deployment model
+    fedmed segment --model polyp-int8.pt2 --images new-frames/ --out masks/
     fedmed evaluate --run results/<run-name> --data external-site/   # a run's model on a labelled folder
     fedmed evaluate --run results/<run-name> --data external-site/ --best   # its best round's (select-by)
     fedmed runs --results results                # the runs of a results folder, newest first
@@ -278,18 +278,18 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             stop_all(STOP_GRACE, keep=others)
 
 
-#: where ``export-int8 --best`` writes without --out (.pt or .onnx, by engine), and what ``segment --best`` runs
+#: where ``export-int8 --best`` writes without --out (.pt2, .onnx or .pt, by engine), and what ``segment --best`` runs
 BEST_INT8 = Path("exports") / "int8-best"
 
 
 def best_int8_model(run: Path) -> Path:
     """``segment --run RUN --best``: the INT8 model ``export-int8 --run RUN --best`` wrote, checked to be of the
     run's best round still (a run resumed since may have found a better one): ValueError saying what to do."""
-    from common.quantization.int8 import load_deployment
+    from common.quantization.int8 import SUFFIXES, load_deployment
     from server_app.checkpoint import find_best, read_best
 
     best = read_best(find_best(run))
-    written = [Path(run) / BEST_INT8.with_suffix(suffix) for suffix in (".pt", ".onnx")]
+    written = [Path(run) / BEST_INT8.with_suffix(suffix) for suffix in SUFFIXES.values()]
     model = max((m for m in written if m.is_file()), key=lambda m: m.stat().st_mtime, default=written[0])
     again = f"fedmed export-int8 --run {run} --best"
     if not model.is_file():
@@ -444,22 +444,24 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export-int8", help="a run's final global polyp segmentation model as an INT8 model")
     export.add_argument("--run", type=Path, required=True, help="run folder (its latest checkpoint) or checkpoint file")
     export.add_argument("--out", type=Path, default=None,
-                        help="model file to write, e.g. polyp-int8.pt (--best: <run>/exports/int8-best.pt or .onnx)")
+                        help="model file to write, e.g. polyp-int8.pt2 (--best: <run>/exports/int8-best.pt2, "
+                        ".onnx or .pt, by engine)")
     export.add_argument("--best", action="store_true",
                         help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the latest")
     export.add_argument("--calibration-dir", type=Path, default=None,
                         help="images to calibrate activation ranges on (default: the run's training data)")
     export.add_argument("--calibration-images", type=int, default=64)
-    export.add_argument("--engine", choices=("auto", "torch", "onnxruntime"), default="auto",
-                        help="torch: PyTorch's eager quantisation, the built-in U-Net only (.pt); onnxruntime: ONNX "
-                        "Runtime's static quantisation of any network (.onnx, extra fedmed-hospitals[int8]); auto: "
-                        "torch for the built-in U-Net, onnxruntime otherwise")
+    export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime", "torch"), default="auto",
+                        help="pt2e: PyTorch's maintained quantisation (torchao) of any network (.pt2); onnxruntime: "
+                        "ONNX Runtime's static quantisation of any network (.onnx); both need fedmed-hospitals[int8]; "
+                        "torch: PyTorch's deprecated eager quantisation, the built-in U-Net only (.pt); auto: the "
+                        "first of pt2e, onnxruntime installed, else torch")
 
     segment = sub.add_parser("segment", help="masks for a folder of images with an exported model")
     segment.add_argument("--model", type=Path, default=None, help="file written by `fedmed export-int8`")
     segment.add_argument("--run", type=Path, default=None, help="with --best: the run folder")
     segment.add_argument("--best", action="store_true", help="the INT8 model of the run's best round, as "
-                         "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt)")
+                         "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt2, .onnx or .pt)")
     segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
     segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
 

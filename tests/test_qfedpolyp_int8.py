@@ -3,6 +3,7 @@ output stays close to the float one, and the `fedmed export-int8` / `fedmed segm
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -67,17 +68,20 @@ def test_int8_model_runs_quantised_kernels_and_stays_close_to_fp32(tmp_path):
 
 
 def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
+    """The default engine (PT2E where torchao is installed, as with the test extras): export, segment, evaluate."""
+    pytest.importorskip("torchao")
     cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
                     image_size=32, min_partition_size=5)
     engine = RoundEngine(cfg)
     engine.history = [{"round": 1}]
     save_checkpoint(tmp_path / "run", 1, engine.state_dict())
 
-    model_file = tmp_path / "polyp-int8.pt"
+    model_file = tmp_path / "polyp-int8.pt2"
     assert fedmed(["export-int8", "--run", str(tmp_path / "run"), "--out", str(model_file),
                    "--calibration-images", "16"]) == 0
     loaded, metadata = load_deployment(model_file)
-    assert metadata["image-size"] == 32 and metadata["rounds"] == 1 and metadata["calibration-images"] == 16
+    assert metadata["engine"] == "pt2e" and metadata["image-size"] == 32 and metadata["rounds"] == 1
+    assert metadata["calibration-images"] == 16
     assert "round-00001.npz" in metadata["checkpoint"]
 
     frames = tmp_path / "frames"
@@ -100,7 +104,7 @@ def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     assert fedmed(["evaluate", "--run", str(tmp_path / "run"), "--data", str(labelled),
                    "--out", str(tmp_path / "float-scores")]) == 0
     int8, floats = (json.loads((tmp_path / f"{n}-scores.json").read_text()) for n in ("int8", "float"))
-    assert int8["model"] == "INT8 polyp-int8.pt" and int8["overall"]["num-examples"] == 8
+    assert int8["model"] == "INT8 polyp-int8.pt2" and int8["overall"]["num-examples"] == 8
     assert abs(int8["overall"]["dice"] - floats["overall"]["dice"]) < 0.2
     capsys.readouterr()
 
@@ -149,8 +153,8 @@ def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_
 
 @pytest.mark.parametrize("model", ["", "monai.networks.nets:UNet"])
 def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capsys, model):
-    """`export-int8 --engine onnxruntime` (and `auto` for a network of the user's own): an .onnx model that
-    `segment` and `evaluate` run; the eager engine names what it cannot take."""
+    """`export-int8 --engine onnxruntime`: an .onnx model of the built-in U-Net or a network of the user's own that
+    `segment` and `evaluate` run; the eager engine names what it cannot take; `auto` takes the user's network too."""
     pytest.importorskip("onnxruntime")
     own = {"model": model, "model_args": '{"spatial_dims": 2, "channels": [8, 16, 32], "strides": [2, 2]}'}
     cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
@@ -161,7 +165,7 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
     run = str(tmp_path / "run")
     model_file = tmp_path / "polyp-int8.onnx"
     arguments = ["export-int8", "--run", run, "--out", str(model_file), "--calibration-images", "16"]
-    assert fedmed(arguments + (["--engine", "onnxruntime"] if not model else [])) == 0
+    assert fedmed(arguments + ["--engine", "onnxruntime"]) == 0
     loaded, metadata = load_deployment(model_file)
     assert metadata["engine"] == "onnxruntime" and metadata["image-size"] == 32 and metadata["rounds"] == 1
     frames = tmp_path / "frames"
@@ -181,7 +185,41 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
         assert "only the built-in U-Net, not UNet" in capsys.readouterr().err
     assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "onnxruntime"]) == 2
     assert "written as a .onnx file" in capsys.readouterr().err
-    if model:  # a path without a suffix (as --best's default) gets the engine's file type
+    if model:  # a path without a suffix (as --best's default) gets the engine's file type: PT2E's where installed
+        suffix = ".pt2" if importlib.util.find_spec("torchao") else ".onnx"
         assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "exports" / "own"),
                        "--calibration-images", "8"]) == 0
-        assert (tmp_path / "exports" / "own.onnx").is_file()
+        assert fedmed(["segment", "--model", str(tmp_path / "exports" / f"own{suffix}"), "--images", str(frames),
+                       "--out", str(tmp_path / "own-masks")]) == 0
+        with Image.open(tmp_path / "own-masks" / "a.png") as mask:
+            assert mask.size == (40, 30)
+
+
+def test_pt2e_int8_model_has_int8_weights_stays_close_to_fp32_and_round_trips(tmp_path):
+    """PT2E (PyTorch's maintained path, torchao): a real int8 graph, calibrated; saved as .pt2 with its metadata and
+    run compiled (int8 kernels) for any batch size, close to the float network; a file of another kind refused."""
+    pytest.importorskip("torchao")
+    from common.quantization.pt2e_int8 import Pt2eSegmenter, export_int8, quantise
+
+    images = images_to_tensor(make_polyps(48, 32, seed=0).images, torch.device("cpu"))
+    model = settled_unet(images[:32])
+    converted = quantise(model, [images[:16], images[16:32]])
+    int8_weights = [name for name, t in [*converted.named_parameters(), *converted.named_buffers()]
+                    if t.dtype == torch.int8]
+    assert len(int8_weights) >= sum(isinstance(m, nn.Conv2d) for m in model.modules())  # quantised, not observed
+
+    path = export_int8(model, [images[:16], images[16:32]], tmp_path / "u.pt2", {"image-size": 32})
+    segmenter, metadata = load_deployment(path)
+    assert isinstance(segmenter, Pt2eSegmenter)
+    assert metadata["engine"] == "pt2e" and metadata["image-size"] == 32 and metadata["calibration-images"] == 32
+    with torch.no_grad():
+        reference = model(images[32:])
+    for batch in (reference, reference[:3]):  # exported at batch 2, run at 16 and 3
+        output = segmenter(images[32:32 + len(batch)])
+        assert output.shape == batch.shape
+        assert 0 < (output - batch).abs().mean() < 0.15 * reference.std()
+        assert ((output > 0) == (batch > 0)).float().mean() > 0.9
+
+    (tmp_path / "bad.pt2").write_bytes(b"not a program")
+    with pytest.raises(ValueError, match="bad.pt2: not an exported PT2E program"):
+        load_deployment(tmp_path / "bad.pt2")

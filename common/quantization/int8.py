@@ -1,7 +1,9 @@
-"""The deployment model: a trained polyp U-Net turned into a real INT8 model (PyTorch's quantised
-kernels), saved as frozen TorchScript with what is needed to use it, and run on a folder of images.
+"""The deployment model: a run's trained polyp segmentation network turned into a real INT8 model file
+(``export_int8``, by engine: PT2E in pt2e_int8.py, the default; ONNX Runtime in onnx_int8.py; or the deprecated eager
+path below), loaded back (``load_deployment``) and run on a folder of images (``segment_folder``).
 
-Static post-training quantisation with ``torch.ao.quantization`` and the x86 engine: every
+The eager path, kept to remake models exported before (PyTorch has deprecated it; PT2E is faster, docs/qfedpolyp.md):
+static post-training quantisation with ``torch.ao.quantization`` and the x86 engine: every
 conv + BatchNorm + ReLU is fused into one quantised kernel, weights are int8 per output channel,
 activation ranges come from calibration images, and the skip concatenations become quantised
 concatenations (``FloatFunctional``), so the whole network runs in int8 between one quantise and one
@@ -171,10 +173,16 @@ def save_deployment(model: nn.Module, path: str | Path, metadata: dict[str, Any]
 
 
 def load_deployment(path: str | Path) -> tuple[Any, dict[str, Any]]:
-    """An exported INT8 model and its metadata: TorchScript (``.pt``, the eager path) or ONNX Runtime (``.onnx``)."""
+    """An exported INT8 model and its metadata: a PT2E program (``.pt2``), ONNX Runtime (``.onnx``) or TorchScript
+    (``.pt``, the deprecated eager path)."""
     files = {METADATA_FILE: ""}
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such model file")
+    if Path(path).suffix == ".pt2":
+        from .pt2e_int8 import Pt2eSegmenter
+
+        segmenter = Pt2eSegmenter(path)
+        return segmenter, segmenter.metadata
     if Path(path).suffix == ".onnx":
         from .onnx_int8 import OnnxSegmenter
 
@@ -274,36 +282,58 @@ def calibration_images(cfg: JobConfig, folder: str | Path | None = None, count: 
     return pool.images[np.sort(rng.choice(len(pool), size=min(count, len(pool)), replace=False))]
 
 
-#: ``export-int8 --engine``: PyTorch's eager quantisation of the built-in U-Net (TorchScript ``.pt``; deprecated by
-#: PyTorch, kept while it is as fast as ONNX Runtime's path), or ONNX Runtime's static quantisation of any network
-#: (``.onnx``, common/quantization/onnx_int8.py); ``auto``: torch for the built-in U-Net, ONNX Runtime otherwise
-ENGINES = ("auto", "torch", "onnxruntime")
+#: ``export-int8 --engine``: PT2E, PyTorch's maintained quantisation (torchao), of any network (``.pt2``,
+#: common/quantization/pt2e_int8.py); ONNX Runtime's static quantisation of any network (``.onnx``,
+#: common/quantization/onnx_int8.py); or PyTorch's eager quantisation of the built-in U-Net (TorchScript ``.pt``;
+#: deprecated by PyTorch, and no faster than PT2E: kept only to read and re-make models exported before).
+#: ``auto``: the first of pt2e, onnxruntime installed, else torch for the built-in U-Net.
+ENGINES = ("auto", "pt2e", "onnxruntime", "torch")
+SUFFIXES = {"pt2e": ".pt2", "onnxruntime": ".onnx", "torch": ".pt"}
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def choose_engine(engine: str, model: nn.Module) -> str:
+    """The engine ``export-int8 --engine`` names, ``auto`` resolved: ValueError naming what cannot be done."""
+    if engine not in ENGINES:
+        raise ValueError(f"INT8 engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        engine = next((e for e, module in (("pt2e", "torchao"), ("onnxruntime", "onnxruntime")) if installed(module)),
+                      "torch")
+    if engine == "torch" and not isinstance(model, PolypUNet):
+        raise ValueError(f"the eager INT8 path takes only the built-in U-Net, not {type(model).__name__} "
+                         "(model=...); use --engine pt2e or onnxruntime (install fedmed-hospitals[int8])")
+    return engine
 
 
 def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: str | Path | None = None,
                 num_calibration: int = 64, source: str = "", engine: str = "auto") -> tuple[Path, dict[str, Any]]:
     """A run's final global model as an INT8 model file (:data:`ENGINES`); returns the path and its metadata."""
     cfg, model, rounds = model_from_checkpoint(state)
-    if engine not in ENGINES:
-        raise ValueError(f"INT8 engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine == "auto":
-        engine = "torch" if isinstance(model, PolypUNet) else "onnxruntime"
-    if engine == "torch" and not isinstance(model, PolypUNet):
-        raise ValueError(f"the eager INT8 path takes only the built-in U-Net, not {type(model).__name__} "
-                         "(model=...); use --engine onnxruntime")
+    engine = choose_engine(engine, model)
     images = calibration_images(cfg, calibration_dir, num_calibration, cfg.seed)
     metadata = {"image-size": cfg.image_size, "in-channels": int(images.shape[-1]), "threshold": 0.5,
                 "normalisation": "imagenet" if images.shape[-1] == 3 else "0.5/0.5", "run-name": cfg.run_name,
                 "rounds": rounds, "checkpoint": source, "calibration-images": int(len(images))}
     out = Path(out)
     if not out.suffix:  # a default path: the engine's own file type
-        out = out.with_suffix(".onnx" if engine == "onnxruntime" else ".pt")
+        out = out.with_suffix(SUFFIXES[engine])
+    if out.suffix != SUFFIXES[engine]:
+        raise ValueError(f"{out}: a {engine} INT8 model is written as a {SUFFIXES[engine]} file")
+    if engine == "pt2e":
+        from .pt2e_int8 import export_int8 as export_pt2e_int8
+
+        return export_pt2e_int8(model, list(image_batches(images)), out, metadata), {"engine": "pt2e", **metadata}
     if engine == "onnxruntime":
         from .onnx_int8 import export_int8 as export_onnx_int8
 
-        if out.suffix != ".onnx":
-            raise ValueError(f"{out}: an ONNX Runtime INT8 model is written as a .onnx file")
         path = export_onnx_int8(model, list(image_batches(images)), out, metadata)
         return path, {"engine": "onnxruntime", **metadata}
+    warnings.warn("export-int8 --engine torch: PyTorch's eager quantisation is deprecated; use pt2e",
+                  DeprecationWarning, stacklevel=2)
     quantised = int8_model(model, image_batches(images))
     return save_deployment(quantised, out, metadata), metadata
