@@ -334,6 +334,6 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
         path = export_onnx_int8(model, list(image_batches(images)), out, metadata)
         return path, {"engine": "onnxruntime", **metadata}
     warnings.warn("export-int8 --engine torch: PyTorch's eager quantisation is deprecated; use pt2e",
-                  DeprecationWarning, stacklevel=2)
+                  FutureWarning, stacklevel=2)  # shown by default, unlike a DeprecationWarning
     quantised = int8_model(model, image_batches(images))
     return save_deployment(quantised, out, metadata), metadata
