@@ -278,7 +278,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             stop_all(STOP_GRACE, keep=others)
 
 
-#: where ``export-int8 --best`` writes without --out (.pt2, .onnx or .pt, by engine), and what ``segment --best`` runs
+#: where ``export-int8 --best`` writes without --out (.pt2 or .onnx, by engine), and what ``segment --best`` runs
 BEST_INT8 = Path("exports") / "int8-best"
 
 
@@ -444,24 +444,23 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export-int8", help="a run's final global polyp segmentation model as an INT8 model")
     export.add_argument("--run", type=Path, required=True, help="run folder (its latest checkpoint) or checkpoint file")
     export.add_argument("--out", type=Path, default=None,
-                        help="model file to write, e.g. polyp-int8.pt2 (--best: <run>/exports/int8-best.pt2, "
-                        ".onnx or .pt, by engine)")
+                        help="model file to write, e.g. polyp-int8.pt2 (--best: <run>/exports/int8-best.pt2 "
+                        "or .onnx, by engine)")
     export.add_argument("--best", action="store_true",
                         help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the latest")
     export.add_argument("--calibration-dir", type=Path, default=None,
                         help="images to calibrate activation ranges on (default: the run's training data)")
     export.add_argument("--calibration-images", type=int, default=64)
-    export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime", "torch"), default="auto",
-                        help="pt2e: PyTorch's maintained quantisation (torchao) of any network (.pt2); onnxruntime: "
-                        "ONNX Runtime's static quantisation of any network (.onnx); both need fedmed-hospitals[int8]; "
-                        "torch: PyTorch's deprecated eager quantisation, the built-in U-Net only (.pt); auto: the "
-                        "first of pt2e, onnxruntime installed, else torch")
+    export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime"), default="auto",
+                        help="pt2e: PyTorch's quantisation (torchao), a .pt2 compiled when it runs; onnxruntime: ONNX "
+                        "Runtime's static quantisation, a .onnx for sites without PyTorch or a C++ compiler; both of "
+                        "any network, both in fedmed-hospitals[int8]; auto: the first installed")
 
     segment = sub.add_parser("segment", help="masks for a folder of images with an exported model")
     segment.add_argument("--model", type=Path, default=None, help="file written by `fedmed export-int8`")
     segment.add_argument("--run", type=Path, default=None, help="with --best: the run folder")
     segment.add_argument("--best", action="store_true", help="the INT8 model of the run's best round, as "
-                         "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt2, .onnx or .pt)")
+                         "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt2 or .onnx)")
     segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
     segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
 

@@ -1,5 +1,6 @@
-"""QFedPolyp's INT8 deployment: the exact rewrite of the transposed convolutions, a quantised U-Net whose
-output stays close to the float one, and the `fedmed export-int8` / `fedmed segment` commands."""
+"""QFedPolyp's INT8 deployment: PT2E and ONNX Runtime models close to the float network, the `fedmed export-int8` /
+`segment` / `evaluate` commands on the built-in U-Net and a MONAI one, and the benchmark's eager reference path (the
+exact rewrite of the transposed convolutions, a quantised U-Net close to the float one)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from PIL import Image
 from torch import nn
 from torch.ao.nn import intrinsic, quantized
 
+from benchmarks.qfedpolyp.eager_int8 import ShuffleUpsample, int8_model
 from common.cli import main as fedmed
 from common.config import JobConfig
 from common.data.export import write_site
 from common.data.sources import generate
 from common.data.synthetic import make_polyps
 from common.models.unet2d import PolypUNet
-from common.quantization.int8 import ShuffleUpsample, int8_model, load_deployment, save_deployment
+from common.quantization.int8 import load_deployment
 from common.round_engine import RoundEngine
 from common.tasks.base import images_to_tensor
 from server_app.checkpoint import save_checkpoint
@@ -47,7 +49,7 @@ def settled_unet(images: torch.Tensor) -> PolypUNet:
     return model.eval()
 
 
-def test_int8_model_runs_quantised_kernels_and_stays_close_to_fp32(tmp_path):
+def test_eager_reference_int8_model_runs_quantised_kernels_and_stays_close_to_fp32():
     images = images_to_tensor(make_polyps(48, 32, seed=0).images, torch.device("cpu"))
     model = settled_unet(images[:32])
     quantised = int8_model(model, [images[:32]])
@@ -59,12 +61,6 @@ def test_int8_model_runs_quantised_kernels_and_stays_close_to_fp32(tmp_path):
     error = (output - reference).abs()
     assert error.mean() < 0.15 * reference.std()
     assert ((output > 0) == (reference > 0)).float().mean() > 0.9
-
-    path = save_deployment(quantised, tmp_path / "m.pt", {"image-size": 32})
-    loaded, metadata = load_deployment(path)
-    assert metadata == {"engine": "x86", "image-size": 32}
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(images[32:]), output)
 
 
 def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
@@ -111,6 +107,10 @@ def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     assert fedmed(["segment", "--model", str(tmp_path / "missing.pt"), "--images", str(frames), "--out",
                    str(tmp_path / "x")]) == 2
     assert "missing.pt: no such model file" in capsys.readouterr().err
+    (tmp_path / "old.pt").write_bytes(b"a TorchScript archive of the eager path")
+    assert fedmed(["segment", "--model", str(tmp_path / "old.pt"), "--images", str(frames), "--out",
+                   str(tmp_path / "x")]) == 2
+    assert "old.pt: a TorchScript model of the eager INT8 path" in capsys.readouterr().err
     assert fedmed(["export-int8", "--run", str(tmp_path / "frames"), "--out", str(model_file)]) == 2
     assert "no checkpoints" in capsys.readouterr().err
 
@@ -154,7 +154,7 @@ def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_
 @pytest.mark.parametrize("model", ["", "monai.networks.nets:UNet"])
 def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capsys, model):
     """`export-int8 --engine onnxruntime`: an .onnx model of the built-in U-Net or a network of the user's own that
-    `segment` and `evaluate` run; the eager engine names what it cannot take; `auto` takes the user's network too."""
+    `segment` and `evaluate` run; a file name of the other type refused; `auto` takes the user's network too."""
     pytest.importorskip("onnxruntime")
     own = {"model": model, "model_args": '{"spatial_dims": 2, "channels": [8, 16, 32], "strides": [2, 2]}'}
     cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
@@ -180,9 +180,6 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
                    "--out", str(tmp_path / "scores")]) == 0
     assert json.loads((tmp_path / "scores.json").read_text())["overall"]["num-examples"] == 8
     capsys.readouterr()
-    if model:
-        assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "torch"]) == 2
-        assert "only the built-in U-Net, not UNet" in capsys.readouterr().err
     assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "onnxruntime"]) == 2
     assert "written as a .onnx file" in capsys.readouterr().err
     if model:  # a path without a suffix (as --best's default) gets the engine's file type: PT2E's where installed
@@ -223,3 +220,21 @@ def test_pt2e_int8_model_has_int8_weights_stays_close_to_fp32_and_round_trips(tm
     (tmp_path / "bad.pt2").write_bytes(b"not a program")
     with pytest.raises(ValueError, match="bad.pt2: not an exported PT2E program"):
         load_deployment(tmp_path / "bad.pt2")
+
+
+def test_engine_auto_takes_the_first_installed_and_a_missing_one_names_the_extra(monkeypatch):
+    from common.quantization import int8
+
+    missing: set[str] = set()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    assert int8.choose_engine("auto") == "pt2e"
+    missing.add("torchao")
+    assert int8.choose_engine("auto") == "onnxruntime"
+    with pytest.raises(ValueError, match="pt2e: torchao is not installed; install fedmed-hospitals\\[int8\\]"):
+        int8.choose_engine("pt2e")
+    missing.add("onnxruntime")
+    with pytest.raises(ValueError, match="torchao or onnxruntime is not installed"):
+        int8.choose_engine("auto")
+    with pytest.raises(ValueError, match="INT8 engine 'torch': use one of auto, pt2e, onnxruntime"):
+        int8.choose_engine("torch")

@@ -6,7 +6,8 @@ held-out test images.
 The model is a run's final global model (its latest checkpoint); each INT8 model is built as ``fedmed export-int8``
 builds it with that engine (calibrated on the same 64 of the run's training images). Latency is measured in one
 process on 3x<size>x<size> inputs (default 128, the paper's), for every path: FP32 eager, FP32 frozen TorchScript,
-FP32 torch.compile (weights frozen as constants), the deprecated eager INT8 model (as is and as frozen TorchScript),
+FP32 torch.compile (weights frozen as constants), the eager INT8 model fedmed exported before (as is and as frozen
+TorchScript; eager_int8.py),
 ONNX Runtime's FP32 and INT8 models, and PT2E's INT8 model compiled by Inductor (where torchao is installed; extra
 ``fedmed-hospitals[int8]``). After a warm-up,
 the paths take turns in a shuffled order every repetition, so that a busy machine slows them alike;
@@ -32,15 +33,9 @@ import numpy as np
 import torch
 
 from benchmarks.machine import cpu_name
+from benchmarks.qfedpolyp.eager_int8 import frozen_script, int8_model, quiet_deprecations
 from common.data.sources import server_test_set
-from common.quantization.int8 import (
-    calibration_images,
-    frozen_script,
-    image_batches,
-    int8_model,
-    model_from_checkpoint,
-    quiet_deprecations,
-)
+from common.quantization.int8 import calibration_images, image_batches, model_from_checkpoint
 from common.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[2]
