@@ -92,6 +92,8 @@ def compiled(graph: nn.Module) -> Callable:
     """``graph`` compiled by Inductor with frozen weights (the int8 kernels; also faster for a float network)."""
     import torch._inductor.config as inductor_config
 
+    # process-wide: passing it as torch.compile(options=...) alone failed (Inductor met onednn.qconv_prepack
+    # unlowered), as the quantisation patterns are chosen by the global setting
     inductor_config.freezing = True
     return torch.compile(graph)
 
