@@ -82,7 +82,7 @@ def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str 
         program = torch.export.export(converted, (example,), dynamic_shapes=any_batch_and_size(example))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    full = {"engine": "pt2e", "quantiser": "x86-inductor", "weight-bits": 8,
+    full = {"engine": "pt2e", "quantiser": "x86-inductor", "weight-bits": 8, "activation-bits": 7,
             "calibration-images": int(sum(len(b) for b in batches)), **metadata}
     torch.export.save(program, str(out), extra_files={METADATA_FILE: json.dumps(full, indent=2)})
     return out
