@@ -37,9 +37,18 @@ def require_torchao():
     return pt2e
 
 
-def any_batch_and_size(example: torch.Tensor) -> tuple[dict[int, Any]]:
-    """Batch and spatial sizes free, channels fixed. torch.export specialises a size of 1, hence a batch of 2."""
-    return ({axis: torch.export.Dim.AUTO for axis in range(example.ndim) if axis != 1},)
+def capture(module: nn.Module, first: torch.Tensor) -> torch.export.ExportedProgram:
+    """``module`` captured by torch.export with batch and spatial sizes free (channels fixed), traced on two copies
+    of one image from ``first``: torch.export specialises a size of 1. ValueError naming what it refused."""
+    example = torch.cat([first[:1]] * 2)
+    dynamic = ({axis: torch.export.Dim.AUTO for axis in range(example.ndim) if axis != 1},)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.export.export(module, (example,), dynamic_shapes=dynamic)
+        except Exception as error:
+            raise ValueError(f"the network cannot be captured by torch.export for the INT8 model: "
+                             f"{type(error).__name__}: {str(error).splitlines()[0][:300]}") from None
 
 
 def quantise(model: nn.Module, calibration: Iterable[torch.Tensor]) -> torch.fx.GraphModule:
@@ -52,14 +61,9 @@ def quantise(model: nn.Module, calibration: Iterable[torch.Tensor]) -> torch.fx.
     batches = [b.detach().cpu().float() for b in calibration]
     if not batches:
         raise ValueError("INT8 calibration needs at least one image")
-    example = torch.cat([batches[0][:1]] * 2)
+    exported = capture(model.cpu().eval(), batches[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            exported = torch.export.export(model.cpu().eval(), (example,), dynamic_shapes=any_batch_and_size(example))
-        except Exception as error:
-            raise ValueError(f"the network cannot be captured by torch.export for the INT8 model: "
-                             f"{type(error).__name__}: {str(error).splitlines()[0][:300]}") from None
         config = x86.get_default_x86_inductor_quantization_config(reduce_range=True)
         quantiser = x86.X86InductorQuantizer().set_global(config)
         prepared = prepare_pt2e(exported.module(), quantiser)
@@ -75,11 +79,7 @@ def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str 
                 metadata: dict[str, Any]) -> Path:
     """``model`` as an INT8 exported program at ``out`` (.pt2), metadata inside."""
     batches = [b.detach().cpu().float() for b in calibration]
-    converted = quantise(model, batches)
-    example = torch.cat([batches[0][:1]] * 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.export.export(converted, (example,), dynamic_shapes=any_batch_and_size(example))
+    program = capture(quantise(model, batches), batches[0])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     full = {"engine": "pt2e", "quantiser": "x86-inductor", "weight-bits": 8, "activation-bits": 7,
