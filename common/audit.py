@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 GENESIS = "0" * 64  #: ``prev`` of a log's first line
+SERVER_HEAD_KEY = "server-audit-head"  #: message config: the server's audit head when it built the message
+AUDIT_HEAD_MARK = "[audit-head "  #: an error reply's reason ends with "[audit-head <hash>]" (no records in errors)
 RESERVED = ("seq", "time", "prev", "hash")  #: fields every line has; an event's own fields may not use them
 MAX_TEXT = 2000  #: characters kept of any text field (a refusal's reason, an error)
 _TAIL = 1 << 16  #: bytes read from the end of the file to find the last line
@@ -243,17 +245,42 @@ def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int
             record = json.loads(text)
             if isinstance(record, dict) and isinstance(record.get("hash"), str):
                 hashes.add(record["hash"])
-    problems = []
+    problems, named = [], False
     for number, text in enumerate(Path(other).read_bytes().split(b"\n"), start=1):
         try:
             record = json.loads(text)
         except (ValueError, UnicodeDecodeError):
             continue
-        recorded = record.get("peer-audit-head") if isinstance(record, dict) else None
-        if recorded and record.get("peer") == name and recorded != GENESIS and recorded not in hashes:
+        if not isinstance(record, dict) or record.get("peer") != name:
+            continue
+        named = True
+        recorded = record.get("peer-audit-head")
+        if recorded and recorded != GENESIS and recorded not in hashes:
             problems.append((number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were "
                                      "removed from its end or it was rewritten"))
+    if not named:
+        peers = sorted(peers_of(other))
+        problems.append((0, f"no line of {other} is about {name!r} (it names {', '.join(peers[:10]) or 'no peer'}): "
+                            "a misspelt name proves nothing"))
     return problems
+
+
+def peers_of(path: str | Path) -> set[str]:
+    """The peers an audit log's lines name."""
+    peers = set()
+    for text in Path(path).read_bytes().split(b"\n"):
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            record = json.loads(text)
+            if isinstance(record, dict) and isinstance(record.get("peer"), str):
+                peers.add(record["peer"])
+    return peers
+
+
+def head_in_reason(reason: str) -> str | None:
+    """The audit head a hospital put at the end of an error reply's reason, or None."""
+    mark = reason.rfind(AUDIT_HEAD_MARK)
+    head = reason[mark + len(AUDIT_HEAD_MARK):].rstrip("]") if mark >= 0 else ""
+    return head if len(head) == 64 and all(c in "0123456789abcdef" for c in head) else None
 
 
 def message_digest(message: Any, nbytes: int | None = None) -> dict[str, Any]:

@@ -409,12 +409,21 @@ def fedmed_keys_of(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return ours
 
 
-def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any]) -> "JobConfig":
+def server_settable_keys() -> list[str]:
+    """The run-config keys a server may set in a hospital's job (its run config and every message): all of fedmed's
+    but :data:`HOSPITAL_OWN_KEYS` (``fedmed policy check`` prints them for the hospital to read). A hospital's node
+    config may pin more (``dataset``); what code the keys may name is the hospital's too (common/code_gate.py)."""
+    return sorted(key for key in _FLAT_KEYS if key not in HOSPITAL_OWN_KEYS and key not in RENAMED_KEYS)
+
+
+def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any],
+                        pinned: Mapping[str, Any] | None = None) -> "JobConfig":
     """A hospital's job: its run config, with the server's job from the message over it (all but
-    :data:`HOSPITAL_OWN_KEYS`). Keys that are not fedmed's are left out: a user's own app (docs/own-serverapp.md)
-    may have run-config keys of its own."""
+    :data:`HOSPITAL_OWN_KEYS`), and the keys the hospital ``pinned`` (its node config's) over both. Keys that are
+    not fedmed's are left out: a user's own app (docs/own-serverapp.md) may have run-config keys of its own."""
     overrides = {k: v for k, v in message_config.items() if k in _FLAT_KEYS and k not in HOSPITAL_OWN_KEYS}
-    return load_job_config({k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS})
+    merged = {k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS}
+    return load_job_config({**merged, **dict(pinned or {})})
 
 
 def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -26,7 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.audit import AuditLog, message_digest
+from common.audit import SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
@@ -288,8 +288,10 @@ class HospitalStrategy(Strategy):
         """Round config every message carries: the job as this strategy holds it (so settings given in Python reach
         the hospitals; ``common.config.hospital_keys`` leaves out what is the server's alone), the round, and the
         record names and weighting key the replies must use."""
+        audit = self.audit_log()  # the hospitals record the server's log as it stood: its operator cannot rewrite it
         return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
-                **self.records.as_config(), "weighted-by-key": self.weighted_by_key}
+                **self.records.as_config(), "weighted-by-key": self.weighted_by_key,
+                **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
 
     # --- the audit log ------------------------------------------------------------------------------
     def audit_log(self) -> AuditLog | None:
@@ -310,7 +312,9 @@ class HospitalStrategy(Strategy):
             return
         received = direction == "received"
         head = None
-        if received and not message.has_error():
+        if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
+            head = head_in_reason(str(message.error.reason))
+        elif received:
             heads = [record.get("audit-head") for record in message.content.config_records.values()]
             head = next((h for h in heads if isinstance(h, str)), None)
         audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],

@@ -118,7 +118,7 @@ def test_rounds_per_run_are_limited_and_counted_across_restarts(tmp_path):
     assert history[0]["aggregated"] == ["hospital-00", "hospital-01"]
     assert "max-rounds-per-run=1" in history[1]["refused"]["hospital-00"]
     ledger = PrivacyLedger(tmp_path / "state" / "hospital-00")  # the hospital's own folder: survives restarts
-    assert ledger.rounds_in("t") == {1}
+    assert ledger.trainings_in("t") == 1
 
 
 def test_local_dp_is_refused_for_a_method_whose_reply_is_not_the_model(tmp_path):
