@@ -11,10 +11,10 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from common.audit import AuditLog
+from common.code_gate import CodeGate, split_list
 from common.config import JobConfig, hospital_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
-from common.code_gate import CodeGate, split_list
 from common.policy import Enforcer, PolicyRefusal, enforcer_for
 from common.site import HospitalStateStore, Site, build_site
 from strategies.registry import hospital_class
