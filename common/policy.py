@@ -98,6 +98,15 @@ class Policy(Section):
         "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
         "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp."))
     local_dp: LocalDP | None = None
+    require_secure_aggregation: bool = Field(False, description=(
+        "It sends its training replies only masked (secure aggregation): a plain training request is refused."))
+    min_hospitals_per_sum: int = Field(2, ge=2, description=(
+        "Under secure aggregation: the fewest hospitals a round and a survivor set (the hospitals in the sum) may "
+        "have; fewer are refused (docs/secure-aggregation.md)."))
+    min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
+        "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
+        "least one half, which holds without a policy too: a server telling two groups different survivor sets "
+        "cannot then rebuild both secrets of one hospital)."))
 
     @field_validator("tasks")
     @classmethod

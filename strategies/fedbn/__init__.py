@@ -12,5 +12,6 @@ from strategies.registry import TWO_D, MethodSpec
 METHODS = (
     MethodSpec("fedbn", TWO_D, server="strategies.fedbn.server:FedBNServer",
                hospital="strategies.fedbn.hospital:FedBNHospital", strategy="strategies.fedbn.strategy:FedBNStrategy",
-               summary="FedAvg with every hospital's normalisation layers kept local"),
+               summary="FedAvg with every hospital's normalisation layers kept local",
+               secure="strategies.fedbn.secure:SECURE"),
 )

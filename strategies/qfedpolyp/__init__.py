@@ -9,5 +9,5 @@ METHODS = (
                strategy="strategies.qfedpolyp.strategy:QFedPolypStrategy",
                summary="Quantisation-aware training, per-hospital b-bit packed uploads, FedAvg",
                settings="strategies.qfedpolyp.settings:QFedPolypSettings", section="qfedpolyp",
-               model_needs="quantisable"),
+               model_needs="quantisable", secure="strategies.qfedpolyp.secure:SECURE"),
 )
