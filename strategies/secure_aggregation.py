@@ -124,8 +124,9 @@ class SecureAggregation:
         the hospitals that shared their keys) with the collect stage's keys; none when the round cannot run."""
         messages = list(messages)
         strategy = self.strategy
-        if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages):
-            return messages  # prepared already (the hook and a mixin both asked)
+        if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages) \
+                or (not messages and server_round in self.rounds):
+            return messages  # prepared already (the hook and a mixin both asked; a skipped round returned none)
         self.grid = grid
         progress = SecureRound(server_round, {m.metadata.dst_node_id: strategy.hospitals[m.metadata.dst_node_id]
                                               for m in messages})
@@ -150,13 +151,14 @@ class SecureAggregation:
 
         answers = self.exchange(progress, SETUP, {node: setup_config(protocol) for node in protocol.nodes})
         receive_public_keys(protocol, answers, self.verifier())
-        problem = threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
+        problem = few_problem(protocol, protocol.setup_done) \
+            or threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
         if problem:
             return self.skip(progress, f"after the setup stage, {problem}")
         answers = self.exchange(progress, SHARE_KEYS, {node: share_keys_config(protocol, node)
                                                              for node in sorted(protocol.setup_done)})
         receive_key_shares(protocol, answers, self.verifier())
-        problem = threshold_problem(protocol, protocol.keyed, protocol.keyed)
+        problem = few_problem(protocol, protocol.keyed) or threshold_problem(protocol, protocol.keyed, protocol.keyed)
         if problem:
             return self.skip(progress, f"after the share-keys stage, {problem}")
 
@@ -410,6 +412,14 @@ class SecureAggregation:
         if mean_norm is not None:
             summary["mean-update-norm"] = float(mean_norm)
         return summary
+
+
+def few_problem(protocol: ServerRound, alive: set[int]) -> str | None:
+    """Why so few hospitals are left that the round cannot go on (None: enough are)."""
+    needed = max(2, protocol.threshold)
+    if len(alive) < needed:
+        return f"{len(alive)} hospital(s) are left, fewer than {needed} (at least 2 and the reconstruction threshold)"
+    return None
 
 
 def distance(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:

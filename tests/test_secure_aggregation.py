@@ -267,10 +267,11 @@ def test_fedproin_secure_nia_equals_plain_nia_within_the_quantisation_error():
 
 
 # --- over a Flower Grid: FakeGrid nodes answering with fedmed's ClientApp handlers ---------------------------------
-def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None):
+def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None, tamper_reply=None):
     """A hospital answering with fedmed's ClientApp handlers (``Hospital.answer`` runs the stages: ``secure_train``);
     ``silent_at``: the stage from which it stops answering (as when its SuperNode dies); ``tamper``: changes each
-    message it receives first (a hostile hospital ignoring what the server set)."""
+    message it receives first (a hostile hospital ignoring what the server set); ``tamper_reply``: changes each
+    reply it sends (a hostile hospital's own answers)."""
     from client_app import app as client
 
     context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
@@ -287,7 +288,10 @@ def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None):
             tamper(message)
         handlers = {MessageType.TRAIN: client.train, MessageType.QUERY: client.query,
                     MessageType.EVALUATE: client.evaluate}
-        return handlers[kind](message, context)
+        reply = handlers[kind](message, context)
+        if tamper_reply is not None and not reply.has_error():
+            tamper_reply(stage, reply)
+        return reply
 
     return answer
 
