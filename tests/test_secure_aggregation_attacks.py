@@ -31,6 +31,7 @@ from common.secure_aggregation.messages import (
 )
 from common.secure_aggregation.server import (
     add_masked_vector,
+    collect_config,
     consistency_config,
     rebuild,
     receive_survivor_signatures,
@@ -457,9 +458,47 @@ def test_a_malformed_share_is_found_named_and_the_round_completes(tmp_path, dama
     assert "skipped" not in record and record["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"]
     hostile_shares = record["secure-aggregation"]["hostile-shares"]
     assert list(hostile_shares) == ["hospital-02"]
-    assert ("malformed" if damage == "one-byte-short" else "does not fit the others'") in hostile_shares["hospital-02"]
+    assert "is not the one hospital-00 committed to" in hostile_shares["hospital-02"]
     for name, value in expected.items():
         np.testing.assert_allclose(final[name], value, atol=3 * STEP + 1e-6, err_msg=name)
+
+
+def test_unmasking_names_every_share_that_does_not_fit():
+    """Seven hospitals (threshold 4), hospital 7's seed: three of the six other holders send the same bit altered
+    (which cancels out of some combinations: only the owner's digests tell who changed a share). The sum is right
+    and each of the three is named, nobody else."""
+    nodes = list(range(1, 8))
+    vectors = vectors_for(nodes, seed=11)
+    protocol = InProcess(nodes, SecureAggregationSettings(), SIZE)
+    plan = protocol.plan
+    assert plan.threshold == 4
+    protocol.keys()
+    for node in nodes:
+        add_masked_vector(plan, node, protocol.mask(node, vectors[node]))
+    receive_survivor_signatures(plan, protocol.answers(CONSISTENCY, lambda n: consistency_config(plan, n), nodes))
+    answers = protocol.answers(UNMASK, lambda n: unmask_config(plan, n), nodes)
+    for holder in (2, 5, 6):
+        shares = answers[holder]["secagg.shares"]
+        index = answers[holder]["secagg.nids"].index(7)
+        altered = bytearray(shares[index])
+        altered[10] ^= 0x40
+        shares[index] = bytes(altered)
+    np.testing.assert_array_equal(unmask_sum(plan, answers), sum(vectors.values()) % MODULUS)
+    assert sorted(plan.hostile) == [2, 5, 6]
+    assert all("share of node-7's mask seed is not the one node-7 committed to" in why for why in plan.hostile.values())
+
+
+def test_a_holder_refuses_a_share_its_sender_did_not_commit_to():
+    """Each owner commits to the digest of every share; a holder checks its own on receipt, so a share changed on
+    the way (or an owner committing to other shares than it sent) stops the holder before it masks anything, and
+    a share changed later can only be its holder's."""
+    protocol = InProcess([1, 2, 3], SecureAggregationSettings(), 10)
+    protocol.keys()
+    config = collect_config(protocol.plan, 1)
+    config["secagg.share-digests"] = [bytes(64)] + config["secagg.share-digests"][1:]
+    with pytest.raises(SecureAggregationRefusal, match="not the ones it committed to"):
+        protocol.ask(1, COLLECT, config, np.zeros(10))
+    assert protocol.states[1].flower.rd_seed == b""  # it keeps nothing of the run
 
 
 # --- a signed round over the grid ------------------------------------------------------------------------------------

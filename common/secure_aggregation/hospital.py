@@ -39,6 +39,8 @@ from .messages import (
     NAME_PREFIX,
     SESSION_KEY,
     SETUP,
+    SHARE_DIGESTS_KEY,
+    SHARE_HOLDERS_KEY,
     SHARE_KEYS,
     SIGNATURE_KEY,
     STAGES,
@@ -262,7 +264,7 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
             if vector is None:
                 raise ValueError("the collect stage masks a vector: none was given")
             state.flower.current_stage, state.model = COLLECT, model
-            return state, {"masked": mask_vector(state.flower, flower, vector)}
+            return state, {"masked": mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY))}
         if stage == CONSISTENCY:
             return consistency(state, rules, config)
         return unmask(state, rules, flower, config)
@@ -366,13 +368,37 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
     answer = _share_keys(own, flower)
     state.names = names
     commitment = hashlib.sha256(own.rd_seed).digest()
-    signature = rules.sign(commitment_statement(state.run, state.rnd, state.session, own.nid, commitment))
-    return state, {**ours(answer), COMMITMENT_KEY: commitment, SIGNATURE_KEY: signature}
+    holders, digests = share_digests(own, answer)
+    signature = rules.sign(commitment_statement(state.run, state.rnd, state.session, own.nid, commitment, holders,
+                                                digests))
+    return state, {**ours(answer), COMMITMENT_KEY: commitment, SHARE_HOLDERS_KEY: holders,
+                   SHARE_DIGESTS_KEY: digests, SIGNATURE_KEY: signature}
 
 
-def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray) -> np.ndarray:
+def share_digests(own: "SecAggPlusState", answer: Mapping[str, Any]) -> tuple[list[int], list[bytes]]:
+    """Who holds each of its shares and the SHA-256 of each (mask-seed share, key share), read back from the
+    ciphertexts ``_share_keys`` made: the server checks every share returned at unmasking against them, and each
+    holder checks its own on receipt, so a share changed later is its sender's, named."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+
+    holders, digests = [own.nid], [share_digest(own.rd_seed_share_dict[own.nid], own.sk1_share_dict[own.nid])]
+    for destination, ciphertext in zip(answer[Key.DESTINATION_LIST], answer[Key.CIPHERTEXT_LIST], strict=True):
+        _, _, seed_share, key_share = share_keys_plaintext_separate(decrypt(own.ss2_dict[destination], ciphertext))
+        holders.append(int(destination))
+        digests.append(share_digest(seed_share, key_share))
+    return holders, digests
+
+
+def share_digest(seed_share: bytes, key_share: bytes) -> bytes:
+    return hashlib.sha256(seed_share).digest() + hashlib.sha256(key_share).digest()
+
+
+def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: Any) -> np.ndarray:
     """Flower's ``_collect_masked_vectors`` for an integer vector of ours: decrypt and check the neighbours' key
-    shares, then add the private mask and one pairwise mask per neighbour, each expanded from its whole secret."""
+    shares (each against the digest its sender committed to, ``digests`` in the order of the sources), then add the
+    private mask and one pairwise mask per neighbour, each expanded from its whole secret."""
     from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
@@ -386,8 +412,10 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray) -> np.ndar
     if len(set(sources)) != len(sources) or len(sources) != len(ciphertexts):
         raise SecureAggregationRefusal("the server forwarded key shares twice from one hospital, or shares without "
                                        "a source")
+    if not isinstance(digests, list) or len(digests) != len(sources):
+        raise SecureAggregationRefusal("the server did not forward the digest of each key share")
     available = []
-    for source, ciphertext in zip(sources, ciphertexts, strict=True):
+    for source, ciphertext, digest in zip(sources, ciphertexts, digests, strict=True):
         if source not in state.ss2_dict:
             raise SecureAggregationRefusal(f"key shares from node {source}, which is not its neighbour")
         actual, destination, seed_share, key_share = share_keys_plaintext_separate(
@@ -395,6 +423,10 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray) -> np.ndar
         if actual != source or destination != state.nid:
             raise SecureAggregationRefusal(f"key shares said to be from node {source} for it are from node {actual} "
                                            f"for node {destination}")
+        if share_digest(seed_share, key_share) != digest:
+            raise SecureAggregationRefusal(f"the key shares from node {source} are not the ones it committed to "
+                                           "(their digests differ): its shares could not be told from a holder's "
+                                           "changed ones at unmasking")
         state.rd_seed_share_dict[source] = seed_share
         state.sk1_share_dict[source] = key_share
         available.append(source)
@@ -456,15 +488,17 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
             f"asked for the mask-seed shares of {sorted(active)} and the key shares of {sorted(dead)}, but the "
             f"survivor set it signed calls for seeds of {sorted(known & set(survivors))} and keys of "
             f"{sorted(known - set(survivors))} (never both for one hospital)")
-    if rules.peer_keys:
+    if rules.peer_keys:  # the set is vouched for by registered hospitals, enough of them to be the only one
         statement = survivors_statement(state.run, state.rnd, state.session, survivors)
         signed = [nid for nid in sorted(known & set(survivors))
                   if rules.signature_problem(state.names[nid], statement,
                                              config.get(f"{SURVIVORS_SIGNATURE_PREFIX}{nid}")) is None]
-        if len(signed) < own.threshold:
+        needed = max(own.threshold, rules.min_hospitals_per_sum)
+        if len(signed) < needed:
             raise SecureAggregationRefusal(
                 f"only {len(signed)} of its surviving neighbours signed the survivor set (registered keys), fewer "
-                f"than the threshold {own.threshold}: the server may have told others a different set")
+                f"than {needed} (the threshold {own.threshold}, min-hospitals-per-sum "
+                f"{rules.min_hospitals_per_sum}): the server may have told others a different set")
     answer = _unmask(own, flower)
     if state.model:
         rules.memory.revealed(state.model, state.run, state.rnd)

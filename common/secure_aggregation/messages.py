@@ -18,6 +18,10 @@ SESSION_KEY = PREFIX + "session"  #: the server's random name for one protocol r
 NAME_KEY = PREFIX + "name"  #: setup reply: the hospital's name
 SIGNATURE_KEY = PREFIX + "signature"  #: a reply's signature of its statement (empty without an identity key)
 COMMITMENT_KEY = PREFIX + "commitment"  #: share-keys reply: SHA-256 of the hospital's mask seed
+SHARE_HOLDERS_KEY = PREFIX + "share-holders"  #: share-keys reply: who holds each of its shares (itself included)
+#: share-keys reply: per holder, SHA-256 of its mask-seed share + SHA-256 of its key share (64 bytes); collect
+#: stage: the same for each share forwarded, which the holder checks when it decrypts them
+SHARE_DIGESTS_KEY = PREFIX + "share-digests"
 SURVIVORS_KEY = PREFIX + "survivors"  #: consistency and unmask: the nodes whose masked vectors are in the sum
 PUBLIC_KEYS_PREFIX = PREFIX + "pk."  #: share-keys stage: + a node id -> [pk1, pk2] of that neighbour
 NAME_PREFIX = PREFIX + "name."  #: share-keys stage: + a node id -> that neighbour's hospital name
@@ -91,8 +95,10 @@ def keys_statement(run: str, rnd: int, session: str, node: int, name: str, pk1: 
     return statement("keys", run, rnd, session, int(node), str(name), pk1, pk2)
 
 
-def commitment_statement(run: str, rnd: int, session: str, node: int, commitment: bytes) -> bytes:
-    return statement("seed-commitment", run, rnd, session, int(node), commitment)
+def commitment_statement(run: str, rnd: int, session: str, node: int, commitment: bytes, holders: list[int],
+                         digests: list[bytes]) -> bytes:
+    return statement("commitments", run, rnd, session, int(node), commitment,
+                     [[int(h), d.hex()] for h, d in zip(holders, digests)])
 
 
 def survivors_statement(run: str, rnd: int, session: str, survivors: list[int]) -> bytes:

@@ -3,16 +3,15 @@ hospital (``*_config``), what it takes from their replies (``receive_*``), and :
 
 Ported from Flower's ``SecAggPlusWorkflow`` (``flwr/server/workflow/secure_aggregation/secaggplus_workflow.py``)
 with its checks, plus the malicious-server protocol's consistency stage (each hospital signs the survivor set; the
-server forwards the signatures with the unmask request), and a reconstruction that survives a hostile share: every
-rebuilt secret is checked (a mask seed against the SHA-256 its owner committed to, a key against its advertised
-public key), other subsets of the shares are tried until one checks, and each share that does not fit the rebuilt
-secret is recorded with the hospital that sent it (:attr:`ServerRound.hostile`).
+server forwards the signatures with the unmask request), and a reconstruction that survives a hostile share: each
+owner commits to the SHA-256 of every share it makes (each holder checks its own on receipt), so a share returned
+changed is set aside and its holder recorded (:attr:`ServerRound.hostile`), and every rebuilt secret is checked (a
+mask seed against the SHA-256 its owner committed to, a key against its advertised public key).
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -28,6 +27,8 @@ from .messages import (
     PREFIX,
     PUBLIC_KEYS_PREFIX,
     SESSION_KEY,
+    SHARE_DIGESTS_KEY,
+    SHARE_HOLDERS_KEY,
     SIGNATURE_KEY,
     SURVIVORS_KEY,
     SURVIVORS_SIGNATURE_PREFIX,
@@ -40,8 +41,6 @@ from .settings import SecureAggregationSettings, share_plan
 
 #: (hospital name, statement, signature) -> why the signature is not that hospital's (None: it is)
 Verifier = Callable[[str, bytes, Any], "str | None"]
-SEED_SHARE_BYTES = 4 + 48  #: a share of a 32-byte mask seed (Flower's ``create_shares``: index, 3 padded chunks)
-MAX_SUBSETS = 64  #: subsets of a secret's shares tried before the round gives up on it
 
 
 @dataclass
@@ -63,6 +62,7 @@ class ServerRound:
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     key_signatures: dict[int, bytes] = field(default_factory=dict)
     commitments: dict[int, bytes] = field(default_factory=dict)  #: node -> SHA-256 of its mask seed
+    share_digests: dict[int, dict[int, bytes]] = field(default_factory=dict)  #: owner -> holder -> share digests
     setup_done: set[int] = field(default_factory=set)  #: sent their public keys
     keyed: set[int] = field(default_factory=set)  #: shared their keys: their neighbours mask with them
     masked: set[int] = field(default_factory=set)  #: their masked vector is in ``total``
@@ -185,6 +185,7 @@ def receive_key_shares(plan: ServerRound, replies: Mapping[int, Mapping[str, Any
         config = replies[node]
         destinations, ciphertexts = config.get(PREFIX + Key.DESTINATION_LIST), config.get(PREFIX + Key.CIPHERTEXT_LIST)
         commitment = config.get(COMMITMENT_KEY)
+        holders, digests = config.get(SHARE_HOLDERS_KEY), config.get(SHARE_DIGESTS_KEY)
         allowed = (plan.neighbours[node] & plan.setup_done) - {node}
         if not isinstance(destinations, list) or not isinstance(ciphertexts, list) \
                 or len(destinations) != len(ciphertexts) or set(destinations) != allowed \
@@ -192,17 +193,21 @@ def receive_key_shares(plan: ServerRound, replies: Mapping[int, Mapping[str, Any
                 or not all(isinstance(c, bytes) and len(c) <= 8192 for c in ciphertexts):
             plan.lost.setdefault(node, "share keys: its key shares are not one per neighbour")
             continue
-        if not isinstance(commitment, bytes) or len(commitment) != 32:
-            plan.lost.setdefault(node, "share keys: no SHA-256 of its mask seed in its reply")
+        if not isinstance(commitment, bytes) or len(commitment) != 32 or not isinstance(holders, list) \
+                or not isinstance(digests, list) or len(holders) != len(digests) \
+                or sorted(holders) != sorted(allowed | {node}) \
+                or not all(isinstance(d, bytes) and len(d) == 64 for d in digests):
+            plan.lost.setdefault(node, "share keys: no SHA-256 of its mask seed and of each share in its reply")
             continue
-        problem = verify and verify(plan.name(node), commitment_statement(plan.run, plan.rnd, plan.session, node,
-                                                                          commitment), config.get(SIGNATURE_KEY))
+        problem = verify and verify(plan.name(node), commitment_statement(
+            plan.run, plan.rnd, plan.session, node, commitment, holders, digests), config.get(SIGNATURE_KEY))
         if problem:
             plan.lost.setdefault(node, f"share keys: its seed commitment is not signed by its registered key: "
                                        f"{problem}")
             continue
         sources[node] = list(zip(destinations, ciphertexts))
         plan.commitments[node] = commitment
+        plan.share_digests[node] = dict(zip(holders, digests))
         plan.keyed.add(node)
     plan.forward = {node: ([], []) for node in plan.keyed}
     for source in sorted(plan.keyed):
@@ -218,7 +223,7 @@ def collect_config(plan: ServerRound, node: int) -> dict[str, Any]:
 
     sources, ciphertexts = plan.forward[node]
     return {**ours({Key.CIPHERTEXT_LIST: list(ciphertexts), Key.SOURCE_LIST: list(sources)}),
-            SESSION_KEY: plan.session}
+            SHARE_DIGESTS_KEY: [plan.share_digests[source][node] for source in sources], SESSION_KEY: plan.session}
 
 
 def add_masked_vector(plan: ServerRound, node: int, vector: np.ndarray) -> None:
@@ -306,60 +311,36 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
 
 
 def rebuild(plan: ServerRound, owner: int, shares: Mapping[int, Any]) -> bytes:
-    """``owner``'s mask seed (it is in the sum) or key (it dropped out) from the shares its neighbours sent: shares
-    of the wrong form or index are set aside, subsets of the rest are combined until the secret checks against
-    the owner's commitment or public key, and every share that does not fit it is recorded in ``plan.hostile``
-    with its sender. ValueError when no subset checks."""
+    """``owner``'s mask seed (it is in the sum) or key (it dropped out) from the shares its neighbours returned:
+    each share is checked against the digest ``owner`` committed to in the share-keys stage (which its holder
+    confirmed on receipt), a share that differs is set aside and its holder recorded in ``plan.hostile``, and the
+    secret rebuilt from threshold of the others is checked against the owner's seed commitment or public key.
+    ValueError when too few shares are left, or the owner's own shares do not rebuild what it committed to."""
     from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 
-    what = "mask seed" if owner in plan.masked else "key"
-    holders = sorted(plan.neighbours[owner] & plan.setup_done)  # in the order the owner made its shares
-    lengths = [len(s) for s in shares.values() if isinstance(s, bytes)]
-    length = SEED_SHARE_BYTES if owner in plan.masked else max(set(lengths), key=lengths.count, default=0)
+    what, part = ("mask seed", slice(0, 32)) if owner in plan.masked else ("key", slice(32, 64))
+    committed = plan.share_digests.get(owner, {})
     good: dict[int, bytes] = {}
     for holder, share in sorted(shares.items()):
-        if not isinstance(share, bytes) or len(share) != length or (length - 4) % 16 or length < 20:
-            plan.hostile[holder] = (f"its share of {plan.name(owner)}'s {what} is malformed "
-                                    f"({len(share) if isinstance(share, bytes) else type(share).__name__} bytes, "
-                                    f"the others' {length})")
-        elif holder not in holders or int.from_bytes(share[:4], "little") != holders.index(holder) + 1:
-            plan.hostile[holder] = f"its share of {plan.name(owner)}'s {what} carries another hospital's index"
+        if holder not in committed or not isinstance(share, bytes) \
+                or hashlib.sha256(share).digest() != committed[holder][part]:
+            plan.hostile[holder] = (f"its share of {plan.name(owner)}'s {what} is not the one {plan.name(owner)} "
+                                    "committed to (and it confirmed on receipt)")
         else:
             good[holder] = share
     if len(good) < plan.threshold:
         raise ValueError(f"only {len(good)} usable share(s) of {plan.name(owner)}'s {what} came back, fewer than the "
                          f"reconstruction threshold {plan.threshold}")
+    try:
+        secret = combine_shares(list(good.values())[:plan.threshold])
+    except ValueError:
+        secret = b""
     checks = seed_check(plan.commitments[owner]) if owner in plan.masked else key_check(plan.public_keys[owner][0])
-
-    def combined(subset: tuple[int, ...]) -> bytes | None:
-        try:
-            return combine_shares([good[h] for h in subset])
-        except Exception:  # shares that do not combine (a padding that does not unpad)
-            return None
-
-    for subset in candidate_subsets(sorted(good), plan.threshold):
-        secret = combined(subset)
-        if secret is not None and checks(secret):
-            break
-    else:
-        raise ValueError(f"no {plan.threshold} of the {len(good)} shares of {plan.name(owner)}'s {what} rebuild it "
-                         f"(checked against its {'commitment' if owner in plan.masked else 'public key'})")
-    for holder in sorted(set(good) - set(subset)):
-        if combined(subset[1:] + (holder,)) != secret:
-            plan.hostile[holder] = f"its share of {plan.name(owner)}'s {what} does not fit the others'"
+    if not checks(secret):
+        plan.hostile[owner] = f"the shares it made of its {what} do not rebuild the {what} it committed to"
+        raise ValueError(f"the shares {plan.name(owner)} made of its {what} do not rebuild it (checked against its "
+                         f"{'commitment' if owner in plan.masked else 'public key'})")
     return secret
-
-
-def candidate_subsets(holders: list[int], threshold: int) -> list[tuple[int, ...]]:
-    """Subsets of ``threshold`` holders to try: the first ones, then all subsets when they are few, else random ones
-    (with f hostile holders of n, one try succeeds with probability C(n - f, t) / C(n, t))."""
-    first = tuple(holders[:threshold])
-    rng = np.random.default_rng(len(holders))
-    if len(list(itertools.islice(itertools.combinations(holders, threshold), MAX_SUBSETS + 1))) <= MAX_SUBSETS:
-        rest = list(itertools.combinations(holders, threshold))
-    else:
-        rest = [tuple(sorted(rng.choice(holders, threshold, replace=False).tolist())) for _ in range(MAX_SUBSETS)]
-    return [first] + [s for s in rest if s != first]
 
 
 def seed_check(commitment: bytes) -> Callable[[bytes], bool]:
