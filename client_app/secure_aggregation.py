@@ -101,10 +101,13 @@ def secure_train(message: Message, context: Context, train: TrainHandler, requir
         if message.metadata.message_type.split(".")[0] == MessageType.TRAIN:
             _, policy = hospital_rules(context)
             if required or (policy is not None and policy.require_secure_aggregation):
+                from pathlib import Path
+
                 from common.policy import PolicyRefusal
 
-                raise PolicyRefusal("require-secure-aggregation: this hospital sends its updates only masked, and "
-                                    "the server asked for an unmasked one")
+                source = Path(str(context.node_config.get("policy-file") or "its ClientApp")).name
+                raise PolicyRefusal(f"refused by its policy ({source}): require-secure-aggregation: this hospital "
+                                    "sends its updates only masked, and the server asked for an unmasked one")
         return train(message)
     keys = RecordKeys.of(message.content)
     config = dict(message.content.config_records[keys.config])

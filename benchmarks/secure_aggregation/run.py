@@ -34,17 +34,19 @@ JOB = {"model": "small-cnn", "image-size": 16, "batch-size": 8, "min-partition-s
        "round-timeout": 60.0}
 
 
-def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool) -> dict[str, Any]:
-    """One run of ``rounds`` FedAvg rounds over ``hospitals`` in-process hospitals: seconds per round, bytes per
-    hospital each way (key stages included), one training reply's bytes, and for secure rounds each stage's time."""
+def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_shares: float = 1.0) -> dict[str, Any]:
+    """One run of ``rounds`` FedAvg rounds over ``hospitals`` in-process hospitals (secure: each sharing with
+    ``num-shares``): seconds per round, bytes per hospital each way (key stages included), one training reply's
+    bytes, and for secure rounds each stage's time."""
     from strategies import FedAvgStrategy
     from tests.fake_grid import FakeGrid, simulated_hospitals
 
     kind = "secure" if secure else "plain"
-    config = {**JOB, "synthetic-samples": SAMPLES_PER_HOSPITAL * hospitals, "run-name": f"{kind}-{hospitals}",
-              "state-dir": str(root / kind / str(hospitals)), "results-dir": str(root / "results"),
+    name = f"{kind}-{hospitals}-{num_shares:g}"
+    config = {**JOB, "synthetic-samples": SAMPLES_PER_HOSPITAL * hospitals, "run-name": name,
+              "state-dir": str(root / name), "results-dir": str(root / "results"),
               "min-train-hospitals": hospitals, "min-available-hospitals": hospitals,
-              "secure-aggregation.enabled": secure}
+              "secure-aggregation.enabled": secure, "secure-aggregation.num-shares": num_shares}
     class TimedFedAvg(FedAvgStrategy):
         """FedAvg whose rounds are timed from configure_train to aggregate_train: the key stages, the hospitals'
         work and the aggregation, without the server's test-set scoring."""
@@ -71,7 +73,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool) -> dic
     from common.wire import message_nbytes
 
     row: dict[str, Any] = {
-        "hospitals": hospitals, "kind": kind, "rounds": rounds,
+        "hospitals": hospitals, "kind": kind, "rounds": rounds, "num-shares": num_shares,
         "seconds-per-round": mean(r["wall-seconds"] for r in later),
         "bytes-up-per-hospital": mean(r["bytes_up"] / hospitals for r in later),
         "bytes-down-per-hospital": mean(r["bytes_down"] / hospitals for r in later),
@@ -86,6 +88,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool) -> dic
         row["masking-seconds-per-hospital"] = mean(
             mean(m["secagg-seconds"] for m in r["hospital_metrics"].values()) for r in later)
         row["threshold"] = later[-1]["secure-aggregation"]["threshold"]
+        row["shares"] = later[-1]["secure-aggregation"]["shares"]
     return row
 
 
@@ -183,20 +186,23 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
     lines = ["# Secure aggregation: what it costs (FedAvg, small CNN, generated data)", "",
              f"`python -m benchmarks.secure_aggregation.run` on {cpu_name()}, {time.strftime('%Y-%m-%d')}: hospitals "
              f"in the server's process (FakeGrid, serial, no network), {SAMPLES_PER_HOSPITAL} training images of "
-             f"16 x 16 each, means of rounds 2-{rounds}. Secure: SecAgg with every hospital sharing with every other "
-             "(num-shares 1.0), the default threshold (more than half the shares), masks from ChaCha20, the "
-             "consistency stage, no identity keys (simulation).", "",
-             "| hospitals | s/round plain | s/round secure | x | key stages s (setup / share / consistency / "
-             "unmask) | masking s per hospital | unmask + sums s (server) | reply B plain | masked reply B | up B/"
-             "hospital plain | up B/hospital secure | x | down B/hospital plain | down B/hospital secure | x |",
-             "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for count in sorted({r["hospitals"] for r in rows}):
-        plain = next(r for r in rows if r["hospitals"] == count and r["kind"] == "plain")
-        secure = next(r for r in rows if r["hospitals"] == count and r["kind"] == "secure")
+             f"16 x 16 each, means of rounds 2-{rounds}. Secure: every hospital sharing with every other (SecAgg, "
+             "num-shares 1.0) or with its ring neighbours (SecAgg+), the default threshold (more than half the "
+             "shares), masks from ChaCha20, the consistency stage, no identity keys (simulation). The machine is "
+             "shared: times vary by tens of percent between runs.", "",
+             "| hospitals | shares / threshold | s/round plain | s/round secure | x | key stages s (setup / share / "
+             "consistency / unmask) | masking s per hospital | unmask + sums s (server) | reply B plain | masked "
+             "reply B | up B/hospital plain | up B/hospital secure | x | down B/hospital plain | down B/hospital "
+             "secure | x |",
+             "|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    plain_of = {r["hospitals"]: r for r in rows if r["kind"] == "plain"}
+    for secure in (r for r in rows if r["kind"] == "secure"):
+        plain = plain_of[secure["hospitals"]]
         keys = " / ".join(f"{secure[f'{s}-seconds']:.2f}" for s in ("setup", "share_keys", "consistency_check",
                                                                     "unmask"))
         lines.append(
-            f"| {count} | {plain['seconds-per-round']:.2f} | {secure['seconds-per-round']:.2f} | "
+            f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
+            f"{plain['seconds-per-round']:.2f} | {secure['seconds-per-round']:.2f} | "
             f"{secure['seconds-per-round'] / plain['seconds-per-round']:.2f} | {keys} | "
             f"{secure['masking-seconds-per-hospital']:.3f} | {secure['unmask-and-sums-seconds']:.3f} | "
             f"{plain['training-reply-bytes']:,} | {secure['training-reply-bytes']:,} | "
@@ -225,6 +231,8 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hospitals", type=int, nargs="+", default=[5, 20])
+    parser.add_argument("--sparse-shares", type=int, default=7,
+                        help="also run the largest round as SecAgg+ with this many shares a hospital (0: not)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-protocol", action="store_true", help="skip the protocol-alone timing")
     parser.add_argument("--output", default=str(RESULTS / "secure_aggregation"),
@@ -237,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("flwr").setLevel(logging.ERROR)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for count in args.hospitals:
-            for secure in (False, True):
-                rows.append(measure_rounds(Path(folder), count, args.rounds, secure))
-                print(json.dumps(rows[-1]), flush=True)
+        runs = [(count, secure, 1.0) for count in args.hospitals for secure in (False, True)]
+        if args.sparse_shares and args.sparse_shares < max(args.hospitals):
+            runs.append((max(args.hospitals), True, float(args.sparse_shares)))
+        for count, secure, shares in runs:
+            rows.append(measure_rounds(Path(folder), count, args.rounds, secure, shares))
+            print(json.dumps(rows[-1]), flush=True)
     differencing = measure_differencing()
     protocol = None if args.no_protocol else measure_protocol()
     output = Path(args.output)

@@ -38,6 +38,10 @@ def expand_mask(secret: bytes, modulus: int, size: int) -> np.ndarray:
     if modulus < 2 or modulus & (modulus - 1) or modulus > 2**62:
         raise ValueError(f"modulus {modulus} is not a power of 2 up to 2^62")
     width = 4 if modulus <= 2**32 else 8
-    stream = Cipher(algorithms.ChaCha20(mask_key(secret), NONCE), mode=None).encryptor().update(bytes(size * width))
-    words = np.frombuffer(stream, dtype=f"<u{width}")
-    return (words & np.asarray(modulus - 1, dtype=words.dtype)).astype(np.int64)
+    words = np.empty(size + 16 // width, dtype=f"<u{width}")  # room for a block more, as update_into asks
+    encryptor = Cipher(algorithms.ChaCha20(mask_key(secret), NONCE), mode=None).encryptor()
+    encryptor.update_into(bytes(size * width), memoryview(words).cast("B"))
+    words = words[:size]
+    if modulus != 2 ** (8 * width):
+        np.bitwise_and(words, modulus - 1, out=words)
+    return words.astype(np.int64)
