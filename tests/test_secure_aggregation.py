@@ -27,31 +27,22 @@ from common.secure_aggregation import (
     pack_values,
     unpack_values,
 )
-from common.secure_aggregation.hospital import HospitalRound, HospitalRules, SecureAggregationRefusal, hospital_stage
+from common.secure_aggregation.hospital import HospitalRound, SecureAggregationRefusal, hospital_stage
+from common.secure_aggregation.inprocess import InProcess
 from common.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
     MASKED_ARRAY,
     MASKED_GROUP,
     SETUP,
-    SHARE_KEYS,
     UNMASK,
 )
 from common.secure_aggregation.methods import float_names
 from common.secure_aggregation.server import (
-    ServerRound,
     add_masked_vector,
-    collect_config,
     consistency_config,
-    plan_round,
-    receive_key_shares,
-    receive_public_keys,
-    receive_survivor_signatures,
     setup_config,
-    share_keys_config,
-    threshold_problem,
     unmask_config,
-    unmask_sum,
 )
 from common.wire import from_recorddict, message_nbytes
 from strategies import (
@@ -82,49 +73,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the protocol, without transport -------------------------------------------------------------------------------
-class InProcess:
-    """One protocol run with every hospital in this process: the server's functions and each hospital's
-    ``hospital_stage`` under its own rules. :meth:`run` is an honest server; a test playing a lying server calls
-    :meth:`ask` with configs of its own."""
-
-    def __init__(self, nodes, settings, size, rules=None):
-        self.plan: ServerRound = plan_round(nodes, settings, [0, 1], size)
-        self.rules = {n: HospitalRules(self.plan.name(n)) for n in nodes} if rules is None else rules
-        self.states = {n: HospitalRound.new() for n in nodes}
-
-    def ask(self, node, stage, config, vector=None) -> dict:
-        self.states[node], answer = hospital_stage(self.states[node], stage, config, node, self.rules[node], vector)
-        return answer
-
-    def answers(self, stage, config_of, nodes, silent_at=None) -> dict:
-        return {n: self.ask(n, stage, config_of(n)) for n in sorted(nodes) if (silent_at or {}).get(n) != stage}
-
-    def keys(self, silent_at=None) -> None:
-        """Setup and share keys."""
-        plan = self.plan
-        receive_public_keys(plan, self.answers(SETUP, lambda n: setup_config(plan), plan.nodes, silent_at))
-        receive_key_shares(plan, self.answers(SHARE_KEYS, lambda n: share_keys_config(plan, n), plan.setup_done,
-                                              silent_at))
-
-    def mask(self, node, vector) -> np.ndarray:
-        return self.ask(node, COLLECT, collect_config(self.plan, node), vector)["masked"]
-
-    def run(self, vectors, silent_at=None):
-        """Every stage, honestly; ``silent_at``: node -> the stage it stops answering at. The protocol state and the
-        unmasked sum (or the reason the round cannot go on)."""
-        silent_at, plan = silent_at or {}, self.plan
-        self.keys(silent_at)
-        for node in sorted(plan.keyed):
-            if silent_at.get(node) != COLLECT:
-                add_masked_vector(plan, node, self.mask(node, vectors[node]))
-        problem = threshold_problem(plan, plan.masked, plan.masked | plan.dropped)
-        if problem:
-            return plan, problem
-        receive_survivor_signatures(plan, self.answers(CONSISTENCY, lambda n: consistency_config(plan, n),
-                                                       plan.masked, silent_at))
-        return plan, unmask_sum(plan, self.answers(UNMASK, lambda n: unmask_config(plan, n), plan.masked, silent_at))
-
-
 def run_protocol(nodes, vectors, settings, silent_at=None, size=None):
     return InProcess(nodes, settings, size or len(next(iter(vectors.values())))).run(vectors, silent_at)
 

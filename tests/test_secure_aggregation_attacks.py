@@ -241,8 +241,14 @@ def test_bad_signatures_and_substituted_keys_are_refused(tmp_path):
     from common.secure_aggregation.server import receive_public_keys
 
     verify = lambda name, statement, signature: statement_problem(registered, name, statement, signature)  # noqa: E731
-    receive_public_keys(plan, protocol.answers(SETUP, lambda n: setup_config(plan), nodes), verify)
-    assert plan.setup_done == set(nodes) and not plan.lost  # the server checks them too, with hospital-keys
+    answers = protocol.answers(SETUP, lambda n: setup_config(plan), nodes)
+    forged = {node: dict(answer) for node, answer in answers.items()}
+    forged[3]["secagg.signature"] = forged[2]["secagg.signature"]
+    receive_public_keys(plan, forged, verify)  # the server checks them too, with hospital-keys
+    assert "setup: its public keys are not signed by its registered key" in plan.lost[3] and 3 not in plan.setup_done
+    plan.lost.clear()
+    receive_public_keys(plan, answers, verify)
+    assert plan.setup_done == set(nodes) and not plan.lost
 
     # the server swaps hospital 4's key for one of its own (it could then compute 4's pairwise masks)
     from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from benchmarks.machine import cpu_name
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 SAMPLES_PER_HOSPITAL = 24
+LOAD = os.getloadavg()  #: the machine's load when the run started (the results name it)
 JOB = {"model": "small-cnn", "image-size": 16, "batch-size": 8, "min-partition-size": 5, "evaluate-every": 100,
        "round-timeout": 60.0}
 
@@ -96,21 +98,8 @@ def measure_protocol(values: int = 11_200_000, count: int = 5) -> dict[str, Any]
     """The protocol alone at a ResNet-18's size, no training: one hospital's quantisation and masking, the server's
     sum and unmasking, in seconds; the masked vector's bytes; the sum's largest error."""
     from common.secure_aggregation import Entry, Layout, SecureAggregationSettings, decode_sum, encode
-    from common.secure_aggregation.hospital import HospitalRound, HospitalRules, hospital_stage
-    from common.secure_aggregation.messages import COLLECT, CONSISTENCY, SETUP, SHARE_KEYS, UNMASK
-    from common.secure_aggregation.server import (
-        add_masked_vector,
-        collect_config,
-        consistency_config,
-        plan_round,
-        receive_key_shares,
-        receive_public_keys,
-        receive_survivor_signatures,
-        setup_config,
-        share_keys_config,
-        unmask_config,
-        unmask_sum,
-    )
+    from common.secure_aggregation.inprocess import InProcess
+    from common.secure_aggregation.server import add_masked_vector
     from common.secure_aggregation.vector import pack_values, unpack_values
 
     layout = Layout((Entry("weight", ()), Entry("model/all", (values,))))
@@ -118,31 +107,18 @@ def measure_protocol(values: int = 11_200_000, count: int = 5) -> dict[str, Any]
     started = time.perf_counter()
     vector = encode(layout, {"weight": np.asarray(0.2), "model/all": 0.2 * update}, 8.0, 2**22)
     quantised = time.perf_counter() - started
-    nodes = list(range(1, count + 1))
-    plan = plan_round(nodes, SecureAggregationSettings(enabled=True), [0, 1], vector.size)
-    rules = {n: HospitalRules(plan.name(n)) for n in nodes}
-    states = {n: HospitalRound.new() for n in nodes}
-
-    def ask(stage, config_of, which, vector_=None):
-        answers = {}
-        for n in sorted(which):
-            states[n], answers[n] = hospital_stage(states[n], stage, config_of(n), n, rules[n], vector_)
-        return answers
-
-    receive_public_keys(plan, ask(SETUP, lambda n: setup_config(plan), nodes))
-    receive_key_shares(plan, ask(SHARE_KEYS, lambda n: share_keys_config(plan, n), nodes))
+    protocol = InProcess(list(range(1, count + 1)), SecureAggregationSettings(enabled=True), vector.size)
+    protocol.keys()
     masking, adding = [], []
-    for n in nodes:
+    for node in protocol.plan.nodes:
         started = time.perf_counter()
-        packed = pack_values(ask(COLLECT, lambda m: collect_config(plan, m), [n], vector)[n]["masked"], 32)
+        packed = pack_values(protocol.mask(node, vector), 32)
         masking.append(time.perf_counter() - started)
         started = time.perf_counter()
-        add_masked_vector(plan, n, unpack_values(packed, 32, vector.size))
+        add_masked_vector(protocol.plan, node, unpack_values(packed, 32, vector.size))
         adding.append(time.perf_counter() - started)
-    receive_survivor_signatures(plan, ask(CONSISTENCY, lambda n: consistency_config(plan, n), nodes))
-    answers = ask(UNMASK, lambda n: unmask_config(plan, n), nodes)
     started = time.perf_counter()
-    sums = decode_sum(layout, unmask_sum(plan, answers), count, 8.0, 2**22)
+    sums = decode_sum(layout, protocol.unmask(), count, 8.0, 2**22)
     unmasking = time.perf_counter() - started
     return {"values": values, "hospitals": count, "quantise-seconds": quantised, "mask-and-pack-seconds":
             mean(masking), "unpack-and-add-seconds": mean(adding), "unmask-and-decode-seconds": unmasking,
@@ -188,8 +164,9 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
              f"in the server's process (FakeGrid, serial, no network), {SAMPLES_PER_HOSPITAL} training images of "
              f"16 x 16 each, means of rounds 2-{rounds}. Secure: every hospital sharing with every other (SecAgg, "
              "num-shares 1.0) or with its ring neighbours (SecAgg+), the default threshold (more than half the "
-             "shares), masks from ChaCha20, the consistency stage, no identity keys (simulation). The machine is "
-             "shared: times vary by tens of percent between runs.", "",
+             "shares), masks from ChaCha20, the consistency stage, no identity keys (simulation). Load average "
+             f"{LOAD[0]:.1f} when it started, {os.getloadavg()[0]:.1f} when it ended: on a shared machine times vary "
+             "between runs; bytes do not.", "",
              "| hospitals | shares / threshold | s/round plain | s/round secure | x | key stages s (setup / share / "
              "consistency / unmask) | masking s per hospital | unmask + sums s (server) | reply B plain | masked "
              "reply B | up B/hospital plain | up B/hospital secure | x | down B/hospital plain | down B/hospital "
@@ -221,8 +198,8 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
                   f"{protocol['hospitals']} hospitals, no training: a hospital quantises in "
                   f"{protocol['quantise-seconds']:.2f} s and masks and packs in "
                   f"{protocol['mask-and-pack-seconds']:.2f} s; the server unpacks and adds one vector in "
-                  f"{protocol['unpack-and-add-seconds']:.2f} s and "
-                  f"unmasks and decodes the sum in {protocol['unmask-and-decode-seconds']:.2f} s; a masked vector is "
+                  f"{protocol['unpack-and-add-seconds']:.2f} s, and runs the consistency and unmask stages and "
+                  f"decodes the sum in {protocol['unmask-and-decode-seconds']:.2f} s; a masked vector is "
                   f"{protocol['masked-vector-bytes']:,} B (float32: {protocol['float32-bytes']:,} B); the sum's "
                   f"largest error is {protocol['largest-error']:.2g}."]
     return "\n".join(lines) + "\n"
