@@ -171,6 +171,21 @@ class RoundEngine:
             self.evaluate_round(record)
         return record
 
+    def declined_round(self, rnd: int, chosen: list[HospitalInfo], reason: str, started: float,
+                       bytes_down: dict[str, int] | None = None) -> dict[str, Any]:
+        """Record round ``rnd`` as skipped for ``reason`` without looking at its replies (an ``aggregate_train`` of a
+        user's or a wrapper's declined it before ours saw them): the global model is unchanged."""
+        bytes_down = bytes_down or {}
+        traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": 0} for h in chosen}
+        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen], "aggregated": [], "missing": [],
+                                  "refused": {}, "update-norm": {}, "update-norm-vs-median": {}, "skipped": reason,
+                                  "traffic": traffic, "bytes_down": int(sum(bytes_down.get(h.name, 0) for h in chosen)),
+                                  "bytes_up": 0, "hospital_metrics": {}, "devices": {}, "train": {},
+                                  "seconds": round(time.time() - started, 3) if started else 0.0}
+        log.warning("round %d: %s", rnd, reason)
+        self.history.append(record)
+        return record
+
     def evaluate_round(self, record: dict[str, Any]) -> None:
         """Score the global model on the test set for ``record``'s round (every ``evaluate-every`` rounds, and the
         last) and log the round."""

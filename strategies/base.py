@@ -15,12 +15,14 @@ polling, resume) and under Flower's own loop, e.g. inside Flower's DP wrappers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -141,6 +143,29 @@ class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
 
+def outermost_result_observed(aggregate_train: Callable) -> Callable:
+    """``aggregate_train`` that hands what the outermost call returns to :meth:`HospitalStrategy.aggregation_returned`.
+
+    Flower's contract is on that value: ``(None, ...)`` keeps the previous global model. A user's subclass may
+    override ``aggregate_train``, call ours through ``super()`` and still return ``None``; only the outermost call
+    knows, so every override in the class tree is wrapped (:meth:`HospitalStrategy.__init_subclass__`) and the
+    depth counted."""
+
+    @functools.wraps(aggregate_train)
+    def observed(self: "HospitalStrategy", server_round: int, replies: Iterable[Message]):
+        self._aggregating += 1
+        try:
+            arrays, metrics = aggregate_train(self, server_round, replies)
+        finally:
+            self._aggregating -= 1
+        if not self._aggregating:
+            self.aggregation_returned(server_round, arrays)
+        return arrays, metrics
+
+    observed.__fedmed_observed__ = True  # type: ignore[attr-defined]
+    return observed
+
+
 class HospitalStrategy(Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
@@ -159,6 +184,13 @@ class HospitalStrategy(Strategy):
     renamed: ClassVar[dict[str, str]] = {}  #: argument -> settings field, where Flower's name differs (proximal_mu)
     RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
     QUERY_PATIENCE = 45.0  # seconds before an identity query without reply is sent again
+    _aggregating = 0  # calls of aggregate_train in progress (an override calling ours through super() makes 2)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("aggregate_train")
+        if own is not None and not getattr(own, "__fedmed_observed__", False):
+            cls.aggregate_train = outermost_result_observed(own)
 
     def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 1, min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
@@ -208,6 +240,7 @@ class HospitalStrategy(Strategy):
         self._warned_gpus = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
+        self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
         from strategies.secure_aggregation import SecureAggregation
 
@@ -534,13 +567,17 @@ class HospitalStrategy(Strategy):
         state = sum(a.nbytes for a in self.engine.method.global_arrays.values())
         return 4 * state + 64_000_000
 
+    @outermost_result_observed
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The next global model and the round's metrics, as Flower's: ``(None, None)`` when no reply was accepted,
         no arrays when too few were (``min_train_nodes``: the model stays as it was). The round is recorded, scored
         on the test set and saved once its model is released (:meth:`configure_evaluate`), so what a subclass or a
-        DP wrapper makes of these arrays is the model that is scored, saved and sent next."""
+        DP wrapper makes of these arrays is the model that is scored, saved and sent next; a subclass's
+        ``aggregate_train`` that returns no arrays keeps the previous model (:meth:`aggregation_returned`)."""
         self._replies = {}
+        if self._aggregating > 1:  # called by an override, which may still decline the round: keep what to go back to
+            self._state_before = {k: np.array(v, copy=True) for k, v in self.engine.method.state_dict().items()}
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
                                             self._round_started, self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
@@ -571,11 +608,42 @@ class HospitalStrategy(Strategy):
                     "deployment set device='cuda:N' in their node config", torch.cuda.device_count(),
                     ", ".join(on_cpu))
 
+    def aggregation_returned(self, server_round: int, arrays: ArrayRecord | None) -> None:
+        """The outermost ``aggregate_train`` of round ``server_round`` returned ``arrays``. ``None`` is Flower's way to
+        skip a round: the previous global model stays, in the method too (whatever ours aggregated when an override
+        called it and then declined), and the round is recorded as skipped, with the reason."""
+        record = self._record if self._record is not None and self._record["round"] == server_round else None
+        before, self._state_before = self._state_before, None
+        if record is None:  # an override that never called ours
+            self.round_record(server_round, f"{type(self).__name__}.aggregate_train returned no arrays without "
+                                            "fedmed's aggregation")
+        elif arrays is None and "skipped" not in record:
+            if before is not None:
+                self.engine.method.load_state_dict(before)
+            record["discarded"], record["aggregated"] = record["aggregated"], []
+            record.pop("method", None)
+            record["skipped"] = (f"{type(self).__name__}.aggregate_train returned no arrays: the aggregate of "
+                                 f"{', '.join(record['discarded'])} was discarded; {kept(server_round)}")
+            log.warning("round %d: %s", server_round, record["skipped"])
+
+    def round_record(self, server_round: int, why: str = "") -> dict[str, Any] | None:
+        """Round ``server_round``'s record while it is in progress; where no ``aggregate_train`` of ours made one (an
+        override or a wrapper declined the round first: Flower's DP wrappers do when a reply is an error), one that
+        records it skipped, ``why``. None once the round has ended."""
+        if self._record is not None and self._record["round"] == server_round:
+            return self._record
+        if server_round != self.engine.next_round:
+            return None
+        why = why or "the replies never reached fedmed's aggregate_train (a wrapper declined the round)"
+        self._record = self.engine.declined_round(server_round, self._chosen, f"{why}; {kept(server_round)}",
+                                                  self._round_started, self._bytes_down)
+        return self._record
+
     def release(self, server_round: int, arrays: ArrayRecord) -> None:
         """``arrays`` are round ``server_round``'s released global model (a wrapper's or a subclass's take on what
         :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set."""
-        record = self._record
-        if record is None or record["round"] != server_round:
+        record = self.round_record(server_round)
+        if record is None:
             return
         if len(arrays) and "skipped" not in record:
             self.engine.adopt_global_arrays(arrays_of(arrays), f"global model released after round {server_round}")
@@ -738,7 +806,7 @@ class HospitalStrategy(Strategy):
                     arrays = aggregated
                 if metrics is not None:
                     result.train_metrics_clientapp[rnd] = metrics
-                record = self._record
+                record = self.round_record(rnd)
                 evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
                 evaluated = self.aggregate_evaluate(
                     rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
@@ -761,11 +829,18 @@ class HospitalStrategy(Strategy):
                 f"no round of {first}..{num_rounds} aggregated any hospital: "
                 + "; ".join(f"round {r['round']}: " + (", ".join(f"{h} refused ({why})" for h, why in
                                                             r["refused"].items()) or f"missing {r['missing']}"
-                                                        if r["refused"] or r["missing"] else "no hospital chosen")
+                                                        if r["refused"] or r["missing"] else
+                                                        r.get("skipped") or "no hospital chosen")
                             for r in self.engine.history[-3:]))
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
         return result
+
+
+def kept(server_round: int) -> str:
+    """Which model a skipped round keeps."""
+    return ("the initial global model is kept" if server_round == 1 else
+            f"the global model of round {server_round - 1} is kept")
 
 
 class NoHospitalAggregated(RuntimeError):

@@ -6,13 +6,18 @@ given in Python reach the hospitals; a run that aggregated nobody fails."""
 
 from __future__ import annotations
 
+import functools
+import json
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MessageType
-from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, Strategy
 
 from common.config import ConfigError
 from common.wire import from_recorddict
+from server_app.app import RoundSaver
+from server_app.checkpoint import checkpoint_dir, read_checkpoint
 from strategies import FedAvgStrategy, FedProInStrategy, QFedPolypStrategy
 from strategies.base import NoHospitalAggregated
 from strategies.records import arrays_of
@@ -185,3 +190,78 @@ def test_a_whole_flower_run_config_is_accepted_and_a_misspelt_key_of_ours_is_not
         FedProInStrategy(run_config={**config, "num-server-round": 3})
     with pytest.raises(ConfigError, match="'fedproin.num-prototype'"):
         FedProInStrategy(run_config={**config, "fedproin.num-prototype": 3})
+
+
+class DecliningFedAvg(FedAvgStrategy):
+    """A user's aggregate_train that returns ``(None, None)`` in the rounds ``decline`` (Flower's way to skip a round),
+    after calling ours through super() or without it."""
+
+    def __init__(self, decline: int, after_ours: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.decline, self.after_ours = decline, after_ours
+        self.given: dict[int, dict[str, np.ndarray]] = {}
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self.given[server_round] = arrays_of(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        if server_round != self.decline:
+            return super().aggregate_train(server_round, replies)
+        if self.after_ours:
+            super().aggregate_train(server_round, replies)
+        return None, None
+
+
+def assert_same_model(actual, expected, what):
+    assert set(expected) <= set(actual), what
+    for name, value in expected.items():
+        np.testing.assert_array_equal(actual[name], value, err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("after_ours", [True, False], ids=["after-ours", "without-ours"])
+@pytest.mark.parametrize("declined", [1, 3])
+@pytest.mark.parametrize("loop", ["ours", "flowers"])
+def test_none_from_aggregate_train_in_any_round_keeps_the_previous_model_and_the_run_goes_on(tmp_path, loop, declined,
+                                                                                            after_ours):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    strategy = DecliningFedAvg(declined, after_ours, run_config=config, on_round_end=RoundSaver(plot_interval=1e9))
+    grid = FakeGrid(simulated_hospitals(config, 2))
+    scored = {}
+
+    def evaluate_fn(server_round, arrays):
+        scored[server_round] = arrays_of(arrays)
+        return None
+
+    initial = strategy.initial_arrays()
+    start = strategy.start if loop == "ours" else functools.partial(Strategy.start, strategy)  # Flower's own loop
+    result = start(grid, initial_arrays=initial, num_rounds=3, evaluate_fn=evaluate_fn)
+
+    run_dir = strategy.job.run_dir
+    saved = {}
+    for rnd in (1, 2, 3):
+        state = read_checkpoint(checkpoint_dir(run_dir) / f"round-{rnd:05d}.npz")
+        saved[rnd] = {k.removeprefix("method/global/"): v for k, v in state.items() if k.startswith("method/global/")}
+    previous = arrays_of(initial) if declined == 1 else saved[declined - 1]
+    assert_same_model(saved[declined], previous, "the checkpoint of the declined round")
+    assert_same_model(scored[declined], previous, "what evaluate_fn scored after the declined round")
+    if declined < 3:
+        assert_same_model(strategy.given[declined + 1], previous, "configure_train of the next round")
+        for sent in sent_models(grid)[2 * declined:2 * declined + 2]:
+            assert_same_model(sent, previous, "what the hospitals trained next")
+    else:
+        assert_same_model(arrays_of(result.arrays), previous, "Result.arrays")
+    if declined == 1:  # the run went on: round 2 trained from the kept model and changed it
+        assert not all(np.array_equal(saved[2][k], v) for k, v in previous.items())
+
+    history = strategy.engine.history
+    assert [r["round"] for r in history] == [1, 2, 3]
+    skipped = history[declined - 1]
+    assert "DecliningFedAvg.aggregate_train returned no arrays" in skipped["skipped"] and skipped["aggregated"] == []
+    kept = "initial global model is kept" if declined == 1 else "global model of round 2 is kept"
+    assert kept in skipped["skipped"]
+    assert skipped.get("discarded", []) == (["hospital-00", "hospital-01"] if after_ours else [])
+    others = [r for r in history if r["round"] != declined]
+    assert all(r["aggregated"] == ["hospital-00", "hospital-01"] and "skipped" not in r for r in others)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[declined - 1]["skipped"] == skipped["skipped"]  # the run's own history says why
