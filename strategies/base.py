@@ -169,8 +169,9 @@ def outermost_result_observed(aggregate_train: Callable) -> Callable:
 class HospitalStrategy(Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
-    Flower's arguments mean what they mean in ``FedAvg``: ``fraction_train`` of the connected
-    hospitals train each round, at least ``min_train_nodes`` replies are needed to aggregate, and
+    Flower's arguments mean what they mean in ``FedAvg`` and come in its order, so they may be given by position
+    (``FedProInStrategy(0.5)`` as ``FedAvg(0.5)``); all after them are keyword-only. ``fraction_train`` of the
+    connected hospitals train each round, at least ``min_train_nodes`` replies are needed to aggregate, and
     round 1 waits for ``min_available_nodes`` hospitals. ``run_config`` is a fedmed run config (the
     keys of ``[tool.flwr.app.config]``, e.g. ``context.run_config``) for everything else: the task,
     the server's test set, the model's size. The method's own arguments are the subclasses'.
@@ -192,11 +193,11 @@ class HospitalStrategy(Strategy):
         if own is not None and not getattr(own, "__fedmed_observed__", False):
             cls.aggregate_train = outermost_result_observed(own)
 
-    def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
+    def __init__(self, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 1, min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
                  arrayrecord_key: str = "arrays", configrecord_key: str = "config",
                  train_metrics_aggr_fn: MetricsAggregation | None = None,
-                 evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggregation | None = None, *,
                  run_config: Mapping[str, Any] | JobConfig | None = None, settings: Mapping[str, Any] | None = None,
                  on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0, **method_settings: Any):
         if not self.method_name:

@@ -7,20 +7,22 @@ given in Python reach the hospitals; a run that aggregated nobody fails."""
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MessageType
-from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, Strategy
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg, Strategy
 
 from common.config import ConfigError
 from common.wire import from_recorddict
 from server_app.app import RoundSaver
 from server_app.checkpoint import checkpoint_dir, read_checkpoint
 from strategies import FedAvgStrategy, FedProInStrategy, QFedPolypStrategy
-from strategies.base import NoHospitalAggregated
+from strategies.base import HospitalStrategy, NoHospitalAggregated
 from strategies.records import arrays_of
+from strategies.registry import load, methods
 
 from .fake_grid import FakeGrid, simulated_hospitals
 from .test_strategies import SMALL_CLASSIFICATION, SMALL_POLYP, run_config
@@ -265,3 +267,36 @@ def test_none_from_aggregate_train_in_any_round_keeps_the_previous_model_and_the
     assert all(r["aggregated"] == ["hospital-00", "hospital-01"] and "skipped" not in r for r in others)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[declined - 1]["skipped"] == skipped["skipped"]  # the run's own history says why
+
+
+FLOWERS_ARGUMENTS = [name for name in inspect.signature(FedAvg.__init__).parameters if name != "self"]
+
+
+def test_flowers_fedavg_arguments_come_first_in_its_order_so_they_may_be_positional():
+    ours = [p for name, p in inspect.signature(HospitalStrategy.__init__).parameters.items() if name != "self"]
+    assert [p.name for p in ours[:len(FLOWERS_ARGUMENTS)]] == FLOWERS_ARGUMENTS
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in ours[:len(FLOWERS_ARGUMENTS)])
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in ours[len(FLOWERS_ARGUMENTS):])
+
+
+@pytest.mark.parametrize("spec", sorted(methods().values(), key=lambda s: s.name), ids=lambda s: s.name)
+def test_every_strategy_takes_flowers_arguments_by_position_and_its_own_by_keyword(spec):
+    def total(records, key):
+        return None
+
+    strategy_type = load(spec.strategy)
+    assert FedAvg(0.5).fraction_train == 0.5
+    strategy = strategy_type(0.5)  # as FedAvg(0.5)
+    assert strategy.fraction_train == 0.5
+    strategy = strategy_type(0.25, 0.5, 3, 2, 4, "n", "weights", "settings", total, total)
+    assert (strategy.fraction_train, strategy.fraction_evaluate, strategy.min_train_nodes, strategy.min_evaluate_nodes,
+            strategy.min_available_nodes, strategy.weighted_by_key, strategy.arrayrecord_key,
+            strategy.configrecord_key) == (0.25, 0.5, 3, 2, 4, "n", "weights", "settings")
+    assert strategy.train_metrics_aggr_fn is total and strategy.evaluate_metrics_aggr_fn is total
+    assert strategy.job.strategy == spec.name
+    with pytest.raises(TypeError, match="positional"):  # the method's own arguments are keyword-only
+        strategy_type(0.25, 0.5, 3, 2, 4, "n", "weights", "settings", total, total, 1.0)
+    own = strategy_type.argument_defaults()
+    if own:  # and still work by keyword, beside positional ones
+        name, default = next(iter(own.items()))
+        assert getattr(strategy_type(0.5, **{name: default}), name) == default
