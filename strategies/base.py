@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
@@ -35,7 +36,7 @@ from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
-from strategies.registry import method_tasks
+from strategies.registry import method_spec, method_tasks, methods
 
 from .records import arrays_of, as_arrayrecord, round_metricrecord
 
@@ -239,6 +240,7 @@ class HospitalStrategy(Strategy):
         self.contested: dict[str, set[int]] = {}  # hospital name -> the nodes claiming it (no hospital-keys)
         self._warned_names = False
         self._warned_gpus = False
+        self._warned_client_dp = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
@@ -508,12 +510,64 @@ class HospitalStrategy(Strategy):
             return self.job.message_arrays
         return "flat" if self._in_own_loop else "per-tensor"
 
+    # --- Flower's wrappers --------------------------------------------------------------------------
+    def wrappers(self) -> list[Strategy]:
+        """The strategies wrapping this one (``wrapper.strategy is self``, and their own wrappers), found on the call
+        stack: a wrapper such as Flower's DP wrappers is built around a strategy without telling it, and calls the
+        strategy's hooks (``summary``, ``configure_train``) from its own."""
+        found: list[Strategy] = []
+        inner: Strategy = self
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not inner and isinstance(owner, Strategy) and getattr(owner, "strategy", None) is inner:
+                found.append(owner)
+                inner = owner
+            frame = frame.f_back
+        return found
+
+    def refuse_unfit_wrappers(self) -> None:
+        """A ConfigError, before round 1 (Flower's loop calls ``summary`` first), when one of Flower's DP wrappers
+        wraps a method whose replies it cannot clip tensor by tensor against the model it sent
+        (``MethodSpec.not_for_central_dp``) or a strategy with secure aggregation; where a client-side wrapper is
+        fit, a warning that hospitals must clip with Flower's mod."""
+        from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping as ClientAdaptive
+        from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping as ClientFixed
+        from flwr.serverapp.strategy.dp_adaptive_clipping import DifferentialPrivacyAdaptiveBase
+        from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
+
+        dp = [w for w in self.wrappers() if isinstance(w, (DifferentialPrivacyFixedClippingBase,
+                                                            DifferentialPrivacyAdaptiveBase))]
+        if not dp:
+            return
+        wrapper = f"Flower's {type(dp[0]).__name__} cannot wrap {type(self).__name__} (method {self.job.strategy!r})"
+        why = method_spec(self.job.strategy).not_for_central_dp
+        if why:
+            fit = ", ".join(name for name, spec in methods().items() if not spec.not_for_central_dp)
+            raise ConfigError(f"{wrapper}: {why}. Nothing was sent to the hospitals. Central DP fits the methods whose "
+                              f"reply is the model ({fit}); for this method use each hospital's own local DP (its "
+                              "policy's local-dp, docs/privacy.md)")
+        if self.secure_aggregation is not None:
+            raise ConfigError(f"{wrapper} with secure aggregation (secure-aggregation.enabled): hospitals send "
+                              "masked sums, never the update of one hospital that the wrapper clips (and that Flower's "
+                              "clipping mod would clip after masking). Nothing was sent to the hospitals. For DP with "
+                              "secure aggregation use each hospital's own local DP (its policy's local-dp, "
+                              "docs/privacy.md)")
+        client_side = [w for w in dp if isinstance(w, (ClientFixed, ClientAdaptive))]
+        if client_side and not self._warned_client_dp:
+            self._warned_client_dp = True
+            mod = "adaptiveclipping_mod" if isinstance(client_side[0], ClientAdaptive) else "fixedclipping_mod"
+            log.warning("%s expects every hospital to clip its update with Flower's %s; fedmed's own ClientApp does "
+                        "not install it: give the hospitals a ClientApp of their own with it (docs/own-clientapp.md), "
+                        "or the noise is not calibrated to any clipping", type(client_side[0]).__name__, mod)
+
     # --- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Hospitals of this round and their messages; ``arrays`` (the current global model, as Flower's loop
         and ours pass it) become the method's global model first, so a wrapper's or a subclass's changes (e.g.
-        DP noise) are what hospitals receive."""
+        DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
+        self.refuse_unfit_wrappers()
         if len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
         self._grid = grid
@@ -756,6 +810,7 @@ class HospitalStrategy(Strategy):
         return self.cross_site
 
     def summary(self) -> None:
+        self.refuse_unfit_wrappers()  # Flower's loop begins with summary(): before evaluate_fn and round 1
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
                  type(self).__name__, self.job.num_server_rounds, self.job.fraction_train,
                  self.job.min_train_hospitals, self.job.round_timeout)

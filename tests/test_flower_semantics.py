@@ -12,8 +12,15 @@ import json
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Error, Message, MessageType
-from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg, Strategy
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+    Strategy,
+)
 
 from common.config import ConfigError
 from common.wire import from_recorddict
@@ -23,6 +30,7 @@ from strategies import FedAvgStrategy, FedProInStrategy, QFedPolypStrategy
 from strategies.base import HospitalStrategy, NoHospitalAggregated
 from strategies.records import arrays_of
 from strategies.registry import load, methods
+from strategies.secure_aggregation import with_secure_aggregation
 
 from .fake_grid import FakeGrid, simulated_hospitals
 from .test_strategies import SMALL_CLASSIFICATION, SMALL_POLYP, run_config
@@ -300,3 +308,78 @@ def test_every_strategy_takes_flowers_arguments_by_position_and_its_own_by_keywo
     if own:  # and still work by keyword, beside positional ones
         name, default = next(iter(own.items()))
         assert getattr(strategy_type(0.5, **{name: default}), name) == default
+
+
+DP_WRAPPERS = {
+    "server-fixed": lambda strategy: DifferentialPrivacyServerSideFixedClipping(strategy, 1.0, 0.5, 2),
+    "client-fixed": lambda strategy: DifferentialPrivacyClientSideFixedClipping(strategy, 1.0, 0.5, 2),
+    "server-adaptive": lambda strategy: DifferentialPrivacyServerSideAdaptiveClipping(strategy, 0.05, 2),
+    "client-adaptive": lambda strategy: DifferentialPrivacyClientSideAdaptiveClipping(strategy, 0.05, 2),
+}
+UNFIT_FOR_DP = {"qfedpolyp": "quantised codes", "fedbn": "normalisation layers", "fedproto": "prototypes",
+                "fedmepd": "encoders of its own modalities", "fedmepd-federated-decoder": "encoders of its own",
+                "fedmepd-local": "trains alone"}
+
+
+def silent_hospitals() -> FakeGrid:
+    return FakeGrid({101: lambda message: None, 102: lambda message: None})
+
+
+@pytest.mark.parametrize("wrap", DP_WRAPPERS)
+@pytest.mark.parametrize("method", UNFIT_FOR_DP)
+def test_flowers_dp_wrappers_refuse_a_method_they_cannot_clip_before_anything_is_sent(wrap, method):
+    strategy = load(methods()[method].strategy)()
+    wrapped = DP_WRAPPERS[wrap](strategy)
+    grid = silent_hospitals()
+    refusal = f"{type(wrapped).__name__} cannot wrap {type(strategy).__name__} \\(method '{method}'\\): .*" + \
+        UNFIT_FOR_DP[method]
+    with pytest.raises(ConfigError, match=refusal):  # Flower's loop: at its first step, before evaluate_fn and round 1
+        wrapped.start(grid, initial_arrays=ArrayRecord(), num_rounds=1, evaluate_fn=lambda rnd, arrays: pytest.fail())
+    with pytest.raises(ConfigError, match=refusal):  # a wrapper driven by hand: at round 1's configure_train
+        wrapped.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
+    assert grid.sent == []
+
+
+@pytest.mark.parametrize("wrap", DP_WRAPPERS)
+@pytest.mark.parametrize("how", ["run-config", "mixin"])
+def test_flowers_dp_wrappers_refuse_a_strategy_with_secure_aggregation(wrap, how):
+    strategy = (FedAvgStrategy(run_config={"secure-aggregation.enabled": True}) if how == "run-config"
+                else with_secure_aggregation(FedProInStrategy)())
+    wrapped = DP_WRAPPERS[wrap](strategy)
+    grid = silent_hospitals()
+    with pytest.raises(ConfigError, match=f"{type(wrapped).__name__} cannot wrap .* with secure aggregation .*masked"):
+        wrapped.start(grid, initial_arrays=ArrayRecord(), num_rounds=1)
+    assert grid.sent == []
+
+
+@pytest.mark.parametrize("wrap", DP_WRAPPERS)
+def test_flowers_dp_wrappers_still_take_the_methods_whose_reply_is_the_model(wrap, caplog):
+    fit = sorted(name for name, spec in methods().items() if not spec.not_for_central_dp)
+    assert fit == ["fedavg", "fedmepd-fedavg", "fedproin", "fedprox", "moon"]
+    for method in fit:
+        strategy = load(methods()[method].strategy)()
+        with caplog.at_level("WARNING", logger="fedmed"):
+            DP_WRAPPERS[wrap](strategy).summary()  # what Flower's loop calls first: no refusal
+        assert ("fedmed's own ClientApp does not install it" in caplog.text) == wrap.startswith("client")
+        caplog.clear()
+
+
+def test_a_round_the_dp_wrapper_declines_is_recorded_and_the_run_goes_on(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    nodes = simulated_hospitals(config, 2)
+    calls = []
+
+    def fails_once(message):
+        calls.append(message.metadata.message_type)
+        return failing(message) if calls.count(MessageType.TRAIN) == 1 else nodes[102](message)
+
+    strategy = FedAvgStrategy(run_config=config)
+    wrapped = DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier=0.0, clipping_norm=10.0,
+                                                        num_sampled_clients=2)
+    initial = strategy.initial_arrays()
+    result = wrapped.start(FakeGrid({101: nodes[101], 102: fails_once}), initial_arrays=initial, num_rounds=2)
+    first, second = strategy.engine.history
+    assert "never reached fedmed's aggregate_train" in first["skipped"] and first["aggregated"] == []
+    assert "initial global model is kept" in first["skipped"]
+    assert second["aggregated"] == ["hospital-00", "hospital-01"]
+    assert not all(np.array_equal(arrays_of(result.arrays)[k], v) for k, v in arrays_of(initial).items())

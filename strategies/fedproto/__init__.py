@@ -7,5 +7,7 @@ METHODS = (
                hospital="strategies.fedproto.hospital:FedProtoHospital",
                strategy="strategies.fedproto.strategy:FedProtoStrategy",
                summary="Personal models that share per-class mean features (prototypes)",
-               settings="strategies.fedproto.settings:FedProtoSettings", section="fedproto", model_needs="features"),
+               settings="strategies.fedproto.settings:FedProtoSettings", section="fedproto", model_needs="features",
+               not_for_central_dp="hospitals share per-class mean features (prototypes), not a model: "
+               "there are no weights for the wrapper to clip"),
 )
