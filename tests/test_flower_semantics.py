@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideAdaptiveClipping,
     DifferentialPrivacyClientSideFixedClipping,
@@ -383,3 +384,48 @@ def test_a_round_the_dp_wrapper_declines_is_recorded_and_the_run_goes_on(tmp_pat
     assert "initial global model is kept" in first["skipped"]
     assert second["aggregated"] == ["hospital-00", "hospital-01"]
     assert not all(np.array_equal(arrays_of(result.arrays)[k], v) for k, v in arrays_of(initial).items())
+
+
+@pytest.fixture
+def fedmed_logger_kept():
+    """fedmed's ServerApp gives the 'fedmed' logger a handler of its own and stops propagation (as a process of its
+    own should); in-process, the logger is put back as it was for the tests after."""
+    logger = logging.getLogger("fedmed")
+    before = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate = before[0], before[1]
+    logger.setLevel(before[2])
+
+
+def test_fedmeds_serverapp_serves_a_clientapp_that_reads_run_config_keys_of_its_own(tmp_path, fedmed_logger_kept):
+    from client_app.api import Hospital
+    from server_app.app import main
+
+    config = {**run_config(tmp_path, SMALL_CLASSIFICATION), "num-server-rounds": 1, "mode": "strict", "lr": 0.1,
+              "seeds": "1,2", "myapp.threshold": 0.5}
+    seen = []
+
+    def users_clientapp(node_id: int, partition: int):  # the hospitals' own ClientApp: a key of its own, our API
+        context = Context(run_id=1, node_id=node_id, node_config={"partition-id": partition, "num-partitions": 2},
+                          state=RecordDict(), run_config=dict(config))
+
+        def answer(message: Message) -> Message:
+            seen.append((context.run_config["mode"], context.run_config["myapp.threshold"]))
+            return Hospital(context).answer(message)
+        return answer
+
+    grid = FakeGrid({101: users_clientapp(101, 0), 102: users_clientapp(102, 1)})
+    server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(config))
+    main(grid, server)
+    run_dir = tmp_path / "results" / "t"
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rounds[0]["aggregated"] == ["hospital-00", "hospital-01"]
+    assert seen and set(seen) == {("strict", 0.5)}  # every message reached a hospital whose app read its own keys
+    assert "mode" not in json.loads((run_dir / "config.json").read_text())  # fedmed's run record: fedmed's keys
+
+    grid = FakeGrid({101: users_clientapp(101, 0), 102: users_clientapp(102, 1)})
+    server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                     run_config={**config, "run-name": "typo", "scrrening.max-reply-mb": 5})
+    with pytest.raises(ConfigError, match="'scrrening.max-reply-mb'.*did you mean 'screening.max-reply-mb'"):
+        main(grid, server)
+    assert grid.sent == []  # refused before round 1
