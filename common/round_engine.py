@@ -28,6 +28,7 @@ from common.methods.base import (
     unpack_json,
 )
 from common.models.requirements import check_network
+from common.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.screening import (
     batchnorm_problem,
     brief,
@@ -264,6 +265,7 @@ class RoundEngine:
         state["run/history"] = pack_json(self.history)
         state["run/config"] = pack_json(self.cfg.model_dump(mode="json", by_alias=True))
         state["run/model-spec"] = pack_json(self.method.task.spec)  # classes and channels the model was built for
+        state[IMPORT_PATHS_KEY] = pack_json(import_roots(self.cfg))  # where its own network and loader came from
         return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
