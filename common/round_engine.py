@@ -172,18 +172,25 @@ class RoundEngine:
             self.evaluate_round(record)
         return record
 
-    def declined_round(self, rnd: int, chosen: list[HospitalInfo], reason: str, started: float,
-                       bytes_down: dict[str, int] | None = None) -> dict[str, Any]:
-        """Record round ``rnd`` as skipped for ``reason`` without looking at its replies (an ``aggregate_train`` of a
-        user's or a wrapper's declined it before ours saw them): the global model is unchanged."""
+    def unscreened_round(self, rnd: int, chosen: list[HospitalInfo], started: float,
+                         bytes_down: dict[str, int] | None = None, skipped: str | None = None,
+                         aggregated_by: str = "") -> dict[str, Any]:
+        """Record round ``rnd``, whose replies fedmed's screening never saw (a user's or a wrapper's
+        ``aggregate_train`` took them first): skipped for the reason ``skipped`` (the global model unchanged), or
+        else aggregated by ``aggregated_by`` from the chosen hospitals' replies."""
         bytes_down = bytes_down or {}
         traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": 0} for h in chosen}
-        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen], "aggregated": [], "missing": [],
-                                  "refused": {}, "update-norm": {}, "update-norm-vs-median": {}, "skipped": reason,
-                                  "traffic": traffic, "bytes_down": int(sum(bytes_down.get(h.name, 0) for h in chosen)),
-                                  "bytes_up": 0, "hospital_metrics": {}, "devices": {}, "train": {},
+        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
+                                  "aggregated": [] if skipped else [h.name for h in chosen], "missing": [],
+                                  "refused": {}, "update-norm": {}, "update-norm-vs-median": {}, "traffic": traffic,
+                                  "bytes_down": int(sum(t["down"] for t in traffic.values())), "bytes_up": 0,
+                                  "hospital_metrics": {}, "devices": {}, "train": {},
                                   "seconds": round(time.time() - started, 3) if started else 0.0}
-        log.warning("round %d: %s", rnd, reason)
+        if skipped:
+            record["skipped"] = skipped
+            log.warning("round %d: %s", rnd, skipped)
+        else:
+            record["aggregated-by"] = aggregated_by
         self.history.append(record)
         return record
 

@@ -666,19 +666,23 @@ class HospitalStrategy(Strategy):
     def aggregation_returned(self, server_round: int, arrays: ArrayRecord | None) -> None:
         """The outermost ``aggregate_train`` of round ``server_round`` returned ``arrays``. ``None`` is Flower's way to
         skip a round: the previous global model stays, in the method too (whatever ours aggregated when an override
-        called it and then declined), and the round is recorded as skipped, with the reason."""
+        called it and then declined), and the round is recorded as skipped, with the reason. An override that
+        aggregated without ours has its round recorded too (``aggregated-by``); its arrays are released as any."""
         record = self._record if self._record is not None and self._record["round"] == server_round else None
         before, self._state_before = self._state_before, None
-        if record is None:  # an override that never called ours
-            self.round_record(server_round, f"{type(self).__name__}.aggregate_train returned no arrays without "
-                                            "fedmed's aggregation")
-        elif arrays is None and "skipped" not in record:
+        name = f"{type(self).__name__}.aggregate_train"
+        if record is None and arrays is None:  # an override that never called ours
+            self.round_record(server_round, f"{name} returned no arrays without fedmed's aggregation")
+        elif record is None and server_round == self.engine.next_round:  # one that aggregated on its own
+            self._record = self.engine.unscreened_round(server_round, self._chosen, self._round_started,
+                                                        self._bytes_down, aggregated_by=f"{name}, on its own")
+        elif record is not None and arrays is None and "skipped" not in record:
             if before is not None:
                 self.engine.method.load_state_dict(before)
             record["discarded"], record["aggregated"] = record["aggregated"], []
             record.pop("method", None)
-            record["skipped"] = (f"{type(self).__name__}.aggregate_train returned no arrays: the aggregate of "
-                                 f"{', '.join(record['discarded'])} was discarded; {kept(server_round)}")
+            record["skipped"] = (f"{name} returned no arrays: the aggregate of {', '.join(record['discarded'])} "
+                                 f"was discarded; {kept(server_round)}")
             log.warning("round %d: %s", server_round, record["skipped"])
 
     def round_record(self, server_round: int, why: str = "") -> dict[str, Any] | None:
@@ -690,8 +694,8 @@ class HospitalStrategy(Strategy):
         if server_round != self.engine.next_round:
             return None
         why = why or "the replies never reached fedmed's aggregate_train (a wrapper declined the round)"
-        self._record = self.engine.declined_round(server_round, self._chosen, f"{why}; {kept(server_round)}",
-                                                  self._round_started, self._bytes_down)
+        self._record = self.engine.unscreened_round(server_round, self._chosen, self._round_started, self._bytes_down,
+                                                    skipped=f"{why}; {kept(server_round)}")
         return self._record
 
     def release(self, server_round: int, arrays: ArrayRecord) -> None:

@@ -429,3 +429,24 @@ def test_fedmeds_serverapp_serves_a_clientapp_that_reads_run_config_keys_of_its_
     with pytest.raises(ConfigError, match="'scrrening.max-reply-mb'.*did you mean 'screening.max-reply-mb'"):
         main(grid, server)
     assert grid.sent == []  # refused before round 1
+
+
+class OwnMeanFedAvg(FedAvgStrategy):
+    """A user's aggregate_train that averages the replies itself, never calling ours."""
+
+    def aggregate_train(self, server_round, replies):
+        models = [from_recorddict(reply.content).arrays["model"] for reply in replies if not reply.has_error()]
+        return ArrayRecord({k: Array(np.mean([m[k] for m in models], axis=0).astype(v.dtype))
+                            for k, v in models[0].items()}), None
+
+
+def test_an_aggregate_train_of_ones_own_that_never_calls_ours_decides_the_model_and_its_round_is_recorded(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    strategy = OwnMeanFedAvg(run_config=config, on_round_end=RoundSaver(plot_interval=1e9))
+    result = strategy.start(FakeGrid(simulated_hospitals(config, 2)), num_rounds=2)
+    assert [r["aggregated-by"] for r in strategy.engine.history] == ["OwnMeanFedAvg.aggregate_train, on its own"] * 2
+    assert all(r["aggregated"] == ["hospital-00", "hospital-01"] and "skipped" not in r
+               for r in strategy.engine.history)
+    state = read_checkpoint(checkpoint_dir(strategy.job.run_dir) / "round-00002.npz")
+    assert_same_model({k.removeprefix("method/global/"): v for k, v in state.items()}, arrays_of(result.arrays),
+                      "the checkpoint holds the model the override returned")
