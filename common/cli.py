@@ -421,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         from server_app.audit_cli import main as audit_main
 
         return audit_main(sys.argv[1:] if argv is None else list(argv))
+    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
+        from client_app.site_cli import main as site_main
+
+        return site_main(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
