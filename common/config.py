@@ -411,8 +411,8 @@ def fedmed_keys_of(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def server_settable_keys() -> list[str]:
     """The run-config keys a server may set in a hospital's job (its run config and every message): all of fedmed's
-    but :data:`HOSPITAL_OWN_KEYS` and the server's own (``fedmed policy check`` prints them for the hospital). A hospital's node
-    config may pin more (``dataset``); what code the keys may name is the hospital's too (common/code_gate.py)."""
+    but :data:`HOSPITAL_OWN_KEYS` and the server's own (``fedmed policy check`` prints them for the hospital). A
+    node config may pin more (``dataset``); what code the keys may name is the hospital's too (common/code_gate.py)."""
     return sorted(key for key in _FLAT_KEYS if key not in HOSPITAL_OWN_KEYS | SERVER_ONLY_KEYS | set(RENAMED_KEYS))
 
 
