@@ -176,11 +176,11 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
 
     Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
     130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
-    from common.config import load_job_config
+    from common.config import load_job_config, upgrade_keys
     from server_app.results import read_history, render_summary
 
     defaults = {"results-dir": "results", "state-dir": "state"}
-    run_config = absolute_paths({**defaults, **overrides})
+    run_config = upgrade_keys(absolute_paths({**defaults, **overrides}))  # classifier= is model=: Flower knows one
     cfg = load_job_config(run_config, check_paths=True)  # fail here, before anything starts
     needed = max(cfg.min_available_hospitals, cfg.min_train_hospitals)
     if hospitals < needed:

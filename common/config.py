@@ -94,8 +94,10 @@ class ScreeningSection(Section):
         "Refuse an update whose distance from the model the hospital received is more than this many times "
         "the median of the round's other updates (0: off). Honest hospitals measured at most 5.6x on the real "
         "data sets (benchmarks/results/screening_honest_norms.md)."))
-    max_hospital_weight: float = Field(1.0, gt=0.0, le=1.0, description=(
-        "Largest share of the aggregate any one hospital may have; the excess is spread over the others."))
+    max_hospital_weight: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "Largest share of the aggregate any one hospital may have; the excess is spread over the others. 0.5: no "
+        "hospital, whatever it declares, carries more than half of any average (two hospitals weigh equally); 1.0: "
+        "plain sample weighting."))
     max_reply_mb: float = Field(0.0, ge=0.0, description=(
         "Largest reply, in MB of arrays once decoded (0: 4x the global state + 64 MB). Checked on declared sizes "
         "before anything is decompressed."))
@@ -109,9 +111,9 @@ class ScreeningSection(Section):
     sample_ratio_limit: float = Field(10.0, ge=0.0, description=(
         "A hospital's update weighs at most this many times the median sample count of the round's other accepted "
         "hospitals (0: off), so no declared size can take the aggregate over; max-hospital-weight caps it besides."))
-    refuse_unchanged: bool = Field(False, description=(
-        "Refuse an update that returns the received model unchanged (a free-rider); each round records every "
-        "hospital's update norm relative to the others' median either way."))
+    refuse_unchanged: bool = Field(True, description=(
+        "Refuse an update that returns the received model unchanged (a free-rider, whose weight would only pull "
+        "the average back); each round records every hospital's update norm relative to the others' median."))
 
 
 SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -506,7 +506,7 @@ class HospitalStrategy(Strategy):
     def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:
         """Replies by hospital: from unknown nodes ignored, errors and undecodable ones kept with their reason."""
         round_replies = []
-        chosen, limit = {h.name for h in self._chosen}, self.reply_limit()
+        chosen, limit, tensors = {h.name for h in self._chosen}, self.reply_limit(), self.reply_tensor_limit()
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
             self.audit_message("received", message, server_round, hospital.name if hospital else None)
@@ -523,8 +523,8 @@ class HospitalStrategy(Strategy):
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content, limit, self.records),
-                                                None, up))
+                payload = from_recorddict(message.content, limit, self.records, tensors)
+                round_replies.append(RoundReply(hospital, payload, None, up))
                 self._replies[hospital.name] = message.content
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
@@ -537,6 +537,11 @@ class HospitalStrategy(Strategy):
             return int(self.job.screening.max_reply_mb * 1e6)
         state = sum(a.nbytes for a in self.engine.method.global_arrays.values())
         return 4 * state + 64_000_000
+
+    def reply_tensor_limit(self) -> int:
+        """The most tensors a reply may hold, counted before any is decoded: twice the method's whole state (a
+        hospital sends back at most its part of the global model and a few extras) and 64."""
+        return 2 * len(self.engine.method.global_arrays) + 64
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -641,7 +646,8 @@ class HospitalStrategy(Strategy):
                             cut(message.error.reason))
                 continue
             try:
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
+                                          self.reply_tensor_limit()).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
@@ -678,7 +684,8 @@ class HospitalStrategy(Strategy):
             try:
                 if message.has_error():
                     raise MalformedPayload(cut(message.error.reason))
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
+                                          self.reply_tensor_limit()).metrics
                 scores[hospital.name] = models_of(metrics)
             except (MalformedPayload, ValueError) as error:
                 failed[hospital.name] = str(error)
