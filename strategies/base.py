@@ -553,6 +553,8 @@ class HospitalStrategy(Strategy):
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
                                             self._round_started, self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
+        if self._refusals:  # nodes that would not join (a hospital's gate or policy refused the job): metrics.jsonl
+            record["not-joined"] = {f"node {node}": reason for node, reason in sorted(self._refusals.items())}
         self._record = record
         self.warn_of_idle_gpus(record)
         if not record["aggregated"]:

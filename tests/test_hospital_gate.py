@@ -175,3 +175,24 @@ def test_the_policy_lists_approved_code_too(tmp_path, site_package):
     assert not ok.has_error()
     other = answer(node, {"model": "site_code:other", "dataset": "site_code:load"}, MessageType.QUERY)
     assert other.has_error() and "site_code:other" in other.error.reason
+
+
+def test_a_hospital_that_refuses_the_runs_code_is_named_in_metrics_jsonl(tmp_path, site_package):
+    """Two virtual hospitals take the run's own network; a third, with a policy that lists none, refuses to join:
+    the run goes on, and the round records why that node is not in it."""
+    from server_app.results import read_history, write_results
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, hospital_node, simulated_hospitals
+
+    config = {**SMALL, "model": "site_code:net", "state-dir": str(tmp_path / "state"),
+              "results-dir": str(tmp_path / "results"), "num-classes": 4}
+    nodes = simulated_hospitals(config, 2)
+    nodes[300] = hospital_node(config, {"partition-id": 0, "num-partitions": 2, "hospital": "strict",
+                                        "policy-file": policy(tmp_path, "min-samples = 1\n")}, 300)
+    strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
+    strategy.start(FakeGrid(nodes), num_rounds=1)
+    write_results(strategy.job.run_dir, strategy.job.to_flat(), strategy.engine.history, plots=False)
+    record = read_history(strategy.job.run_dir)[0]
+    assert record["aggregated"] == ["hospital-00", "hospital-01"]
+    assert "model='site_code:net' is not code this hospital approved" in record["not-joined"]["node 300"]
