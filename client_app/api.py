@@ -45,7 +45,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
-from common.audit import AuditLog, message_digest
+from common.audit import AUDIT_HEAD_MARK, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.payload import Payload
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
@@ -82,11 +82,11 @@ class Hospital:
             if kind not in handlers:
                 raise ValueError(f"message type {message.metadata.message_type!r} is not one fedmed answers")
             reply = handlers[kind](message)
-        except Exception as error:  # reported to the server, which logs it and carries on
+        except (Exception, SystemExit) as error:  # reported to the server, which logs it and carries on
             what = "" if type(error).__name__ == "WorkerFailed" else f"{type(error).__name__}: "  # already says
             reason = f"hospital {self.name}: {what}{error}"
             log.error("%s\n%s", reason, traceback.format_exc())
-            reply = Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+            reply = Message(Error(code=HOSPITAL_ERROR, reason=with_audit_head(reason, audit)), reply_to=message)
         if audit is not None:
             try:
                 audit.append("message", direction="sent", **about, **message_digest(reply))
@@ -146,16 +146,30 @@ class Hospital:
         return hospital.answer(kind, payload, self.context.run_config, self.context.node_config)
 
 
+def with_audit_head(reason: str, audit: AuditLog | None) -> str:
+    """An error reply's reason with the hospital's audit head at its end (a Flower error reply carries no records),
+    so the server's log anchors refusals as it anchors answers (:func:`common.audit.head_in_reason`)."""
+    if audit is None:
+        return reason
+    try:
+        return f"{reason} {AUDIT_HEAD_MARK}{audit.head()}]"
+    except Exception:  # a damaged log: the reason still goes out, and the next append stops the hospital
+        return reason
+
+
 def message_about(message: Message, kind: str) -> dict[str, Any]:
     """What an audit line says of a message besides its digest: the run, round and method it names, its kind, the
-    Flower run and the peer that sent it."""
+    Flower run, the peer that sent it and the head of the server's audit log the message carries."""
     config: dict[str, Any] = {}
     if not message.has_error():
         for record in message.content.config_records.values():
-            config.update({k: record[k] for k in ("run-name", "server-round", "strategy") if k in record})
+            config.update({k: record[k] for k in ("run-name", "server-round", "strategy", SERVER_HEAD_KEY)
+                           if k in record})
+    head = config.get(SERVER_HEAD_KEY)
     return {"kind": kind, "run": config.get("run-name"), "round": config.get("server-round"),
             "method": config.get("strategy"), "flower-run": message.metadata.run_id,
-            "peer-node": message.metadata.src_node_id, "peer": "server"}
+            "peer-node": message.metadata.src_node_id, "peer": "server",
+            "peer-audit-head": head if isinstance(head, str) else None}
 
 
 def uses_worker(context: Context) -> bool:

@@ -40,6 +40,19 @@ class NodeConfig(Section):
         "The hospital's data-protection policy (TOML, or JSON ending in .json; common/policy.py, docs/privacy.md): "
         "tasks and methods it allows, min-samples, max-rounds-per-run, local-dp. Read at the hospital for every "
         "message; nothing the server sends changes it."))
+    models: str = Field("", description=(
+        "Networks of the consortium's own this hospital runs, by import path, comma-separated; '*' matches any run "
+        "of characters ('monai.networks.nets:DenseNet121, my_site.nets:*'). Built-in networks need no listing; "
+        "anything else a message names is refused before it is imported (common/code_gate.py)."))
+    datasets: str = Field("", description=(
+        "Data loaders of the consortium's own this hospital runs, by import path, comma-separated (as models)."))
+    dataset: str = Field("", description=(
+        "Pins this hospital's data loader (a format we read or an import path): it reads its data with this loader "
+        "and its own dataset-args, whatever the server's run config or a message names."))
+    approved_apps: str = Field("", description=(
+        "SHA-256 hashes of the Flower app bundles (FABs) this hospital runs, comma-separated (`fedmed app-hash` "
+        "prints an app's); fedmed-supernode refuses any other (deploy/fedmed_supernode.py). The policy's 'apps' "
+        "adds to them."))
     audit_log: str = Field("", description=(
         "The hospital's audit log (common/audit.py): every message received and sent and every policy decision, "
         "chained by SHA-256. Empty: audit.jsonl in its state folder; 'none': no log."))
@@ -78,6 +91,17 @@ class NodeConfig(Section):
                 and self.partition_id >= self.num_partitions):
             raise ValueError(f"partition-id {self.partition_id} is not below num-partitions {self.num_partitions}")
         return self
+
+    @property
+    def virtual(self) -> bool:
+        """A virtual hospital of Flower's simulation engine: no data folder or policy of its own, so the run
+        config's author (the operator of the one machine) decides its data and code."""
+        return not self.data_dir and not self.policy_file
+
+    def pinned_keys(self) -> dict[str, str]:
+        """Run-config keys this hospital sets itself, over whatever a message says: its data loader, when pinned
+        (its dataset-args are then its own, given to the loader on their own)."""
+        return {"dataset": self.dataset, "dataset-args": ""} if self.dataset else {}
 
     @property
     def name(self) -> str:

@@ -176,11 +176,11 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
 
     Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
     130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
-    from common.config import fedmed_keys_of, load_job_config
+    from common.config import fedmed_keys_of, load_job_config, upgrade_keys
     from server_app.results import read_history, render_summary
 
     defaults = {"results-dir": "results", "state-dir": "state"}
-    run_config = absolute_paths({**defaults, **overrides})
+    run_config = upgrade_keys(absolute_paths({**defaults, **overrides}))  # classifier= is model=: Flower knows one
     cfg = load_job_config(fedmed_keys_of(run_config), check_paths=True)  # fail here, before anything starts
     needed = max(cfg.min_available_hospitals, cfg.min_train_hospitals)
     if hospitals < needed:
@@ -422,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         from server_app.audit_cli import main as audit_main
 
         return audit_main(sys.argv[1:] if argv is None else list(argv))
+    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
+        from client_app.site_cli import main as site_main
+
+        return site_main(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

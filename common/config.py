@@ -94,8 +94,10 @@ class ScreeningSection(Section):
         "Refuse an update whose distance from the model the hospital received is more than this many times "
         "the median of the round's other updates (0: off). Honest hospitals measured at most 5.6x on the real "
         "data sets (benchmarks/results/screening_honest_norms.md)."))
-    max_hospital_weight: float = Field(1.0, gt=0.0, le=1.0, description=(
-        "Largest share of the aggregate any one hospital may have; the excess is spread over the others."))
+    max_hospital_weight: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "Largest share of the aggregate any one hospital may have; the excess is spread over the others. 0.5: no "
+        "hospital, whatever it declares, carries more than half of any average (two hospitals weigh equally); 1.0: "
+        "plain sample weighting."))
     max_reply_mb: float = Field(0.0, ge=0.0, description=(
         "Largest reply, in MB of arrays once decoded (0: 4x the global state + 64 MB). Checked on declared sizes "
         "before anything is decompressed."))
@@ -109,9 +111,9 @@ class ScreeningSection(Section):
     sample_ratio_limit: float = Field(10.0, ge=0.0, description=(
         "A hospital's update weighs at most this many times the median sample count of the round's other accepted "
         "hospitals (0: off), so no declared size can take the aggregate over; max-hospital-weight caps it besides."))
-    refuse_unchanged: bool = Field(False, description=(
-        "Refuse an update that returns the received model unchanged (a free-rider); each round records every "
-        "hospital's update norm relative to the others' median either way."))
+    refuse_unchanged: bool = Field(True, description=(
+        "Refuse an update that returns the received model unchanged (a free-rider, whose weight would only pull "
+        "the average back); each round records every hospital's update norm relative to the others' median."))
 
 
 SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -470,12 +472,21 @@ def one_edit_apart(a: str, b: str) -> bool:
     return a[i + 1:] == b[i + 1:] or (a[i:i + 2] == b[i:i + 2][::-1] and a[i + 2:] == b[i + 2:])
 
 
-def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any]) -> "JobConfig":
+def server_settable_keys() -> list[str]:
+    """The run-config keys a server may set in a hospital's job (its run config and every message): all of fedmed's
+    but :data:`HOSPITAL_OWN_KEYS` and the server's own (``fedmed policy check`` prints them for the hospital). A
+    node config may pin more (``dataset``); what code the keys may name is the hospital's too (common/code_gate.py)."""
+    return sorted(key for key in _FLAT_KEYS if key not in HOSPITAL_OWN_KEYS | SERVER_ONLY_KEYS | set(RENAMED_KEYS))
+
+
+def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any],
+                        pinned: Mapping[str, Any] | None = None) -> "JobConfig":
     """A hospital's job: its run config, with the server's job from the message over it (all but
-    :data:`HOSPITAL_OWN_KEYS`). Keys that are not fedmed's are left out: a user's own app (docs/own-serverapp.md)
-    may have run-config keys of its own."""
+    :data:`HOSPITAL_OWN_KEYS`), and the keys the hospital ``pinned`` (its node config's) over both. Keys that are
+    not fedmed's are left out: a user's own app (docs/own-serverapp.md) may have run-config keys of its own."""
     overrides = {k: v for k, v in message_config.items() if k in _FLAT_KEYS and k not in HOSPITAL_OWN_KEYS}
-    return load_job_config({k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS})
+    merged = {k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS}
+    return load_job_config({**merged, **dict(pinned or {})})
 
 
 def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

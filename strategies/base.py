@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.audit import AuditLog, message_digest
+from common.audit import SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
@@ -324,8 +324,10 @@ class HospitalStrategy(Strategy):
         """Round config every message carries: the job as this strategy holds it (so settings given in Python reach
         the hospitals; ``common.config.hospital_keys`` leaves out what is the server's alone), the round, and the
         record names and weighting key the replies must use."""
+        audit = self.audit_log()  # the hospitals record the server's log as it stood: its operator cannot rewrite it
         return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
-                **self.records.as_config(), "weighted-by-key": self.weighted_by_key}
+                **self.records.as_config(), "weighted-by-key": self.weighted_by_key,
+                **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
 
     # --- the audit log ------------------------------------------------------------------------------
     def audit_log(self) -> AuditLog | None:
@@ -346,7 +348,9 @@ class HospitalStrategy(Strategy):
             return
         received = direction == "received"
         head = None
-        if received and not message.has_error():
+        if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
+            head = head_in_reason(str(message.error.reason))
+        elif received:
             heads = [record.get("audit-head") for record in message.content.config_records.values()]
             head = next((h for h in heads if isinstance(h, str)), None)
         audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],
@@ -590,7 +594,7 @@ class HospitalStrategy(Strategy):
     def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:
         """Replies by hospital: from unknown nodes ignored, errors and undecodable ones kept with their reason."""
         round_replies = []
-        chosen, limit = {h.name for h in self._chosen}, self.reply_limit()
+        chosen, limit, tensors = {h.name for h in self._chosen}, self.reply_limit(), self.reply_tensor_limit()
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
             self.audit_message("received", message, server_round, hospital.name if hospital else None)
@@ -607,8 +611,8 @@ class HospitalStrategy(Strategy):
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content, limit, self.records),
-                                                None, up))
+                payload = from_recorddict(message.content, limit, self.records, tensors)
+                round_replies.append(RoundReply(hospital, payload, None, up))
                 self._replies[hospital.name] = message.content
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
@@ -621,6 +625,11 @@ class HospitalStrategy(Strategy):
             return int(self.job.screening.max_reply_mb * 1e6)
         state = sum(a.nbytes for a in self.engine.method.global_arrays.values())
         return 4 * state + 64_000_000
+
+    def reply_tensor_limit(self) -> int:
+        """The most tensors a reply may hold, counted before any is decoded: twice the method's whole state (a
+        hospital sends back at most its part of the global model and a few extras) and 64."""
+        return 2 * len(self.engine.method.global_arrays) + 64
 
     @outermost_result_observed
     def aggregate_train(self, server_round: int,
@@ -636,6 +645,8 @@ class HospitalStrategy(Strategy):
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
                                             self._round_started, self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
+        if self._refusals:  # nodes that would not join (a hospital's gate or policy refused the job): metrics.jsonl
+            record["not-joined"] = {f"node {node}": reason for node, reason in sorted(self._refusals.items())}
         self._record = record
         self.warn_of_idle_gpus(record)
         if not record["aggregated"]:
@@ -764,7 +775,8 @@ class HospitalStrategy(Strategy):
                             cut(message.error.reason))
                 continue
             try:
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
+                                          self.reply_tensor_limit()).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
@@ -801,7 +813,8 @@ class HospitalStrategy(Strategy):
             try:
                 if message.has_error():
                     raise MalformedPayload(cut(message.error.reason))
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
+                                          self.reply_tensor_limit()).metrics
                 scores[hospital.name] = models_of(metrics)
             except (MalformedPayload, ValueError) as error:
                 failed[hospital.name] = str(error)
