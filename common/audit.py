@@ -236,44 +236,31 @@ def verify(path: str | Path, head: str | None = None) -> Verification:
     return result
 
 
-def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
-    """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
-    must each be the hash of a line of ``log``: problems as (line of ``other``, what)."""
-    hashes = set()
-    for text in Path(log).read_bytes().split(b"\n"):
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
-            record = json.loads(text)
-            if isinstance(record, dict) and isinstance(record.get("hash"), str):
-                hashes.add(record["hash"])
-    problems, named = [], False
-    for number, text in enumerate(Path(other).read_bytes().split(b"\n"), start=1):
+def records_of(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each line of a log that is a JSON object, with its line number (a damaged line is skipped: verify names it)."""
+    for number, text in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
         try:
             record = json.loads(text)
         except (ValueError, UnicodeDecodeError):
             continue
-        if not isinstance(record, dict) or record.get("peer") != name:
-            continue
-        named = True
-        recorded = record.get("peer-audit-head")
-        if recorded and recorded != GENESIS and recorded not in hashes:
-            problems.append((number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were "
-                                     "removed from its end or it was rewritten"))
-    if not named:
-        peers = sorted(peers_of(other))
-        problems.append((0, f"no line of {other} is about {name!r} (it names {', '.join(peers[:10]) or 'no peer'}): "
-                            "a misspelt name proves nothing"))
-    return problems
+        if isinstance(record, dict):
+            yield number, record
 
 
-def peers_of(path: str | Path) -> set[str]:
-    """The peers an audit log's lines name."""
-    peers = set()
-    for text in Path(path).read_bytes().split(b"\n"):
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
-            record = json.loads(text)
-            if isinstance(record, dict) and isinstance(record.get("peer"), str):
-                peers.add(record["peer"])
-    return peers
+def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
+    """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
+    must each be the hash of a line of ``log``, and some line of ``other`` must be about ``name``: problems as
+    (line of ``other``, what)."""
+    hashes = {record["hash"] for _, record in records_of(log) if isinstance(record.get("hash"), str)}
+    about = [(number, record) for number, record in records_of(other) if record.get("peer") == name]
+    if not about:
+        peers = sorted({r["peer"] for _, r in records_of(other) if isinstance(r.get("peer"), str)})
+        return [(0, f"no line of {other} is about {name!r} (it names {', '.join(peers[:10]) or 'no peer'}): a "
+                    "misspelt name proves nothing")]
+    return [(number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were removed from "
+                     "its end or it was rewritten")
+            for number, record in about
+            if (recorded := record.get("peer-audit-head")) and recorded != GENESIS and recorded not in hashes]
 
 
 def head_in_reason(reason: str) -> str | None:

@@ -376,7 +376,7 @@ class PrivacyLedger:
 def audit_releases(path: str | Path) -> list[dict[str, Any]]:
     """The ``privacy-release`` lines of an audit log (its chain checked: PolicyRefusal when it is broken), with the
     line's time."""
-    from common.audit import verify
+    from common.audit import records_of, verify
 
     path = Path(path)
     if not path.exists():
@@ -386,12 +386,8 @@ def audit_releases(path: str | Path) -> list[dict[str, Any]]:
         line, what = result.problems[0]
         raise PolicyRefusal(f"its audit log {path} does not verify (line {line} {what}), so its privacy ledger cannot "
                             "be checked; it trains no more until an operator repairs the log")
-    releases = []
-    for text in path.read_bytes().splitlines():
-        record = json.loads(text)
-        if record.get("event") == RELEASE_EVENT:
-            releases.append({**{f: record.get(f) for f in RELEASE_FIELDS}, "time": record.get("time")})
-    return releases
+    return [{**{f: record.get(f) for f in RELEASE_FIELDS}, "time": record.get("time")}
+            for _, record in records_of(path) if record.get("event") == RELEASE_EVENT]
 
 
 def rebuild_ledger(audit_path: str | Path, folder: str | Path) -> int:

@@ -175,3 +175,66 @@ def test_the_policy_lists_approved_code_too(tmp_path, site_package):
     assert not ok.has_error()
     other = answer(node, {"model": "site_code:other", "dataset": "site_code:load"}, MessageType.QUERY)
     assert other.has_error() and "site_code:other" in other.error.reason
+
+
+def test_a_hospital_that_refuses_the_runs_code_is_named_in_metrics_jsonl(tmp_path, site_package):
+    """Two virtual hospitals take the run's own network; a third, with a policy that lists none, refuses to join:
+    the run goes on, and the round records why that node is not in it."""
+    from server_app.results import read_history, write_results
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, hospital_node, simulated_hospitals
+
+    config = {**SMALL, "model": "site_code:net", "state-dir": str(tmp_path / "state"),
+              "results-dir": str(tmp_path / "results"), "num-classes": 4}
+    nodes = simulated_hospitals(config, 2)
+    nodes[300] = hospital_node(config, {"partition-id": 0, "num-partitions": 2, "hospital": "strict",
+                                        "policy-file": policy(tmp_path, "min-samples = 1\n")}, 300)
+    strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
+    strategy.start(FakeGrid(nodes), num_rounds=1)
+    write_results(strategy.job.run_dir, strategy.job.to_flat(), strategy.engine.history, plots=False)
+    record = read_history(strategy.job.run_dir)[0]
+    assert record["aggregated"] == ["hospital-00", "hospital-01"]
+    assert "model='site_code:net' is not code this hospital approved" in record["not-joined"]["node 300"]
+
+
+def test_app_hash_is_the_hash_a_supernode_is_sent(tmp_path, capsys):
+    """`fedmed app-hash` builds the bundle with Flower's own builder, the one `flwr run` uses; the hash moves with
+    any file of the app."""
+    import hashlib
+
+    from flwr.cli.build import build_fab_from_disk
+
+    from common.cli import main as fedmed
+
+    from .conftest import ROOT
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text((ROOT / "examples" / "own_model" / "pyproject.toml").read_text())
+    for name in ("client.py", "server.py", "data.py"):
+        (app / name).write_text((ROOT / "examples" / "own_model" / name).read_text())
+    assert fedmed(["app-hash", str(app)]) == 0
+    printed = capsys.readouterr().out
+    digest = hashlib.sha256(build_fab_from_disk(app)).hexdigest()
+    assert printed.startswith(digest) and "client.py" in printed and f'apps = ["{digest}"]' in printed
+    (app / "client.py").write_text((app / "client.py").read_text() + "\n# changed\n")
+    assert fedmed(["app-hash", str(app)]) == 0
+    assert not capsys.readouterr().out.startswith(digest)
+
+
+def test_policy_check_prints_what_a_site_allows(tmp_path, capsys):
+    from common.cli import main as fedmed
+
+    path_yaml = tmp_path / "p.yaml"
+    path_yaml.write_text(f'methods: [fedavg]\nmodels: ["site_code:*"]\napps: ["{"a" * 64}"]\n')
+    node = f"hospital='h-a' data-dir='{tmp_path}' datasets='site_code:load' dataset='site_code:load'"
+    assert fedmed(["policy", "check", str(path_yaml), "--node-config", node]) == 0
+    out = capsys.readouterr().out
+    assert "methods: fedavg" in out and "a" * 64 in out and "site_code:*" in out and "site_code:load" in out
+    assert "set by the hospital only: state-dir, dataset, dataset-args" in out
+    settable = out.split("the server may set: ")[1]
+    assert "model" in settable and "dataset," not in settable and "results-dir" not in settable
+    path_yaml.write_text("methods: [fedavgg]\n")
+    assert fedmed(["policy", "check", str(path_yaml), "--node-config", node]) == 2
+    assert "fedavgg" in capsys.readouterr().err

@@ -358,10 +358,10 @@ def test_below_the_threshold_the_round_is_skipped_with_its_reason(tmp_path, capl
     assert not [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of(m) == UNMASK]
 
 
-@pytest.mark.parametrize("key,value,why", [("secagg.weight-bound", 1.0, "weights sum to"),
+@pytest.mark.parametrize("key,value,why", [("secagg.weight-share", 5.0, "weights sum to"),
                                            ("secagg.norm-bound", 0.0, "exceeds the norm bound")])
 def test_a_sum_no_honest_hospitals_could_have_sent_is_refused(tmp_path, key, value, why):
-    """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself above its cap, or
+    """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself above its share, or
     skips the norm bound, gives a sum the server refuses (FedAvg family)."""
     def hostile(message: Message) -> None:
         if stage_of(message) == COLLECT:

@@ -33,8 +33,8 @@ MASKED_ARRAY = "vector"
 # what the server sets per hospital for its method's contribution (the methods' own keys live in their packages)
 LAYOUT_KEY = PREFIX + "layout"
 NORM_BOUND_KEY = PREFIX + "norm-bound"
-WEIGHT_CAP_KEY = PREFIX + "weight-cap"
-WEIGHT_BOUND_KEY = PREFIX + "weight-bound"
+WEIGHT_SHARE_KEY = PREFIX + "weight-share"  #: the hospital's share of the mean (from the declared counts)
+WEIGHT_COUNT_KEY = PREFIX + "weight-count"  #: the count it declared: fewer samples scale its share down
 
 
 def next_stage(stage: str | None) -> str:

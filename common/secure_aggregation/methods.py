@@ -13,7 +13,7 @@ import numpy as np
 
 from common.payload import NamedArrays, Payload
 
-from .messages import LAYOUT_KEY, NORM_BOUND_KEY, WEIGHT_BOUND_KEY, WEIGHT_CAP_KEY
+from .messages import LAYOUT_KEY, NORM_BOUND_KEY, WEIGHT_COUNT_KEY, WEIGHT_SHARE_KEY
 from .settings import SecureAggregationSettings
 from .vector import Entry, Layout
 
@@ -77,23 +77,23 @@ def model_change(received: Mapping[str, np.ndarray], trained: Mapping[str, np.nd
 
 
 def sample_weight(reply: Payload, params: Mapping[str, Any]) -> float:
-    """n_i / W: the hospital's sample count, at most the server's cap for it, over the server's bound W."""
+    """The hospital's share of the mean, as the server set it from the counts declared when the hospitals joined,
+    scaled down if it trained on fewer samples than it declared (never up)."""
     count = reply.metrics.get("num-examples")
     if isinstance(count, bool) or not isinstance(count, (int, float)) or not count > 0:
         raise ValueError(f"the reply's num-examples {count!r} is not a positive count")
-    return min(float(count), float(params[WEIGHT_CAP_KEY])) / float(params[WEIGHT_BOUND_KEY])
+    declared = float(params[WEIGHT_COUNT_KEY])
+    return float(params[WEIGHT_SHARE_KEY]) * min(float(count), declared) / declared
 
 
-def sample_shares(job: "JobConfig", hospitals: list["HospitalInfo"]) -> tuple[list[float], float]:
-    """Each hospital's cap on its weight and their bound W, from the counts they declared when they joined, under
-    the screening rules the server applies to reported counts (``screening.sample-ratio-limit``,
-    ``screening.max-hospital-weight``): so no hospital weighs more than it declared or than those rules allow."""
+def sample_shares(job: "JobConfig", hospitals: list["HospitalInfo"]) -> list[float]:
+    """Each hospital's share of the round's mean (summing to 1), from the counts they declared when they joined,
+    under the screening rules the server applies to reported counts (``screening.sample-ratio-limit``,
+    ``screening.max-hospital-weight``): the shares a plain round of honest hospitals gives them."""
     from common.screening import capped_shares, ratio_capped_weights
 
     weights, _ = ratio_capped_weights([float(h.num_examples) for h in hospitals], job.screening.sample_ratio_limit)
-    bound = float(sum(weights))
-    shares = capped_shares(weights, job.screening.max_hospital_weight)
-    return [float(share) * bound for share in shares], bound
+    return [float(share) for share in capped_shares(weights, job.screening.max_hospital_weight)]
 
 
 def float_entries(arrays: Mapping[str, np.ndarray], prefix: str = "model/", skip: tuple[str, ...] = ()) -> list[Entry]:
@@ -103,28 +103,29 @@ def float_entries(arrays: Mapping[str, np.ndarray], prefix: str = "model/", skip
 def weighted_plan(method: "ServerMethod", hospitals: list["HospitalInfo"], settings: SecureAggregationSettings,
                   norm_bound: float, arrays: Mapping[str, np.ndarray], extra: tuple[Entry, ...] = (),
                   skip: tuple[str, ...] = (), extra_config: Mapping[str, Any] | None = None) -> MethodPlan:
-    """FedAvg family: each hospital sums (n_i/W) x its update and n_i/W."""
-    caps, bound = sample_shares(method.cfg, hospitals)
+    """FedAvg family: each hospital sums w_i x its update and w_i, w_i its share of the mean."""
+    shares = sample_shares(method.cfg, hospitals)
     layout = Layout((Entry("weight", ()), *float_entries(arrays, skip=skip), *extra))
-    config = {h.name: {WEIGHT_CAP_KEY: cap, WEIGHT_BOUND_KEY: bound, NORM_BOUND_KEY: float(norm_bound),
-                       LAYOUT_KEY: layout.to_json(), **dict(extra_config or {})} for h, cap in zip(hospitals, caps)}
+    config = {h.name: {WEIGHT_SHARE_KEY: share, WEIGHT_COUNT_KEY: float(h.num_examples),
+                       NORM_BOUND_KEY: float(norm_bound), LAYOUT_KEY: layout.to_json(), **dict(extra_config or {})}
+              for h, share in zip(hospitals, shares)}
     return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config,
-                      {"weight-bound": bound, "caps": {h.name: cap for h, cap in zip(hospitals, caps)},
+                      {"shares": {h.name: share for h, share in zip(hospitals, shares)},
                        "norm-bound": float(norm_bound), "step": 2 * settings.clipping_range /
                        settings.quantization_range})
 
 
 def check_bounds(sums: Mapping[str, np.ndarray], plan: MethodPlan, updates: list) -> None:
     """What the server can still verify of a FedAvg-family sum (ValueError: some hospital sent a vector outside
-    its bounds, which masking hides but cannot undo): the weights add up to no more than the survivors' caps
-    allow, and the mean update, a convex combination of updates each clipped to the norm bound, is no longer than
-    that bound (plus the quantisation error)."""
+    its bounds, which masking hides but cannot undo): the weights add up to no more than the survivors' shares,
+    and the mean update, a convex combination of updates each clipped to the norm bound, is no longer than that
+    bound (plus the quantisation error)."""
     context, count = plan.context, len(updates)
     total = float(sums["weight"])
-    allowed = sum(context["caps"][u.hospital.name] for u in updates) / context["weight-bound"]
+    allowed = sum(context["shares"][u.hospital.name] for u in updates)
     slack = count * context["step"]
     if not 0 < total <= allowed + slack:
-        raise ValueError(f"the hospitals' weights sum to {total:.6g}, outside (0, {allowed:.6g}] that their caps "
+        raise ValueError(f"the hospitals' weights sum to {total:.6g}, outside (0, {allowed:.6g}] that their shares "
                          "allow: a hospital sent a vector outside its bounds")
     bound = context["norm-bound"]
     if bound > 0:

@@ -52,13 +52,12 @@ def fedmepd_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     decoder = [n for n in float_names(arrays) if n.startswith(DECODER)]
     layers = filter_layers({n: arrays[n] for n in decoder})
     layout = Layout(tuple(Entry(f"model/{n}", tuple(np.shape(arrays[n]))) for n in encoders + decoder))
-    caps, _ = sample_shares(method.cfg, hospitals)
-    total = sum(caps)
+    shares = sample_shares(method.cfg, hospitals)
     by_share = not method.personalise or method.cfg.fedmepd.initial_weight == "share"
     weights, config = {}, {}
-    for hospital, cap in zip(hospitals, caps):
+    for hospital, share in zip(hospitals, shares):
         known = method.personalisation.weights.get(hospital.name)
-        start = cap / total if by_share else 1.0
+        start = share if by_share else 1.0
         weights[hospital.name] = {layer: np.asarray(known[layer] if known is not None
                                                     else np.full(np.shape(arrays[names[0]])[0], start))
                                   for layer, names in layers.items()}
@@ -66,7 +65,7 @@ def fedmepd_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
                                  FILTER_WEIGHTS_KEY: np.concatenate(list(weights[hospital.name].values())).tolist()}
     return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config,
                       {"modalities": having, "shared": shared, "weights": weights, "layers": layers,
-                       "shares": {h.name: cap / total for h, cap in zip(hospitals, caps)}})
+                       "shares": {h.name: share for h, share in zip(hospitals, shares)}})
 
 
 def fedmepd_contribution(received: Payload, reply: Payload, params: Mapping[str, Any],

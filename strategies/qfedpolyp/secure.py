@@ -72,7 +72,7 @@ def qfedpolyp_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     """Each hospital's weights as codes at its own bit-width b_i on a shared dyadic grid per tensor, lifted to the
     round's finest grid B (code << (B - b_i)) and weighted by w_i = share_i / max share (stochastic rounding), so the
     sum stays below 2^(B + ceil(log2 H)) and is taken modulo 2^(B + ceil(log2 H) + 1)."""
-    caps, _ = sample_shares(method.cfg, hospitals)
+    shares = sample_shares(method.cfg, hospitals)
     bits = {h.name: int(method.assigned[h.name]) for h in hospitals}
     finest = max(grid_bits(b) for b in bits.values())
     count = len(hospitals)
@@ -81,8 +81,8 @@ def qfedpolyp_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     lows, highs = code_ranges(arrays, settings.code_range_margin)
     layout = Layout(tuple(Entry(f"code/{name}", tuple(np.shape(arrays[name])), INTEGER, 2 ** finest - 1)
                           for name in float_names(arrays)))
-    largest = max(caps)
-    weights = {h.name: cap / largest for h, cap in zip(hospitals, caps)}
+    largest = max(shares)
+    weights = {h.name: share / largest for h, share in zip(hospitals, shares)}
     config = {h.name: {GRID_BITS_KEY: finest, CODE_WEIGHT_KEY: weights[h.name], RANGE_LOW_KEY: lows,
                        RANGE_HIGH_KEY: highs, NORM_BOUND_KEY: float(norm_bound), LAYOUT_KEY: layout.to_json()}
               for h in hospitals}
