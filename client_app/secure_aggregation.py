@@ -24,7 +24,7 @@ from typing import Any, Callable
 from flwr.app import ConfigRecord, Context, Message, MessageType
 
 from common.payload import Payload
-from common.secure_aggregation import Layout, encode, modulus_bits, pack_values, secure_method
+from common.secure_aggregation import Layout, encode, modulus_bits, pack_values
 from common.secure_aggregation.hospital import (
     HospitalRound,
     HospitalRules,
@@ -43,6 +43,7 @@ from common.secure_aggregation.messages import (
     STAGE_KEY,
     STAGES,
 )
+from common.secure_aggregation.methods import secure_method
 from common.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
 from common.wire import RecordKeys, from_recorddict, to_recorddict
 

@@ -38,7 +38,7 @@ from common.config import ConfigError
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
 from common.screening import brief, cut, metrics_problem, sample_count_problem
-from common.secure_aggregation import MethodPlan, SecureAggregationSettings, decode_sum, modulus_bits, secure_method
+from common.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
 from common.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
@@ -49,6 +49,7 @@ from common.secure_aggregation.messages import (
     STAGE_KEY,
     UNMASK,
 )
+from common.secure_aggregation.methods import MethodPlan, secure_method
 from common.secure_aggregation.server import (
     ServerRound,
     Verifier,

@@ -493,7 +493,8 @@ def test_the_settings_import_without_flower():
     import sys
 
     code = ("import sys; sys.modules['flwr'] = None\n"
-            "from common.secure_aggregation import SecureAggregationSettings, Layout, Entry, secure_method_names\n"
+            "from common.secure_aggregation import SecureAggregationSettings, Layout, Entry\n"
+            "from common.secure_aggregation.methods import secure_method_names\n"
             "print(SecureAggregationSettings(enabled=True).reconstruction_threshold, secure_method_names())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("0.5 ['fedavg', 'fedbn', 'fedmepd', 'fedmepd-fedavg', 'fedmepd-federated-decoder', "

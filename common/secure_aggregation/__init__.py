@@ -18,10 +18,8 @@ Its transports: ``strategies/secure_aggregation.py`` (the server's stages over a
 Flower nor torch at import time, so ``common.config`` can hold the settings on machines without Flower.
 """
 
-from .methods import MethodPlan, SecureMethod, secure_method, secure_method_names
 from .settings import SecureAggregationSettings, share_plan
 from .vector import FLOAT, INTEGER, Entry, Layout, decode_sum, encode, modulus_bits, pack_values, unpack_values
 
-__all__ = ["FLOAT", "INTEGER", "Entry", "Layout", "MethodPlan", "SecureAggregationSettings", "SecureMethod",
-           "decode_sum", "encode", "modulus_bits", "pack_values", "secure_method", "secure_method_names",
-           "share_plan", "unpack_values"]
+__all__ = ["FLOAT", "INTEGER", "Entry", "Layout", "SecureAggregationSettings", "decode_sum", "encode", "modulus_bits",
+           "pack_values", "share_plan", "unpack_values"]
