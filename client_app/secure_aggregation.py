@@ -67,14 +67,20 @@ def stage_of(message: Message) -> str | None:
     return None
 
 
-def hospital_rules(context: Context):
-    """This hospital's rules (node config and policy, read afresh for every message) and its policy (None: none)."""
+def hospital_policy(context: Context):
+    """The hospital's policy (node config ``policy-file``, read afresh for every message); None without one."""
     from common.policy import read_policy
 
+    path = context.node_config.get("policy-file")
+    return read_policy(str(path))[0] if path else None
+
+
+def hospital_rules(context: Context):
+    """This hospital's rules (node config and policy, read afresh for every message) and its policy (None: none)."""
     from .node_config import load_node_config
 
     node = load_node_config(context.node_config)
-    policy = read_policy(node.policy_file)[0] if node.policy_file else None
+    policy = hospital_policy(context)
     rules = HospitalRules(node.name, node.identity_key, node.peer_keys,
                           policy.min_threshold_fraction if policy else MIN_THRESHOLD_FRACTION,
                           policy.min_hospitals_per_sum if policy else 2,
@@ -100,7 +106,7 @@ def secure_train(message: Message, context: Context, train: TrainHandler, requir
     stage = stage_of(message)
     if stage is None:
         if message.metadata.message_type.split(".")[0] == MessageType.TRAIN:
-            _, policy = hospital_rules(context)
+            policy = hospital_policy(context)
             if required or (policy is not None and policy.require_secure_aggregation):
                 from pathlib import Path
 
