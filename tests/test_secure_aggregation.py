@@ -2,7 +2,7 @@
 dropouts up to its threshold, each method's secure sums give what its plain aggregation gives within the quantisation
 error (FedProIn's NIA included), and what the server receives (FakeGrid records every reply) shows no single update.
 The attacks (a lying server, replays, a hospital's policy, hostile shares) are tests/test_secure_aggregation_attacks.py.
-``python -m tests.test_secure_aggregation`` prints the protocol-alone line of docs/secure-aggregation.md."""
+What it costs is benchmarks/secure_aggregation/run.py."""
 
 from __future__ import annotations
 
