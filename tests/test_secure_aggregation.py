@@ -6,6 +6,7 @@ What it costs is benchmarks/secure_aggregation/run.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from client_app.secure_aggregation import stage_of
+from common.audit import cross_check
 from common.config import ConfigError, load_job_config
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine
@@ -521,3 +523,10 @@ def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_eve
     assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"]
     trained = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN and not m.has_error()]
     assert trained and not any(len(m.content.array_records.get("arrays", {})) for m in trained)  # never a model
+    # every answer, each key stage's included, carries the hospital's audit head, which the server's log records
+    server_log = tmp_path / "plain" / "results" / "plain" / "audit.jsonl"
+    received = [json.loads(line) for line in server_log.read_text().splitlines()
+                if json.loads(line).get("direction") == "received"]
+    assert len(received) >= 3 * 5 and all(r.get("peer-audit-head") for r in received)  # query + 4 stages each
+    for name in ("hospital-00", "hospital-01", "hospital-02"):
+        assert cross_check(tmp_path / "plain" / "state" / name / "audit.jsonl", server_log, name) == []
