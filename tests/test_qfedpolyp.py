@@ -15,7 +15,7 @@ from common.config import ConfigError, JobConfig
 from common.methods.base import HospitalInfo, Payload
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import (
-    VALID_BIT_WIDTHS,
+    WEIGHT_BIT_WIDTHS,
     PayloadError,
     decode_model,
     encode_model,
@@ -41,7 +41,7 @@ def sample_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 # --- codec ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits", VALID_BIT_WIDTHS)
+@pytest.mark.parametrize("bits", WEIGHT_BIT_WIDTHS)
 def test_round_trip_within_half_a_step_for_every_bit_width(bits):
     original = sample_arrays(np.random.default_rng(bits))
     decoded = decode_model(encode_model(original, bits), reference=original, expected_bits=bits)
@@ -202,8 +202,12 @@ def test_bit_widths_come_from_node_config_or_the_list_in_name_order():
 def test_bad_bit_width_lists_are_named_by_their_key():
     from common.config import load_job_config
 
-    with pytest.raises(ConfigError, match="'qfedpolyp.bit-widths'.*bit-width 1: 1 is not a bit-width"):
-        load_job_config({"qfedpolyp.bit-widths": "8,8,1"})
+    with pytest.raises(ConfigError, match="'qfedpolyp.bit-widths'.*bit-width 0: 0 is not a bit-width"):
+        load_job_config({"qfedpolyp.bit-widths": "8,8,0"})
+    with pytest.raises(ConfigError, match="bit-widths='8,8,1': 1 bit .*needs qfedpolyp.quantise='update'"):
+        load_job_config({"qfedpolyp.bit-widths": "8,8,1"})  # signs carry a change, never weights
+    with pytest.raises(ConfigError, match="downlink-bit-width=1 .*needs qfedpolyp.downlink='delta'"):
+        load_job_config({"qfedpolyp.downlink-bit-width": 1})
     with pytest.raises(ConfigError, match="'qfedpolyp.bit-widths'.*comma-separated"):
         load_job_config({"qfedpolyp.bit-widths": "8 16"})
     with pytest.raises(ConfigError, match="'qfedpolyp.downlink-bit-width'"):

@@ -4,7 +4,11 @@ rebuild it: the payload QFedPolyp hospitals upload (and, optionally, the server 
 Each float tensor is quantised on its own, asymmetric min-max (paper eq. 13-14):
 ``step = (max - min) / (2^b - 1)``, ``code = round((w - min) / step)``, ``w~ = min + code * step``, so
 the rebuilt value is within half a step of the original and never below the minimum (which is
-rebuilt exactly, so BatchNorm variances stay positive). Codes are
+rebuilt exactly, so BatchNorm variances stay positive). ``b = 1`` is for a round's change only (an update or
+a downlink delta, never weights): each value's sign times one scale per tensor, the mean magnitude (which
+makes the squared error smallest for those signs), written as min ``-scale`` and step ``2 scale`` so the
+same rebuild ``min + code * step`` gives ``-scale`` or ``+scale`` (signSGD with a scale, as EF-SignSGD sends
+with error feedback). Codes are
 packed at exactly b bits, little-endian bit order (at 4 bits two codes share a byte). ``b = 32``
 sends floats as they are. Integer tensors (BatchNorm's ``num_batches_tracked``) are counters, not
 weights: their bytes travel unchanged at every b.
@@ -18,8 +22,9 @@ An encoded model is three named arrays, so it travels like any other array group
                      starting on a byte boundary
 
 Decoding recomputes every tensor's byte length from its shape and the tag, and refuses what does not
-add up (wrong or unexpected tag, truncated or padded data, names or shapes unlike the reference
-model, NaN or Inf) with a :class:`PayloadError` that says why.
+add up (wrong or unexpected tag, a 1-bit tag on weights or a 1-bit range that is not ``(-scale, 2 scale)``,
+truncated or padded data, names or shapes unlike the reference model, NaN or Inf) with a
+:class:`PayloadError` that says why.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from common.arrays import ArraysMismatch, NamedArrays, check_like
 
 FORMAT = "fedmed-packed-model"
 VERSION = 1
-VALID_BIT_WIDTHS = (*range(2, 17), 32)
+SIGN_BITS = 1  #: the sign of each value times one scale per tensor: for a round's change, never for weights
+WEIGHT_BIT_WIDTHS = (*range(2, 17), 32)  #: what a model's weights can travel at
+VALID_BIT_WIDTHS = (SIGN_BITS, *WEIGHT_BIT_WIDTHS)
 CONTENTS = ("weights", "update")  #: what an encoded model holds: a model's weights, or a round's change of them
 #: dtypes a header may name (anything else is refused before NumPy is asked to interpret it)
 ALLOWED_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
@@ -45,10 +52,15 @@ class PayloadError(ValueError):
     """An encoded model that cannot be accepted; the message says what is wrong with it."""
 
 
-def check_bit_width(bits: Any, what: str = "bit-width") -> int:
-    """``bits`` as an int if it is 2..16 or 32, else a :class:`ValueError` naming ``what``."""
+def check_bit_width(bits: Any, what: str = "bit-width", content: str | None = None) -> int:
+    """``bits`` as an int if it is 1..16 or 32 (1 only for a change: ``content`` other than ``weights``), else a
+    :class:`ValueError` naming ``what``."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in VALID_BIT_WIDTHS:
-        raise ValueError(f"{what}: {bits!r} is not a bit-width; use 2..16, or 32 for plain floats")
+        raise ValueError(f"{what}: {bits!r} is not a bit-width; use 1..16 (1: signs of a change), or 32 for "
+                         "plain floats")
+    if int(bits) == SIGN_BITS and content == "weights":
+        raise ValueError(f"{what}: 1 bit (signs with a scale) is for a round's change (qfedpolyp.quantise='update', "
+                         "or a downlink='delta'), not for weights; use 2..16, or 32")
     return int(bits)
 
 
@@ -83,10 +95,14 @@ def unpack_codes(packed: np.ndarray, count: int, bits: int) -> np.ndarray:
 
 # --- values <-> codes -----------------------------------------------------------------------------
 def quantise(values: np.ndarray, bits: int) -> tuple[np.ndarray, float, float]:
-    """(codes, min, step) of one tensor; a constant tensor gets step 0 and all-zero codes."""
+    """(codes, min, step) of one tensor; a constant tensor gets step 0 and all-zero codes. At 1 bit: code 1 for
+    a value >= 0, min ``-scale`` and step ``2 scale`` (scale: the mean magnitude; all zeros: 0 and 0)."""
     values = np.asarray(values, dtype=np.float64).ravel()
     if values.size == 0:
         return np.zeros(0, np.uint32), 0.0, 0.0
+    if bits == SIGN_BITS:
+        scale = float(np.abs(values).mean())
+        return (values >= 0).astype(np.uint32), -scale if scale else 0.0, 2 * scale
     low, high = float(values.min()), float(values.max())
     step = (high - low) / (2 ** bits - 1)
     if step == 0.0:
@@ -103,9 +119,12 @@ def dequantise(codes: np.ndarray, low: float, step: float, dtype: np.dtype) -> n
 def encode_model(arrays: Mapping[str, np.ndarray], bits: int, content: str = "weights") -> NamedArrays:
     """Named arrays (a state dict, or ``content='update'``: a round's change of one) as
     ``{"header", "ranges", "data"}`` at ``bits`` bits per float value; ``content`` is tagged in the header."""
-    bits = check_bit_width(bits)
     if content not in CONTENTS:
         raise PayloadError(f"content {content!r} is not one of {CONTENTS}")
+    try:
+        bits = check_bit_width(bits, content=content)
+    except ValueError as error:
+        raise PayloadError(str(error)) from None
     tensors, ranges, chunks = [], [], []
     for name, value in arrays.items():
         value = np.asarray(value)
@@ -163,12 +182,31 @@ def read_header(encoded: Mapping[str, np.ndarray]) -> dict[str, Any]:
     header = parse_header(encoded, FORMAT, VERSION, "encoded model")
     if header.setdefault("content", "weights") not in CONTENTS:  # payloads written before the tag: weights
         raise PayloadError(f"header's content {header['content']!r} is not one of {CONTENTS}")
+    if header["bits"] == SIGN_BITS and header["content"] == "weights":
+        raise PayloadError("bit-width tag 1 (signs) on weights: 1 bit is for a round's change, never a model")
     tensors = header.get("tensors")
     if not isinstance(tensors, list) or not all(_well_formed(entry) for entry in tensors):
         raise PayloadError("header's tensor list is malformed (want [name, shape, dtype] entries)")
     if len({entry[0] for entry in tensors}) != len(tensors):
         raise PayloadError("header names a tensor twice")
     return header
+
+
+def check_ranges(ranges: np.ndarray, names: list[str], bits: int) -> None:
+    """Refuse ranges that are not one finite (min, step >= 0) float64 row per quantised tensor ``names``, or, at
+    1 bit, not the symmetric ``(-scale, 2 scale)`` of sign codes."""
+    ranges = np.asarray(ranges)
+    if ranges.dtype != np.float64 or ranges.shape != (len(names), 2):
+        raise PayloadError(f"ranges are {ranges.dtype} {ranges.shape}, expected float64 {(len(names), 2)}")
+    bad = ~np.isfinite(ranges).all(axis=1) | (ranges[:, 1] < 0)
+    if bad.any():
+        raise PayloadError(f"{names[int(np.flatnonzero(bad)[0])]}: min/step are not finite and non-negative")
+    if bits == SIGN_BITS:
+        bad = ranges[:, 0] != -ranges[:, 1] / 2
+        if bad.any():
+            where = int(np.flatnonzero(bad)[0])
+            raise PayloadError(f"{names[where]}: 1-bit sign codes need min = -step/2 (values -scale or +scale), "
+                               f"got min {ranges[where, 0]!r}, step {ranges[where, 1]!r}")
 
 
 def _well_formed(entry: Any) -> bool:
@@ -193,12 +231,7 @@ def decode_model(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.n
     if expected_content is not None and header["content"] != expected_content:
         raise PayloadError(f"payload is tagged {header['content']!r}, expected {expected_content!r}")
     ranges, data = encoded["ranges"], encoded["data"]
-    quantised = [entry for entry in header["tensors"] if is_quantised(np.dtype(entry[2]), bits)]
-    if ranges.dtype != np.float64 or ranges.shape != (len(quantised), 2):
-        raise PayloadError(f"ranges are {ranges.dtype} {ranges.shape}, expected float64 {(len(quantised), 2)}")
-    if not np.isfinite(ranges).all() or (ranges[:, 1] < 0).any():
-        bad = quantised[int(np.flatnonzero(~np.isfinite(ranges).all(axis=1) | (ranges[:, 1] < 0))[0])][0]
-        raise PayloadError(f"{bad}: min/step are not finite and non-negative")
+    check_ranges(ranges, [entry[0] for entry in header["tensors"] if is_quantised(np.dtype(entry[2]), bits)], bits)
     if data.dtype != np.uint8 or data.ndim != 1:
         raise PayloadError(f"data must be a 1-D uint8 array, got {data.dtype} {data.shape}")
     sizes = [_nbytes(entry, bits) for entry in header["tensors"]]

@@ -9,7 +9,8 @@ consecutive entries of the flattened tensor (the last one padded with zeros): ``
 blocks of largest L2 norm (or drawn at random) travel whole, so each kept entry costs 1/B of a position and more
 entries fit in the same bytes; the header's ``block`` says B (absent: 1). The kept values are quantised as the
 dense codec does (``common.quantization.codec``: per tensor min-max over the kept values, codes packed at exactly
-b bits; b = 32 sends the floats). What is not sent is the sender's to keep (error feedback).
+b bits; b = 1: their signs times the kept values' mean magnitude; b = 32 sends the floats). What is not sent is
+the sender's to keep (error feedback).
 
 Where they are, per tensor, whichever is smaller (ties: the bitmap), tagged in the header:
 
@@ -34,7 +35,7 @@ Decoding computes every tensor's byte length from the header before reading anyt
 dtypes against the receiver's model before allocating, and refuses (:class:`PayloadError`, with the reason) a
 wrong or unexpected tag, more or fewer kept entries than the sparsity assigned, truncated or padded data,
 positions out of range, repeated or unsorted, a bitmap or gap stream that disagrees with its count, non-finite
-or negative ranges and NaN values.
+or negative ranges (at 1 bit: ranges other than ``(-scale, 2 scale)``) and NaN values.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from common.arrays import NamedArrays
 from .codec import (
     PayloadError,
     check_bit_width,
+    check_ranges,
     dequantise,
     pack_codes,
     packed_nbytes,
@@ -307,12 +309,7 @@ def decode_sparse(encoded: Mapping[str, np.ndarray], reference: Mapping[str, np.
                 raise PayloadError(f"{name}: {kept} of its {total} {units} sent, but {assigned} were "
                                    f"assigned (sparsity {expected_sparsity:g})")
     ranges, data = np.asarray(encoded["ranges"]), np.asarray(encoded["data"])
-    ranged = [entry for entry in tensors if bits < 32 and entry[3] > 0]
-    if ranges.dtype != np.float64 or ranges.shape != (len(ranged), 2):
-        raise PayloadError(f"ranges are {ranges.dtype} {ranges.shape}, expected float64 {(len(ranged), 2)}")
-    if not np.isfinite(ranges).all() or (ranges[:, 1] < 0).any():
-        bad = ranged[int(np.flatnonzero(~np.isfinite(ranges).all(axis=1) | (ranges[:, 1] < 0))[0])][0]
-        raise PayloadError(f"{bad}: min/step are not finite and non-negative")
+    check_ranges(ranges, [entry[0] for entry in tensors if bits < 32 and entry[3] > 0], bits)
     if data.dtype != np.uint8 or data.ndim != 1:
         raise PayloadError(f"data must be a 1-D uint8 array, got {data.dtype} {data.shape}")
     sizes = sparse_nbytes(header)

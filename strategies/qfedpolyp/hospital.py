@@ -95,7 +95,8 @@ class QFedPolypHospital(HospitalMethod):
         return arrays
 
     def train(self, rnd: int, payload: Payload) -> Payload:
-        bits = check_bit_width(payload.config.get(BIT_WIDTH_KEY), f"round config key {BIT_WIDTH_KEY!r}")
+        sends = "weights" if self.cfg.qfedpolyp.quantise == "weights" else "update"
+        bits = check_bit_width(payload.config.get(BIT_WIDTH_KEY), f"round config key {BIT_WIDTH_KEY!r}", sends)
         memory = self.memory(rnd)
         model = self.received_model(payload, memory)
         start = model_arrays(model)

@@ -100,7 +100,7 @@ def qfedpolyp_contribution(received: Payload, reply: Payload, params: Mapping[st
     names = [name.removeprefix("code/") for name in layout.names]
     change, clipped = clip_update(model_change(model_in, model_out, names), float(params[NORM_BOUND_KEY]))
     finest = int(params[GRID_BITS_KEY])
-    bits = min(grid_bits(check_bit_width(received.config.get(BIT_WIDTH_KEY), BIT_WIDTH_KEY)), finest)
+    bits = min(grid_bits(check_bit_width(received.config.get(BIT_WIDTH_KEY), BIT_WIDTH_KEY, content="weights")), finest)
     weight = float(params[CODE_WEIGHT_KEY])
     lows, highs = list(params[RANGE_LOW_KEY]), list(params[RANGE_HIGH_KEY])
     if len(lows) != len(names) or len(highs) != len(names) or not 0 < weight <= 1:

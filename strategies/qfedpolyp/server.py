@@ -64,10 +64,12 @@ class QFedPolypServer(ServerMethod):
         self._uplink_arrays: dict[str, list[int]] = {}  # sparse updates: bytes of header, rows of ranges, bytes of data
 
     def check_hospital(self, hospital: HospitalInfo) -> None:
-        """A declared bit-width must be one the codec has (a hostile 33 would fail the downlink)."""
+        """A declared bit-width must be one the codec has for what hospitals send (a hostile 33 would fail the
+        downlink; 1 bit cannot carry weights)."""
         declared = hospital.properties.get("bit-width")
         if declared:
-            check_bit_width(declared, f"hospital {hospital.name}: declared bit-width")
+            sends = "weights" if self.cfg.qfedpolyp.quantise == "weights" else "update"
+            check_bit_width(declared, f"hospital {hospital.name}: declared bit-width", content=sends)
 
     def hospitals_available(self, rnd: int, hospitals: list[HospitalInfo]) -> None:
         """Every hospital ever seen keeps its rank, so one that drops out does not shift the others' bit-widths.

@@ -15,9 +15,10 @@ class QFedPolypSettings(Section):
 
     bit_widths: str = Field("8", description="Uplink bit-width per hospital in name order, e.g. '8,8,8,16,16'; "
                                              "one value: every hospital. Each 2..16, or 32 for plain floats. "
-                                             "A hospital's node config 'bit-width' wins over this list.")
+                                             "A hospital's node config 'bit-width' wins over this list. 1: "
+                                             "signs with a scale per tensor (quantise='update' only).")
     downlink_bit_width: int = Field(32, description="Bit-width of the global model sent to hospitals "
-                                                    "(32: plain floats).")
+                                                    "(32: plain floats; 1: signs, downlink='delta' only).")
     qat: bool = Field(True, description="Fake-quantise weights to the hospital's bit-width in local training "
                                         "(quantise='weights'; updates are quantised after full-precision training).")
     quantise: Literal["weights", "update"] = Field("weights", description=(
@@ -52,6 +53,12 @@ class QFedPolypSettings(Section):
         if self.sparse_block > 1 and self.sparsity >= 1.0 and self.downlink_sparsity >= 1.0:
             raise ValueError(f"qfedpolyp.sparse-block={self.sparse_block} needs qfedpolyp.sparsity < 1 or "
                              "qfedpolyp.downlink-sparsity < 1 (nothing is sent sparse)")
+        if 1 in self.bit_width_list and self.quantise != "update":
+            raise ValueError(f"qfedpolyp.bit-widths={self.bit_widths!r}: 1 bit (signs with a scale) needs "
+                             "qfedpolyp.quantise='update' (a round's change; weights need 2 bits or more)")
+        if self.downlink_bit_width == 1 and self.downlink != "delta":
+            raise ValueError("qfedpolyp.downlink-bit-width=1 (signs with a scale) needs qfedpolyp.downlink='delta' "
+                             "(the model's change; the model itself needs 2 bits or more)")
         if self.downlink_sparsity < 1.0 and self.downlink != "delta":
             raise ValueError(f"qfedpolyp.downlink-sparsity={self.downlink_sparsity:g} needs "
                              "qfedpolyp.downlink='delta' (the global model cannot be sent in part)")
