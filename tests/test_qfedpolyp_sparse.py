@@ -15,7 +15,7 @@ from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
 from common.inprocess import run_rounds, simulated_sites
 from common.models.unet2d import PolypUNet
-from common.quantization.codec import PayloadError, encode_model, encoded_nbytes, packed_nbytes
+from common.quantization.codec import PayloadError, decode_model, encode_model, encoded_nbytes, packed_nbytes
 from common.quantization.sparse import (
     DENSE_BELOW,
     check_indices,
@@ -496,6 +496,11 @@ def sparse_job(**extra):
                             "num-server-rounds": 4, "evaluate-every": 100, **extra})
 
 
+#: below 2 bits: sign updates and deltas in blocks, the BatchNorm statistics at 8 bits (rebuilt, not sent as floats)
+SIGNS = {"qfedpolyp.bit-widths": "1", "qfedpolyp.downlink-bit-width": 1, "qfedpolyp.sparse-block": 8,
+         "qfedpolyp.sparsity": 0.3, "qfedpolyp.downlink-sparsity": 0.6, "qfedpolyp.statistics-bit-width": 8}
+
+
 def play_round(cfg, engine, sites, rnd, who=None):
     """One round with the hospitals ``who`` (default: all) connected; returns (record, {name: received arrays})."""
     infos = [QFedPolypHospital(cfg, site).info() for site in sites if who is None or site.name in who]
@@ -541,7 +546,8 @@ def test_sparse_updates_are_averaged_into_the_global_model(quick_training):
     counts = np.array([r.payload.metrics["num-examples"] for r in replies[:2]], float)
     for name, value in engine.method.global_arrays.items():
         if is_statistic(name):
-            expected = sum(c * r.payload.arrays[STATISTICS][name] for c, r in zip(counts, replies)) / counts.sum()
+            expected = sum(c * decode_model(r.payload.arrays[STATISTICS])[name]
+                           for c, r in zip(counts, replies)) / counts.sum()
         else:
             expected = before[name] + sum(c * d[name] for c, d in zip(counts, changes)) / counts.sum()
         np.testing.assert_allclose(value, expected, atol=2e-6, err_msg=name)
@@ -580,9 +586,10 @@ def test_sparse_error_feedback_keeps_what_was_not_sent_and_replays_after_a_resta
     assert (second["enc2.conv2.weight"] != 0).sum() == kept_count(second["enc2.conv2.weight"].size, 0.1)
 
 
-@pytest.mark.parametrize("block", [1, 8])
-def test_hospitals_rebuild_the_servers_record_bit_for_bit_across_rounds_skips_and_late_joins(quick_training, block):
-    cfg = sparse_job(**{"num-server-rounds": 5, "qfedpolyp.sparse-block": block})
+@pytest.mark.parametrize("extra", [{"qfedpolyp.sparse-block": 1}, {"qfedpolyp.sparse-block": 8}, SIGNS],
+                         ids=["entries", "blocks", "signs"])
+def test_hospitals_rebuild_the_servers_record_bit_for_bit_across_rounds_skips_and_late_joins(quick_training, extra):
+    cfg = sparse_job(**{"num-server-rounds": 5, **extra})
     sites = simulated_sites(cfg, 3)
     engine = RoundEngine(cfg)
     server = engine.method
@@ -688,17 +695,20 @@ def test_a_forged_or_mismatched_downlink_is_refused_by_the_hospital(quick_traini
     refused(changed({PACKED: encode_sparse(delta, 8, 0.3, content="delta")}), "tag is 8, but 4 was assigned")
     refused(changed({PACKED: encode_sparse(delta, 4, 0.3, content="update")}), "tagged 'update', expected 'delta'")
     refused(changed({PACKED: encode_sparse(delta, 4, 0.5, content="delta")}), "were assigned \\(sparsity 0.3\\)")
-    statistics = dict(good.arrays[STATISTICS])
+    statistics = decode_model(good.arrays[STATISTICS])
     statistics.pop(next(iter(statistics)))
-    refused(changed({STATISTICS: statistics}), "downlink 'statistics': missing")
+    refused(changed({STATISTICS: encode_model(statistics, 32)}), "the downlink 'statistics': .*missing")
+    refused(changed({STATISTICS: encode_model(decode_model(good.arrays[STATISTICS]), 8)}),
+            "the downlink 'statistics': bit-width tag is 8, but 32 was assigned")
     full = changed({PACKED: encode_model(weights, 32)}, **{DOWNLINK_BASE_KEY: 0})
     refused(full, "not the one the server recorded")  # the initial weights are not round 2's model
 
 
-def test_a_resumed_run_and_a_restarted_supernode_continue_exactly(tmp_path, quick_training):
+@pytest.mark.parametrize("extra", [{}, SIGNS], ids=["2-bit", "signs"])
+def test_a_resumed_run_and_a_restarted_supernode_continue_exactly(tmp_path, quick_training, extra):
     from server_app.checkpoint import load_checkpoint, save_checkpoint
 
-    cfg = sparse_job()
+    cfg = sparse_job(**extra)
     straight = run_rounds(cfg, simulated_sites(cfg, 2, state_root=tmp_path / "straight"))
 
     first = run_rounds(cfg, simulated_sites(cfg, 2, state_root=tmp_path / "restarted"), last_round=2)

@@ -42,14 +42,15 @@ def test_the_server_adds_the_weighted_mean_update_to_its_global_model():
     before = {k: v.copy() for k, v in engine.method.global_arrays.items()}
     replies = one_round(cfg, sites, engine)
     assert all(set(r.payload.arrays) == {PACKED, STATISTICS} for r in replies)
-    assert all(all(is_statistic(k) for k in r.payload.arrays[STATISTICS]) for r in replies)
+    statistics = [decode_model(r.payload.arrays[STATISTICS], expected_bits=32) for r in replies]  # the floats
+    assert all(all(is_statistic(k) for k in sent) for sent in statistics)
     changes = [decode_model(r.payload.arrays[PACKED], expected_content="update") for r in replies]
     counts = np.array([r.payload.metrics["num-examples"] for r in replies], dtype=float)
     record = engine.complete_round(1, [r.hospital for r in replies], replies, 0.0)
     assert record["aggregated"] == [r.hospital.name for r in replies]
     for name, value in engine.method.global_arrays.items():
         if is_statistic(name):
-            expected = sum(c * r.payload.arrays[STATISTICS][name] for c, r in zip(counts, replies)) / counts.sum()
+            expected = sum(c * sent[name] for c, sent in zip(counts, statistics)) / counts.sum()
         else:
             expected = before[name] + sum(c * d[name] for c, d in zip(counts, changes)) / counts.sum()
         np.testing.assert_allclose(value, expected, atol=2e-6, err_msg=name)

@@ -1,6 +1,6 @@
 """QFedPolyp's hospital half: local quantisation-aware training (paper Algorithm 2) and the b-bit packed reply
-(Algorithm 3), or its round's update at b bits (optionally sparse) with error feedback; the global model received
-whole, or (``downlink='delta'``) rebuilt from the model it holds and the server's delta."""
+(Algorithm 3), or its round's update at b bits (optionally sparse; 1 bit: signs) with error feedback; the global
+model received whole, or (``downlink='delta'``) rebuilt from the model it holds and the server's delta."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from .messages import (
     STATISTICS,
     apply_delta,
     model_digest,
+    pack_statistics,
     split_statistics,
+    unpack_statistics,
 )
 
 
@@ -65,11 +67,8 @@ class QFedPolypHospital(HospitalMethod):
         weights_reference, statistics_reference = split_statistics(reference)
         base = _round_number(payload.config.get(DOWNLINK_BASE_KEY), DOWNLINK_BASE_KEY)
         _round_number(payload.config.get(DOWNLINK_ROUND_KEY), DOWNLINK_ROUND_KEY)
-        statistics = payload.arrays.get(STATISTICS, {})
-        try:
-            check_like(statistics, statistics_reference, f"downlink '{STATISTICS}'", exact_dtype=True)
-        except ArraysMismatch as error:
-            raise PayloadError(str(error)) from None
+        statistics = unpack_statistics(payload.arrays, statistics_reference, settings.statistics_bit_width,
+                                       "the downlink")
         if base == 0:
             weights = decode_model(payload.arrays[PACKED], reference=weights_reference, expected_bits=32,
                                    expected_content="weights")
@@ -142,7 +141,7 @@ class QFedPolypHospital(HospitalMethod):
             encoded = encode_model(change, bits, content="update")
             sent = decode_model(encoded, reference=change) if feedback else {}
         residual = {k: (v.astype(np.float64) - sent[k]).astype(v.dtype) for k, v in change.items()} if feedback else {}
-        return {PACKED: encoded, STATISTICS: statistics}, residual
+        return {PACKED: encoded, STATISTICS: pack_statistics(statistics, settings.statistics_bit_width)}, residual
 
     def evaluate(self, rnd: int, payload: Payload) -> dict[str, float]:
         return self.task.evaluate(self.received_model(payload, self.memory(rnd)), self.site.val, self.site.device)

@@ -11,11 +11,14 @@ import numpy as np
 from common.arrays import NamedArrays
 from common.config import ConfigError
 from common.methods.base import HospitalInfo
-from common.quantization.codec import check_bit_width
+from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 
 PACKED = "packed-model"  #: the array group holding an encoded model (or update), both ways
-STATISTICS = "statistics"  #: update mode: BatchNorm running statistics as plain floats (a quantised change of a
-#: variance could make it negative; they are a fraction of a percent of the bytes)
+#: update mode and a delta downlink: the BatchNorm running statistics, not as a change (a quantised change of a
+#: variance could make it negative) but as themselves, one encoded model of the dense codec at
+#: ``statistics-bit-width`` (32: the floats exactly; fewer: per tensor min-max, the minimum exact, so variances stay
+#: positive): three arrays instead of one per tensor, as Flower frames every array (about 0.5 kB each)
+STATISTICS = "statistics"
 BIT_WIDTH_KEY = "qfedpolyp.bit-width"  #: round-config key: the uplink bit-width assigned to this hospital
 #: downlink='delta' round-config keys: the round of the model the delta applies to (0: the message holds the full
 #: model), the round of the model it rebuilds, and that model's digest (:func:`model_digest`)
@@ -34,6 +37,22 @@ def split_statistics(arrays: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
     """(weights, BatchNorm running statistics) of a model's arrays."""
     return ({k: v for k, v in arrays.items() if not is_statistic(k)},
             {k: v for k, v in arrays.items() if is_statistic(k)})
+
+
+def pack_statistics(statistics: NamedArrays, bits: int) -> NamedArrays:
+    """The BatchNorm running statistics as they travel (:data:`STATISTICS`)."""
+    return encode_model(statistics, bits)
+
+
+def unpack_statistics(arrays: dict[str, NamedArrays], reference: NamedArrays, bits: int, what: str) -> NamedArrays:
+    """The statistics a message's :data:`STATISTICS` group stands for, checked against ``reference`` (names, shapes,
+    dtypes) and the assigned bit-width; :class:`PayloadError` naming ``what`` otherwise."""
+    if STATISTICS not in arrays:
+        raise PayloadError(f"{what} carries no '{STATISTICS}' arrays")
+    try:
+        return decode_model(arrays[STATISTICS], reference=reference, expected_bits=bits, expected_content="weights")
+    except PayloadError as error:
+        raise PayloadError(f"{what} '{STATISTICS}': {error}") from None
 
 
 def apply_delta(base: NamedArrays, delta: NamedArrays) -> NamedArrays:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from common.arrays import ArraysMismatch, NamedArrays, check_like, weighted_average
+from common.arrays import ArraysMismatch, NamedArrays, weighted_average
 from common.methods.base import (
     HospitalInfo,
     HospitalUpdate,
@@ -40,7 +40,9 @@ from .messages import (
     assign_bit_width,
     is_statistic,
     model_digest,
+    pack_statistics,
     split_statistics,
+    unpack_statistics,
 )
 
 
@@ -59,6 +61,7 @@ class QFedPolypServer(ServerMethod):
         self.holders: dict[str, int] = {}  # hospital -> round of the held model its reply showed it rebuilt
         self._delta: tuple[int, int, NamedArrays] | None = None  # round, the round it applies to, encoded delta
         self._full: NamedArrays | None = None  # the held model's weights at 32 bits, for hospitals without a base
+        self._statistics: NamedArrays = {}  # the held model's BatchNorm statistics, encoded as they travel
         self._digest = ""
         self._sent: dict[str, int] = {}  # this round: the base each hospital's downlink applied to (0: full model)
         self._uplink_arrays: dict[str, list[int]] = {}  # sparse updates: bytes of header, rows of ranges, bytes of data
@@ -119,15 +122,18 @@ class QFedPolypServer(ServerMethod):
                                     block=settings.sparse_block)
             held_weights = apply_delta(base, decode_sparse(encoded, reference=base))
             self._delta = (rnd, self.held_round, encoded)
-        self.held = {k: held_weights[k] if k in held_weights else statistics[k].copy() for k in self.global_arrays}
+        # the statistics as they travel (at statistics-bit-width), decoded as hospitals decode them
+        self._statistics = pack_statistics(statistics, settings.statistics_bit_width)
+        statistics = decode_model(self._statistics, reference=statistics)
+        self.held = {k: held_weights[k] if k in held_weights else statistics[k] for k in self.global_arrays}
         self.held_round, self._full, self._sent = rnd, None, {}
         self._digest = model_digest(self.held)
 
     def delta_downlink(self, rnd: int, name: str) -> tuple[dict[str, NamedArrays], dict[str, int | str]]:
         """What ``name`` receives in round ``rnd``: the round's delta if its last reply showed it holds the model the
-        delta applies to, else the full held model at 32 bits; the BatchNorm statistics as floats either way."""
+        delta applies to, else the full held model at 32 bits; the BatchNorm statistics either way."""
         self.advance_held(rnd)
-        weights, statistics = split_statistics(self.held)
+        weights, _ = split_statistics(self.held)
         if self._delta is not None and self._delta[0] == rnd and self.holders.get(name) == self._delta[1]:
             packed, base = self._delta[2], self._delta[1]
         else:
@@ -135,7 +141,7 @@ class QFedPolypServer(ServerMethod):
                 self._full = encode_model(weights, 32)
             packed, base = self._full, 0
         self._sent[name] = base
-        return ({PACKED: packed, STATISTICS: statistics},
+        return ({PACKED: packed, STATISTICS: self._statistics},
                 {DOWNLINK_BASE_KEY: base, DOWNLINK_ROUND_KEY: self.held_round, DOWNLINK_DIGEST_KEY: self._digest})
 
     def check(self, update: HospitalUpdate) -> None:
@@ -167,8 +173,8 @@ class QFedPolypServer(ServerMethod):
                                                          int(packed["data"].size)]
         else:
             change = decode_model(packed, reference=weights, expected_bits=bits, expected_content="update")
-        sent_statistics = update.payload.arrays.get(STATISTICS, {})
-        check_like(sent_statistics, statistics, f"'{STATISTICS}' of {update.hospital.name}", exact_dtype=True)
+        sent_statistics = unpack_statistics(update.payload.arrays, statistics, self.cfg.qfedpolyp.statistics_bit_width,
+                                            f"the reply of {update.hospital.name}")
         rebuilt = {k: (v.astype(np.float64) + change[k]).astype(v.dtype) for k, v in weights.items()}
         return {k: rebuilt[k] if k in rebuilt else sent_statistics[k] for k in received}
 
@@ -216,6 +222,7 @@ class QFedPolypServer(ServerMethod):
         state = {**super().state_dict(), "roster": pack_json(self.roster)}
         if self.held:
             state.update({f"held/{k}": v for k, v in self.held.items()})
+            state.update({f"held-statistics/{k}": v for k, v in self._statistics.items()})  # as sent, bit for bit
             state["held-round"] = np.array(self.held_round, dtype=np.int64)
         return state
 
@@ -224,5 +231,7 @@ class QFedPolypServer(ServerMethod):
         self.roster = unpack_json(state["roster"]) if "roster" in state else []
         self.held = {k.removeprefix("held/"): v for k, v in state.items() if k.startswith("held/")}
         self.held_round = int(state["held-round"]) if self.held and "held-round" in state else 0
+        self._statistics = {k.removeprefix("held-statistics/"): v for k, v in state.items()
+                            if k.startswith("held-statistics/")}
         self.holders, self._delta, self._full, self._sent = {}, None, None, {}
         self._digest = model_digest(self.held) if self.held else ""

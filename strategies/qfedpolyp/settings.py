@@ -38,6 +38,9 @@ class QFedPolypSettings(Section):
         "it does not carry is sent later; a hospital that missed a round gets the full model)."))
     downlink_sparsity: float = Field(1.0, description=(
         "downlink='delta': the fraction of each tensor's entries the downlink delta carries (1.0: all)."))
+    statistics_bit_width: int = Field(32, description=(
+        "quantise='update' and downlink='delta': the bit-width of the BatchNorm running statistics that travel "
+        "beside the update or delta (32: the floats; 2..16: per tensor min-max, the minimum exact)."))
     sparse_block: int = Field(1, ge=1, le=4096, description=(
         "Sparse updates and deltas: send whole blocks of this many consecutive entries (of each flattened tensor), "
         "the blocks of largest norm, so a position costs 1/block of its bits and more entries fit in the same "
@@ -53,6 +56,10 @@ class QFedPolypSettings(Section):
         if self.sparse_block > 1 and self.sparsity >= 1.0 and self.downlink_sparsity >= 1.0:
             raise ValueError(f"qfedpolyp.sparse-block={self.sparse_block} needs qfedpolyp.sparsity < 1 or "
                              "qfedpolyp.downlink-sparsity < 1 (nothing is sent sparse)")
+        if self.statistics_bit_width < 32 and self.quantise != "update" and self.downlink != "delta":
+            raise ValueError(f"qfedpolyp.statistics-bit-width={self.statistics_bit_width} needs "
+                             "qfedpolyp.quantise='update' or qfedpolyp.downlink='delta' (otherwise the statistics "
+                             "travel inside the model, at its bit-width)")
         if 1 in self.bit_width_list and self.quantise != "update":
             raise ValueError(f"qfedpolyp.bit-widths={self.bit_widths!r}: 1 bit (signs with a scale) needs "
                              "qfedpolyp.quantise='update' (a round's change; weights need 2 bits or more)")
@@ -99,6 +106,13 @@ class QFedPolypSettings(Section):
         from common.quantization.codec import check_bit_width
 
         return check_bit_width(value, "downlink bit-width")
+
+    @field_validator("statistics_bit_width")
+    @classmethod
+    def _statistics(cls, value: int) -> int:
+        from common.quantization.codec import check_bit_width
+
+        return check_bit_width(value, "statistics bit-width", content="weights")
 
     @property
     def bit_width_list(self) -> list[int]:
