@@ -1,25 +1,3 @@
-"""The machine a benchmark ran on, named in every results file (speeds and even scores differ by CPU)."""
+"""The machine a benchmark ran on (``common.machine``: ``fedmed export-int8`` names it too)."""
 
-from __future__ import annotations
-
-import platform
-from pathlib import Path
-
-
-def cpu_name(cpuinfo: str | None = None) -> str:
-    """The CPU's model name from /proc/cpuinfo with its family and model numbers (e.g. 'AMD EPYC (family 23,
-    model 1)': a virtual machine's bare 'AMD EPYC' covers generations whose int8 and AVX2 speeds differ several
-    times over), else what Python knows."""
-    try:
-        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    if "model name" in fields:
-        numbers = [f"{label} {fields[key]}" for key, label in (("cpu family", "family"), ("model", "model"))
-                   if fields.get(key)]
-        return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
-    return platform.processor() or platform.machine() or "unknown CPU"
+from common.machine import cpu_name  # noqa: F401

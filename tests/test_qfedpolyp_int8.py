@@ -15,7 +15,7 @@ from PIL import Image
 from torch import nn
 from torch.ao.nn import intrinsic, quantized
 
-from benchmarks.qfedpolyp.eager_int8 import ShuffleUpsample, int8_model
+from benchmarks.qfedpolyp.eager_int8 import int8_model
 from common.cli import main as fedmed
 from common.config import JobConfig
 from common.data.export import write_site
@@ -23,6 +23,7 @@ from common.data.sources import generate
 from common.data.synthetic import make_polyps
 from common.models.unet2d import PolypUNet
 from common.quantization.int8 import load_deployment
+from common.quantization.upsample import ShuffleUpsample
 from common.round_engine import RoundEngine
 from common.tasks.base import images_to_tensor
 from server_app.checkpoint import save_checkpoint
@@ -226,19 +227,57 @@ def test_pt2e_int8_model_has_int8_weights_stays_close_to_fp32_and_round_trips(tm
         load_deployment(tmp_path / "bad.pt2")
 
 
-def test_engine_auto_takes_the_first_installed_and_a_missing_one_names_the_extra(monkeypatch):
+def test_engine_auto_takes_every_installed_one_and_a_missing_one_names_the_extra(monkeypatch):
     from common.quantization import int8
 
     missing: set[str] = set()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
-    assert int8.choose_engine("auto") == "pt2e"
+    assert int8.installed_engines("auto") == ["pt2e", "onnxruntime"]
     missing.add("torchao")
-    assert int8.choose_engine("auto") == "onnxruntime"
+    assert int8.installed_engines("auto") == ["onnxruntime"]
     with pytest.raises(ValueError, match="pt2e: torchao is not installed; install fedmed-hospitals\\[int8\\]"):
-        int8.choose_engine("pt2e")
+        int8.installed_engines("pt2e")
     missing.add("onnxruntime")
     with pytest.raises(ValueError, match="torchao or onnxruntime is not installed"):
-        int8.choose_engine("auto")
+        int8.installed_engines("auto")
     with pytest.raises(ValueError, match="INT8 engine 'torch': use one of auto, pt2e, onnxruntime"):
-        int8.choose_engine("torch")
+        int8.installed_engines("torch")
+
+
+def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the_float_model_at_most(
+        tmp_path, monkeypatch):
+    """`export-int8` (engine auto): every INT8 model installed is built and timed at batch 1 and 8, the one with the
+    smallest product of the two medians is written with the figures and the CPU in its metadata; every candidate is
+    at most a third of the float model's bytes."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("onnxruntime")
+    from common.quantization import int8, timing
+
+    cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
+                    image_size=16, min_partition_size=5)
+    engine = RoundEngine(cfg)
+    engine.history = [{"round": 1}]
+    save_checkpoint(tmp_path / "run", 1, engine.state_dict())
+    state = dict(np.load(tmp_path / "run" / "checkpoints" / "round-00001.npz"))
+    float_bytes = sum(v.nbytes for v in PolypUNet().state_dict().values())  # 7.7 MB
+    # batch 1 and 8: qdq is fastest at batch 1, pt2e at batch 8; qdq's product is the smallest
+    fake = {"pt2e": (0.004, 0.010), "onnxruntime-qdq": (0.002, 0.012), "onnxruntime-qoperator": (0.003, 0.020)}
+    monkeypatch.setattr(timing, "latencies", lambda paths, x, **_: {k: fake[k][len(x) > 1] for k in paths})
+    sizes = {}
+    real_fastest = int8.fastest
+
+    def recording(files, *args, **kwargs):
+        sizes.update({label: path.stat().st_size for label, path in files.items()})
+        return real_fastest(files, *args, **kwargs)
+
+    monkeypatch.setattr(int8, "fastest", recording)
+    path, metadata = int8.export_int8(state, tmp_path / "model", num_calibration=16)
+    assert path == tmp_path / "model.onnx" and metadata["engine"] == "onnxruntime" and metadata["format"] == "qdq"
+    assert set(sizes) == set(int8.CANDIDATES) and all(size <= float_bytes / 3 for size in sizes.values()), sizes
+    _, written = load_deployment(path)
+    choice = written["engine-choice"]
+    assert choice["chosen"] == "onnxruntime-qdq" and choice["input"] == [3, 16, 16] and choice["cpu"]
+    assert choice["median-ms-batch-1-and-8"] == {k: [v[0] * 1e3, v[1] * 1e3] for k, v in fake.items()}
+    assert written["image-size"] == 16 and written["format"] == "qdq"
+

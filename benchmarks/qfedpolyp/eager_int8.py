@@ -16,7 +16,6 @@ docs/qfedpolyp.md), while quantised 1x1 convolutions are right and take per-chan
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from typing import Iterable, Iterator
 
@@ -25,6 +24,7 @@ from torch import nn
 from torch.ao import quantization as tq
 
 from common.models.unet2d import Concat, ConvBlock
+from common.quantization.upsample import without_transposed_convolutions
 
 ENGINE = "x86"
 
@@ -49,38 +49,6 @@ class QuantisedConcat(nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.op.cat([a, b], dim=1)
-
-
-class ShuffleUpsample(nn.Module):
-    """``ConvTranspose2d(kernel_size=k, stride=k)`` as a 1x1 conv to ``k*k*C_out`` channels and a pixel shuffle.
-
-    Output pixel (k*i + a, k*j + b) of channel o is ``sum_c x[c, i, j] * W[c, o, a, b] + bias[o]`` in both:
-    the 1x1 conv computes it as its channel ``(a*k + b)*C_out + o``, and the shuffle moves it into place.
-    The shuffle is written for channels-last memory, the layout of quantised convolutions: one copy, and
-    a channels-last result, which the quantised concatenation that follows needs for its fast path.
-    """
-
-    def __init__(self, transposed: nn.ConvTranspose2d):
-        super().__init__()
-        k = transposed.kernel_size[0]
-        if (transposed.kernel_size != (k, k) or transposed.stride != (k, k) or transposed.padding != (0, 0)
-                or transposed.output_padding != (0, 0) or transposed.dilation != (1, 1) or transposed.groups != 1):
-            raise ValueError(f"only non-overlapping transposed convolutions can be rewritten, not {transposed}")
-        c_in, c_out = transposed.in_channels, transposed.out_channels
-        self.factor, self.out_channels = k, c_out
-        self.conv = nn.Conv2d(c_in, c_out * k * k, 1, bias=transposed.bias is not None)
-        with torch.no_grad():
-            self.conv.weight.copy_(transposed.weight.permute(2, 3, 1, 0).reshape(k * k * c_out, c_in, 1, 1))
-            if transposed.bias is not None:
-                self.conv.bias.copy_(transposed.bias.repeat(k * k))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv(x)
-        n, _, h, w = y.shape
-        k, c = self.factor, self.out_channels
-        y = y.permute(0, 2, 3, 1).reshape(n, h, w, k, k, c)  # (n, i, j, a, b, o)
-        y = y.permute(0, 1, 3, 2, 4, 5).reshape(n, h * k, w * k, c)  # (n, k*i + a, k*j + b, o)
-        return y.permute(0, 3, 1, 2)  # NCHW shape, channels-last memory
 
 
 class QuantisedModel(nn.Module):
@@ -116,13 +84,11 @@ def fusion_groups(model: nn.Module) -> list[list[str]]:
 def prepare_for_calibration(model: nn.Module, engine: str = ENGINE) -> QuantisedModel:
     """A fused copy of ``model`` with observers, ready to see calibration images."""
     use_engine(engine)
-    network = copy.deepcopy(model).cpu().eval()
+    network = without_transposed_convolutions(model).cpu().eval()
     for parent in list(network.modules()):
         for child_name, child in parent.named_children():
             if isinstance(child, Concat):
                 setattr(parent, child_name, QuantisedConcat())
-            elif isinstance(child, nn.ConvTranspose2d):
-                setattr(parent, child_name, ShuffleUpsample(child))
     network = tq.fuse_modules(network, fusion_groups(network))
     wrapped = QuantisedModel(network).eval()
     with quiet_deprecations():

@@ -22,20 +22,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import random
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
-from benchmarks.machine import cpu_name
 from benchmarks.qfedpolyp.eager_int8 import frozen_script, int8_model, quiet_deprecations
 from common.data.sources import server_test_set
+from common.machine import cpu_flags, cpu_name
 from common.quantization.int8 import calibration_images, image_batches, model_from_checkpoint
+from common.quantization.timing import latencies
 from common.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,25 +46,6 @@ def compiled(model: torch.nn.Module) -> Callable:
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     return frozen_compile(model)
-
-
-def latencies(paths: dict[str, Callable], x: torch.Tensor, warmup: int, repeats: int,
-              seed: int = 0) -> dict[str, float]:
-    """Median seconds per call of each path, the paths interleaved in a shuffled order every repetition."""
-    rng = random.Random(seed)
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    with torch.inference_mode():
-        for name, run in paths.items():
-            for _ in range(warmup):
-                run(x)
-        for _ in range(repeats):
-            order = list(paths)
-            rng.shuffle(order)
-            for name in order:
-                started = time.perf_counter()
-                paths[name](x)
-                times[name].append(time.perf_counter() - started)
-    return {name: float(np.median(values)) for name, values in times.items()}
 
 
 def time_in_quantised_convolutions(model: torch.nn.Module, x: torch.Tensor, repeats: int = 20) -> tuple[float, float]:
@@ -132,15 +111,6 @@ def onnx_paths(model: torch.nn.Module, cfg, size: int, threads: int) -> dict[str
         file = export_int8(model, images, work / f"int8-{form}.onnx", {"image-size": cfg.image_size}, form=form)
         paths[f"INT8 ONNX Runtime ({form})"] = OnnxSegmenter(file, threads)
     return paths
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return ""
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
 
 
 def main(argv: list[str] | None = None) -> int:

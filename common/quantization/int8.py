@@ -178,35 +178,85 @@ def input_normalisation(cfg: JobConfig, channels: int) -> str:
 
 
 #: ``export-int8 --engine``: PT2E, PyTorch's maintained quantisation (torchao), or ONNX Runtime's static quantisation
-#: (for sites that run no PyTorch or have no C++ compiler), each of any network; ``auto``: the first installed
+#: (also for sites that run no PyTorch or have no C++ compiler), each of any network; ``auto``: every installed one
+#: measured on this machine, the fastest written
 ENGINES = ("auto", "pt2e", "onnxruntime")
 SUFFIXES = {"pt2e": ".pt2", "onnxruntime": ".onnx"}
 NEEDS = {"pt2e": "torchao", "onnxruntime": "onnxruntime"}
+#: the INT8 models an export chooses from: label -> (engine, ONNX Runtime's format)
+CANDIDATES = {"pt2e": ("pt2e", ""), "onnxruntime-qdq": ("onnxruntime", "qdq"),
+              "onnxruntime-qoperator": ("onnxruntime", "qoperator")}
 
 
-def choose_engine(engine: str) -> str:
-    """The engine ``export-int8 --engine`` names, ``auto`` resolved: ValueError naming what is missing."""
+def installed_engines(engine: str) -> list[str]:
+    """The engines ``export-int8 --engine`` names (``auto``: every one installed): ValueError naming what is
+    missing."""
     import importlib.util
 
     if engine not in ENGINES:
         raise ValueError(f"INT8 engine {engine!r}: use one of {', '.join(ENGINES)}")
     wanted = [e for e in NEEDS if engine in ("auto", e)]
-    found = next((e for e in wanted if importlib.util.find_spec(NEEDS[e]) is not None), None)
-    if found is None:
+    found = [e for e in wanted if importlib.util.find_spec(NEEDS[e]) is not None]
+    if not found:
         raise ValueError(f"INT8 engine {engine}: {' or '.join(NEEDS[e] for e in wanted)} is not installed; "
                          "install fedmed-hospitals[int8]")
     return found
 
 
+def build_candidate(label: str, model: nn.Module, batches: list[torch.Tensor], path: Path,
+                    metadata: dict[str, Any]) -> Path:
+    """The INT8 model ``label`` (:data:`CANDIDATES`) of ``model`` at ``path``."""
+    engine, form = CANDIDATES[label]
+    if engine == "pt2e":
+        from .pt2e_int8 import export_int8 as export_pt2e_int8
+
+        return export_pt2e_int8(model, batches, path, metadata)
+    from .onnx_int8 import export_int8 as export_onnx_int8
+
+    return export_onnx_int8(model, batches, path, metadata, form=form)
+
+
+def fastest(files: dict[str, Path], channels: int, size: int, repeats: int = 12) -> dict[str, Any]:
+    """Which of the INT8 model ``files`` runs fastest here on ``channels`` x ``size`` x ``size`` inputs: the one whose
+    median latencies at batch 1 and 8 have the smallest product (geometric mean), with the figures and the CPU."""
+    from common.machine import cpu_flags, cpu_name
+
+    from .timing import latencies
+
+    models = {label: load_deployment(path)[0] for label, path in files.items()}
+    measured: dict[str, list[float]] = {label: [] for label in files}
+    for batch in (1, 8):
+        x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(batch))
+        for label, seconds in latencies(models, x, warmup=3, repeats=repeats if batch == 1 else
+                                        max(3, repeats // 4)).items():
+            measured[label].append(round(seconds * 1e3, 3))
+    chosen = min(measured, key=lambda label: measured[label][0] * measured[label][1])
+    return {"chosen": chosen, "median-ms-batch-1-and-8": measured, "input": [channels, size, size],
+            "cpu": cpu_name(), "cpu-flags": cpu_flags(), "threads": torch.get_num_threads()}
+
+
 def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: str | Path | None = None,
                 num_calibration: int = 64, source: str = "", engine: str = "auto",
                 app_dir: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
-    """A run's final global model as an INT8 model file (:data:`ENGINES`), its own network and loader imported from
-    where the run took them (or ``app_dir``), calibrated on inputs as the run trained on them; returns the path and
-    its metadata."""
+    """A run's final global model as an INT8 model file, its own network and loader imported from where the run took
+    them (or ``app_dir``), calibrated on inputs as the run trained on them; returns the path and its metadata.
+
+    ``engine``: one of :data:`ENGINES`; where that leaves more than one INT8 model (:data:`CANDIDATES`, restricted to
+    the file type ``out`` names), each is built and timed here at batch 1 and 8 on the run's image size, and the
+    fastest is written, the figures in its metadata (``engine-choice``)."""
+    import shutil
+    import tempfile
+
     from common.run_imports import run_modules_importable
 
-    engine = choose_engine(engine)
+    engines = installed_engines(engine)
+    out = Path(out)
+    if out.suffix:
+        matching = [e for e in engines if SUFFIXES[e] == out.suffix]
+        if not matching:
+            raise ValueError(f"{out}: a {' or '.join(engines)} INT8 model is written as a "
+                             f"{' or '.join(SUFFIXES[e] for e in engines)} file")
+        engines = matching
     with run_modules_importable(run_config_of(state), state, app_dir):
         cfg, model, rounds = model_from_checkpoint(state)
         batches = calibration_batches(cfg, calibration_dir, num_calibration, cfg.seed)
@@ -217,15 +267,24 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
                 "normalisation": input_normalisation(cfg, channels), "run-name": cfg.run_name, "rounds": rounds,
                 "checkpoint": source, "calibration-images": int(sum(len(b) for b in batches)),
                 "calibration-range": [float(min(b.min() for b in batches)), float(max(b.max() for b in batches))]}
-    out = Path(out)
-    if not out.suffix:  # a default path: the engine's own file type
-        out = out.with_suffix(SUFFIXES[engine])
-    if out.suffix != SUFFIXES[engine]:
-        raise ValueError(f"{out}: a {engine} INT8 model is written as a {SUFFIXES[engine]} file")
-    if engine == "pt2e":
-        from .pt2e_int8 import export_int8 as export_pt2e_int8
+    labels = [label for label, (e, _) in CANDIDATES.items() if e in engines]
+    with tempfile.TemporaryDirectory(prefix="fedmed-int8-") as work:
+        files = {label: build_candidate(label, model, batches, Path(work) / (label + SUFFIXES[CANDIDATES[label][0]]),
+                                        metadata) for label in labels}
+        choice = fastest(files, channels, cfg.image_size) if len(files) > 1 else {"chosen": labels[0]}
+        chosen, form = choice["chosen"], CANDIDATES[choice["chosen"]][1]
+        engine = CANDIDATES[chosen][0]
+        final = out if out.suffix else out.with_suffix(SUFFIXES[engine])
+        final.parent.mkdir(parents=True, exist_ok=True)
+        extra = {"engine-choice": choice} if len(files) > 1 else {}
+        if not extra:
+            shutil.copyfile(files[chosen], final)
+        elif engine == "pt2e":
+            from .pt2e_int8 import with_metadata
 
-        return export_pt2e_int8(model, batches, out, metadata), {"engine": "pt2e", **metadata}
-    from .onnx_int8 import export_int8 as export_onnx_int8
+            with_metadata(files[chosen], extra, final)
+        else:
+            from .onnx_int8 import with_metadata
 
-    return export_onnx_int8(model, batches, out, metadata), {"engine": "onnxruntime", **metadata}
+            with_metadata(files[chosen], extra, final)
+    return final, {"engine": engine, **({"format": form} if form else {}), **metadata, **extra}

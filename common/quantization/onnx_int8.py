@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .upsample import without_transposed_convolutions
+
 INPUT, OUTPUT = "image", "logits"
 METADATA_KEY = "fedmed"
 
@@ -93,14 +95,20 @@ def quantise(float_path: Path, int8_path: Path, calibration: Iterable[np.ndarray
     return int8_path
 
 
-def with_metadata(path: Path, metadata: dict[str, Any]) -> Path:
+def with_metadata(path: Path, metadata: dict[str, Any], out: Path | None = None) -> Path:
+    """The model at ``path`` with its metadata updated by ``metadata``, saved at ``out`` (default: ``path``)."""
     import onnx
 
     model = onnx.load(str(path))
+    found = next((json.loads(e.value) for e in model.metadata_props if e.key == METADATA_KEY), {})
+    kept = [entry for entry in model.metadata_props if entry.key != METADATA_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
     entry = model.metadata_props.add()
-    entry.key, entry.value = METADATA_KEY, json.dumps(metadata)
-    onnx.save(model, str(path))
-    return path
+    entry.key, entry.value = METADATA_KEY, json.dumps({**found, **metadata})
+    out = Path(out or path)
+    onnx.save(model, str(out))
+    return out
 
 
 def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str | Path,
@@ -111,8 +119,9 @@ def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str 
         raise ValueError("INT8 calibration needs at least one image")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        float_path = export_float(model, torch.from_numpy(batches[0]), Path(work) / "float.onnx")
+    with tempfile.TemporaryDirectory() as work:  # 1x1 convolutions for the upsampling: int8 weights in either format
+        float_path = export_float(without_transposed_convolutions(model), torch.from_numpy(batches[0]),
+                                  Path(work) / "float.onnx")
         quantise(float_path, out, batches, form=form)
     return with_metadata(out, {"engine": "onnxruntime", "format": form, "weight-bits": 7,
                                "calibration-images": int(sum(len(b) for b in batches)), **metadata})
