@@ -237,13 +237,14 @@ def fastest(files: dict[str, Path], channels: int, size: int, repeats: int = 12)
 
 def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: str | Path | None = None,
                 num_calibration: int = 64, source: str = "", engine: str = "auto",
-                app_dir: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+                app_dir: str | Path | None = None, timing_size: int | None = None) -> tuple[Path, dict[str, Any]]:
     """A run's final global model as an INT8 model file, its own network and loader imported from where the run took
     them (or ``app_dir``), calibrated on inputs as the run trained on them; returns the path and its metadata.
 
     ``engine``: one of :data:`ENGINES`; where that leaves more than one INT8 model (:data:`CANDIDATES`, restricted to
     the file type ``out`` names), each is built and timed here at batch 1 and 8 on the run's image size, and the
-    fastest is written, the figures in its metadata (``engine-choice``)."""
+    fastest is written, the figures in its metadata (``engine-choice``); ``timing_size``: another input edge to time
+    them at."""
     import shutil
     import tempfile
 
@@ -271,7 +272,7 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
     with tempfile.TemporaryDirectory(prefix="fedmed-int8-") as work:
         files = {label: build_candidate(label, model, batches, Path(work) / (label + SUFFIXES[CANDIDATES[label][0]]),
                                         metadata) for label in labels}
-        choice = fastest(files, channels, cfg.image_size) if len(files) > 1 else {"chosen": labels[0]}
+        choice = fastest(files, channels, timing_size or cfg.image_size) if len(files) > 1 else {"chosen": labels[0]}
         chosen, form = choice["chosen"], CANDIDATES[choice["chosen"]][1]
         engine = CANDIDATES[chosen][0]
         final = out if out.suffix else out.with_suffix(SUFFIXES[engine])
