@@ -65,14 +65,20 @@ def test_eager_reference_int8_model_runs_quantised_kernels_and_stays_close_to_fp
     assert ((output > 0) == (reference > 0)).float().mean() > 0.9
 
 
-def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
-    """The default engine (PT2E where torchao is installed, as with the test extras): export, segment, evaluate."""
-    pytest.importorskip("torchao")
+def saved_run(tmp_path, image_size: int = 32, **extra) -> JobConfig:
+    """A polyp run of one (untrained) round saved under ``tmp_path / 'run'``; its config."""
     cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
-                    image_size=32, min_partition_size=5)
+                    image_size=image_size, min_partition_size=5, **extra)
     engine = RoundEngine(cfg)
     engine.history = [{"round": 1}]
     save_checkpoint(tmp_path / "run", 1, engine.state_dict())
+    return cfg
+
+
+def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
+    """PT2E (a .pt2 asked for, torchao installed, as with the test extras): export, segment, evaluate."""
+    pytest.importorskip("torchao")
+    cfg = saved_run(tmp_path)
 
     model_file = tmp_path / "polyp-int8.pt2"
     assert fedmed(["export-int8", "--run", str(tmp_path / "run"), "--out", str(model_file),
@@ -159,11 +165,7 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
     `segment` and `evaluate` run; a file name of the other type refused; `auto` takes the user's network too."""
     pytest.importorskip("onnxruntime")
     own = {"model": model, "model_args": '{"spatial_dims": 2, "channels": [8, 16, 32], "strides": [2, 2]}'}
-    cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
-                    image_size=32, min_partition_size=5, **(own if model else {}))
-    engine = RoundEngine(cfg)
-    engine.history = [{"round": 1}]
-    save_checkpoint(tmp_path / "run", 1, engine.state_dict())
+    cfg = saved_run(tmp_path, **(own if model else {}))
     run = str(tmp_path / "run")
     model_file = tmp_path / "polyp-int8.onnx"
     arguments = ["export-int8", "--run", run, "--out", str(model_file), "--calibration-images", "16"]
@@ -184,11 +186,12 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
     capsys.readouterr()
     assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "onnxruntime"]) == 2
     assert "written as a .onnx file" in capsys.readouterr().err
-    if model:  # a path without a suffix (as --best's default) gets the engine's file type: PT2E's where installed
-        suffix = ".pt2" if importlib.util.find_spec("torchao") else ".onnx"
+    if model:  # a path without a suffix (as --best's default) gets the file type of the engine measured fastest
         assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "exports" / "own"),
                        "--calibration-images", "8"]) == 0
-        assert fedmed(["segment", "--model", str(tmp_path / "exports" / f"own{suffix}"), "--images", str(frames),
+        [written] = (tmp_path / "exports").glob("own.*")
+        assert written.suffix == {"pt2e": ".pt2", "onnxruntime": ".onnx"}[load_deployment(written)[1]["engine"]]
+        assert fedmed(["segment", "--model", str(written), "--images", str(frames),
                        "--out", str(tmp_path / "own-masks")]) == 0
         with Image.open(tmp_path / "own-masks" / "a.png") as mask:
             assert mask.size == (40, 30)
@@ -254,11 +257,7 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
     pytest.importorskip("onnxruntime")
     from common.quantization import int8, timing
 
-    cfg = JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", synthetic_samples=40,
-                    image_size=16, min_partition_size=5)
-    engine = RoundEngine(cfg)
-    engine.history = [{"round": 1}]
-    save_checkpoint(tmp_path / "run", 1, engine.state_dict())
+    saved_run(tmp_path, image_size=16)
     state = dict(np.load(tmp_path / "run" / "checkpoints" / "round-00001.npz"))
     float_bytes = sum(v.nbytes for v in PolypUNet().state_dict().values())  # 7.7 MB
     # batch 1 and 8: qdq is fastest at batch 1, pt2e at batch 8; qdq's product is the smallest
