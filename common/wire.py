@@ -181,24 +181,39 @@ def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str, max_tenso
     return arrays
 
 
-def to_recorddict(payload: Payload, layout: str = "per-tensor", keys: RecordKeys = DEFAULT_KEYS) -> RecordDict:
+def to_recorddict(payload: Payload, layout: str = "per-tensor", keys: RecordKeys = DEFAULT_KEYS,
+                  shared: dict | None = None) -> RecordDict:
     """``payload`` as Flower records, its arrays in ``layout`` (one of :data:`LAYOUTS`), the model and config
-    records named by ``keys``."""
+    records named by ``keys``. ``shared``: a dict kept across calls (one round's messages): an array group of the
+    very same arrays as one encoded before gets that ArrayRecord again, not a copy of its own, so that a round's
+    messages to every hospital hold one copy of the global model, not one each."""
     if layout not in LAYOUTS:
         raise ValueError(f"message layout {layout!r} is not one of {LAYOUTS}")
     content = RecordDict()
     config = dict(payload.config)
     for group, arrays in payload.arrays.items():
         name = keys.record_name(group)
-        if layout == "packed":
-            content[name] = ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)})
-        elif layout == "flat":
-            content[name], config[FLAT_LAYOUT + name] = flatten_arrays(arrays)
+        same = (name, layout, tuple((k, id(v)) for k, v in arrays.items()))
+        if shared is not None and same in shared:
+            content[name], flat_layout = shared[same][1:]
         else:
-            content[name] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()})
+            content[name], flat_layout = encode_group(arrays, layout)
+            if shared is not None:  # the arrays are kept with it, so their ids stay theirs while ``shared`` lives
+                shared[same] = (tuple(arrays.values()), content[name], flat_layout)
+        if flat_layout is not None:
+            config[FLAT_LAYOUT + name] = flat_layout
     content[keys.config] = ConfigRecord(config)
     content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
     return content
+
+
+def encode_group(arrays: NamedArrays, layout: str) -> tuple[ArrayRecord, str | None]:
+    """One array group as an ArrayRecord in ``layout``, and its flat layout's text (None unless flat)."""
+    if layout == "packed":
+        return ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)}), None
+    if layout == "flat":
+        return flatten_arrays(arrays)
+    return ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()}), None
 
 
 def declared_nbytes(array: Array) -> int:
