@@ -1,0 +1,178 @@
+"""A round streamed (each reply screened as it arrives, what the method aggregates kept on disk and read back one
+tensor at a time) ends exactly as the round with every reply in memory: the same global arrays bit for bit, the
+same method state and the same round record, for every method, with refusals in the round (a malformed reply, an
+unchanged one, a norm outlier) and over several rounds, so that state carried between rounds (FedMEPD's
+personalisation, FedBN's and FedProto's per-hospital arrays, QFedPolyp's held model) is compared too."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from common.config import load_job_config
+from common.inprocess import simulated_sites
+from common.methods.base import Payload
+from common.quantization.codec import decode_model, encode_model
+from common.quantization.sparse import decode_sparse, encode_sparse
+from common.reply_store import StoredArrays
+from common.round_engine import RoundEngine, RoundReply
+from strategies.fedproto.server import PROTOTYPES
+from strategies.qfedpolyp.messages import BIT_WIDTH_KEY, PACKED, STATISTICS, split_statistics
+from strategies.registry import hospital_class
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HOSPITALS = 7
+CLASSIFICATION = {"model": "small-cnn", "image-size": 16, "synthetic-samples": 150, "batch-size": 16,
+                  "min-partition-size": 5}
+POLYP = {"task": "polyp-segmentation", "synthetic-samples": 60, "image-size": 16, "batch-size": 8,
+         "min-partition-size": 5, "qfedpolyp.bit-widths": "4,8,32,8,4,8,4"}
+BRAIN = {"task": "brain-tumour-segmentation", "batch-size": 2, "brain.widths": "4,8,16,32", "brain.crop-size": 16,
+         "brain.synthetic-size": 24, "brain.synthetic-cases": 24, "brain.crops-per-case": 1,
+         "brain.hospital-modalities": "t1ce;flair,t2;t1,t1ce,flair,t2;t2;flair;t1ce,t2;t1,flair", "device": "cpu",
+         "fedmepd.warmup-rounds": 0, "fedmepd.patience": 1, "fedmepd.num-anchors": 2}
+CASES = {
+    "fedavg": ("fedavg", CLASSIFICATION),
+    "fedavg-median": ("fedavg", {**CLASSIFICATION, "screening.robust-aggregate": "median"}),
+    "fedavg-trimmed-mean": ("fedavg", {**CLASSIFICATION, "screening.robust-aggregate": "trimmed-mean"}),
+    "fedprox": ("fedprox", CLASSIFICATION),
+    "moon": ("moon", CLASSIFICATION),
+    "fedbn": ("fedbn", CLASSIFICATION),
+    "fedbn-median": ("fedbn", {**CLASSIFICATION, "screening.robust-aggregate": "median"}),
+    "fedproin": ("fedproin", CLASSIFICATION),
+    "fedproto": ("fedproto", CLASSIFICATION),
+    "qfedpolyp": ("qfedpolyp", POLYP),
+    "qfedpolyp-update": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update"}),
+    "qfedpolyp-delta": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update", "qfedpolyp.downlink": "delta"}),
+    "qfedpolyp-sparse": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update", "qfedpolyp.sparsity": 0.25}),
+    "fedmepd": ("fedmepd", BRAIN),
+    "fedmepd-fedavg": ("fedmepd-fedavg", BRAIN),
+    "fedmepd-federated-decoder": ("fedmepd-federated-decoder", BRAIN),
+    "fedmepd-local": ("fedmepd-local", BRAIN),
+}
+#: hospital-00, -01 and -05 are honest, -06 reports an error; the others:
+MALFORMED, UNCHANGED, OUTLIER, FAILED = "hospital-03", "hospital-02", "hospital-04", "hospital-06"
+
+
+def scaled(received: dict, sent: dict, factor: float) -> dict:
+    """``received`` plus ``factor`` times the change ``sent - received`` (weights; BatchNorm statistics as sent)."""
+    return {k: (received[k].astype(np.float64) + factor * (v.astype(np.float64) - received[k])).astype(v.dtype)
+            if v.dtype.kind == "f" and "running_" not in k else v.copy() for k, v in sent.items()}
+
+
+def hostile(engine: RoundEngine, rnd: int, name: str, down: Payload, reply: Payload) -> Payload:
+    """``name``'s reply as the test's hostile hospitals send it: malformed, unchanged or a norm outlier."""
+    reply = copy.deepcopy(reply)
+    method, arrays = engine.method, reply.arrays
+    if not arrays:  # fedmepd-local: the reply is metrics alone
+        if name == MALFORMED:
+            reply.metrics["num-examples"] = "many"
+        return reply
+    if method.name == "qfedpolyp":
+        return hostile_qfedpolyp(engine, name, down, reply)
+    if method.name == "fedproto":
+        if name == MALFORMED:
+            del arrays[PROTOTYPES]["count"]
+        elif name == UNCHANGED:
+            arrays["model"] = copy.deepcopy(method.local_models.get(name, method.global_arrays))
+            arrays[PROTOTYPES]["mean"] = method.prototypes.copy()
+        elif name == OUTLIER:
+            arrays[PROTOTYPES]["mean"] = arrays[PROTOTYPES]["mean"] * np.float32(1000.0)
+        return reply
+    received = down.arrays["model"]
+    if name == MALFORMED:
+        del arrays["model"][list(arrays["model"])[-1]]
+    elif name == UNCHANGED:
+        arrays["model"] = {k: v.copy() for k, v in received.items()}
+    elif name == OUTLIER:
+        arrays["model"] = scaled(received, arrays["model"], 1e4)
+    return reply
+
+
+def hostile_qfedpolyp(engine: RoundEngine, name: str, down: Payload, reply: Payload) -> Payload:
+    server, settings = engine.method, engine.method.cfg.qfedpolyp
+    bits, received = down.config[BIT_WIDTH_KEY], server.received_by_hospitals()
+    weights, statistics = split_statistics(received)
+    packed = reply.arrays[PACKED]
+    if name == MALFORMED:
+        packed["data"] = packed["data"][:100]
+        return reply
+    if settings.quantise == "weights":
+        if name == UNCHANGED:  # hospital-02 sends at 32 bits: the received model exactly
+            reply.arrays[PACKED] = encode_model(received, bits)
+        elif name == OUTLIER:
+            reply.arrays[PACKED] = encode_model(scaled(received, decode_model(packed, reference=received), 1e4), bits)
+        return reply
+    sparse = settings.sparsity < 1.0
+    change = (decode_sparse(packed, reference=weights) if sparse else decode_model(packed, reference=weights))
+    change = {k: (np.zeros_like(v) if name == UNCHANGED else v * np.float32(1e4)).astype(weights[k].dtype)
+              for k, v in change.items()}
+    if name == UNCHANGED:
+        reply.arrays[STATISTICS] = {k: v.copy() for k, v in statistics.items()}
+    if name == OUTLIER:  # BatchNorm's statistics move most here: they grow too (variances stay positive)
+        reply.arrays[STATISTICS] = {k: v * v.dtype.type(1e4) if v.dtype.kind == "f" else v
+                                    for k, v in reply.arrays[STATISTICS].items()}
+    reply.arrays[PACKED] = (encode_sparse(change, bits, settings.sparsity, settings.sparsify, seed=(1, 2),
+                                          content="update", block=settings.sparse_block) if sparse
+                            else encode_model(change, bits, content="update"))
+    return reply
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert list(a) == list(b), what
+    for key, value in a.items():
+        np.testing.assert_array_equal(b[key], value, err_msg=f"{what}: {key}")
+        assert np.asarray(b[key]).tobytes() == np.asarray(value).tobytes(), f"{what}: {key} differs in its bits"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_streamed_round_equals_the_round_with_every_reply_in_memory(tmp_path, case):
+    method, settings = CASES[case]
+    cfg = load_job_config({**settings, "strategy": method, "num-server-rounds": 2, "min-train-hospitals": 2,
+                           "run-name": "t", "results-dir": str(tmp_path / "results")})
+    sites = simulated_sites(cfg, HOSPITALS, tmp_path / "state")
+    hospital = hospital_class(method)
+    infos = [hospital(cfg, site).info() for site in sites]
+    in_memory, streamed = RoundEngine(cfg), RoundEngine(cfg)
+    seen: list[type] = []
+    aggregate = streamed.method.aggregate
+
+    def spy(rnd, updates):
+        seen.extend(type(arrays) for u in updates for arrays in u.payload.arrays.values())
+        return aggregate(rnd, updates)
+
+    streamed.method.aggregate = spy
+    folder = tmp_path / "replies"
+    for rnd in (1, 2):
+        chosen = in_memory.select(rnd, infos)
+        assert streamed.select(rnd, infos) == chosen
+        replies = []
+        for info, site in zip(chosen, sites):
+            down = in_memory.downlink(rnd, info)
+            assert_same(down.arrays.get("model", {}), streamed.downlink(rnd, info).arrays.get("model", {}),
+                        f"round {rnd} downlink to {info.name}")
+            if info.name == FAILED:
+                replies.append(RoundReply(info, None, "RuntimeError: out of memory"))
+                continue
+            reply = hospital(cfg, site).timed_train(rnd, down)
+            replies.append(RoundReply(info, hostile(in_memory, rnd, info.name, down, reply), None, reply.nbytes()))
+        records = [in_memory.complete_round(rnd, chosen, copy.deepcopy(replies), 0.0, evaluate=False),
+                   streamed.complete_round(rnd, chosen, reversed(copy.deepcopy(replies)), 0.0, evaluate=False,
+                                           reply_folder=folder)]
+        assert not (folder / f".round-{rnd}").exists()  # removed once the round closed
+        for record in records:
+            record.pop("seconds")
+        assert records[0] == records[1]
+        assert_same(in_memory.method.state_dict(), streamed.method.state_dict(), f"round {rnd} method state")
+        refused = records[0]["refused"]
+        assert "missing" in refused[MALFORMED] or "truncated" in refused[MALFORMED] or \
+            "not a number" in refused[MALFORMED], refused
+        assert "out of memory" in refused[FAILED]
+        if case != "fedmepd-local":  # a reply of metrics alone has no update to weigh
+            assert "refuse-unchanged" in refused[UNCHANGED] and "update-norm-limit" in refused[OUTLIER], refused
+        assert records[0]["aggregated"] == sorted(["hospital-00", "hospital-01", "hospital-05"] +
+                                                  (["hospital-02", "hospital-04"] if case == "fedmepd-local" else []))
+    if case != "fedmepd-local":
+        assert seen and all(kind is StoredArrays for kind in seen)  # the streamed rounds aggregated from disk
