@@ -71,7 +71,7 @@ class ReplyStore:
         offset = 0
         with open(path, "wb") as file:
             for name, value in arrays.items():
-                value = np.ascontiguousarray(value)
+                value = np.require(value, requirements="C")  # (ascontiguousarray would make a 0-d array 1-d)
                 if value.dtype.hasobject:
                     raise TypeError(f"{name} holds Python objects, which the server never keeps")
                 index[name] = (offset, value.dtype, value.shape)
