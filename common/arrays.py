@@ -6,6 +6,7 @@ method, codec and checkpoint speaks the same language and nothing depends on pos
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -39,7 +40,9 @@ def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) 
     (the local-only counters may be given, and are otherwise left as they are)."""
     expected = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if is_exchanged(k)}
     check_like({k: v for k, v in arrays.items() if is_exchanged(k)}, expected, "model arrays")
-    state = {name: torch.from_numpy(np.require(value, requirements="C")) for name, value in arrays.items()}
+    with warnings.catch_warnings():  # a read-only view (a server's global model shares a message's bytes) is only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state = {name: torch.from_numpy(np.require(value, requirements="C")) for name, value in arrays.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(is_exchanged(name) for name in missing):
         raise ArraysMismatch(f"model arrays: missing {missing[:3]}, unexpected {unexpected[:3]}")

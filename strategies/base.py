@@ -597,7 +597,8 @@ class HospitalStrategy(Strategy):
         DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
         self.refuse_unfit_wrappers()
         if len(arrays):
-            self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
+                                            f"arrays given for round {server_round}")
         self._grid = grid
         asked_from = time.time()
         self.discover(grid)
@@ -644,8 +645,8 @@ class HospitalStrategy(Strategy):
         if message.has_error():
             return RoundReply(hospital, None, cut(message.error.reason), 0)
         up = message_nbytes(message)
-        try:
-            payload = from_recorddict(message.content, limit, self.records, tensors)
+        try:  # streamed (not keep_arrays): views into the message, which is released once the reply is screened
+            payload = from_recorddict(message.content, limit, self.records, tensors, copy=keep_arrays)
         except MalformedPayload as error:
             return RoundReply(hospital, None, f"malformed reply: {error}", up)
         self._replies[hospital.name] = message.content if keep_arrays else RecordDict(
@@ -773,7 +774,8 @@ class HospitalStrategy(Strategy):
         if record is None:
             return
         if len(arrays) and "skipped" not in record:
-            self.engine.adopt_global_arrays(arrays_of(arrays), f"global model released after round {server_round}")
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
+                                            f"global model released after round {server_round}")
         self.engine.evaluate_round(record)
 
     def test_metrics(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -781,7 +783,7 @@ class HospitalStrategy(Strategy):
         own loop (a DP wrapper's ``start``): the round's recorded scores (``arrays`` were released to the method in
         ``configure_evaluate``); round 0 scores ``arrays`` as given."""
         if server_round == 0:
-            self.engine.adopt_global_arrays(arrays_of(arrays), "initial arrays")
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), "initial arrays")
             return MetricRecord(numbers(self.engine.method.evaluate(self.engine.test_data)))
         for record in reversed(self.engine.history):
             if record["round"] == server_round:
@@ -913,7 +915,7 @@ class HospitalStrategy(Strategy):
             if self._engine is not None:  # built already (initial_arrays()): the server's schedules follow too
                 self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
         if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
-            self.engine.adopt_global_arrays(arrays_of(initial_arrays), "initial_arrays")
+            self.engine.adopt_global_arrays(arrays_of(initial_arrays, copy=False), "initial_arrays")
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
         self.summary()

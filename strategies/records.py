@@ -8,6 +8,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 
 from common.payload import NamedArrays
+from common.wire import array_view
 
 
 def as_arrayrecord(arrays: NamedArrays) -> ArrayRecord:
@@ -15,8 +16,10 @@ def as_arrayrecord(arrays: NamedArrays) -> ArrayRecord:
     return ArrayRecord({name: Array(np.require(value, requirements="C")) for name, value in arrays.items()})
 
 
-def arrays_of(record: ArrayRecord) -> NamedArrays:
-    return {name: array.numpy() for name, array in record.items()}
+def arrays_of(record: ArrayRecord, copy: bool = True) -> NamedArrays:
+    """The record's arrays, copies of their own, or without ``copy`` read-only views into the record's bytes (the
+    method's global model then shares its memory with the ArrayRecord Flower's loop holds)."""
+    return {name: array.numpy() if copy else array_view(array) for name, array in record.items()}
 
 
 def flat_metrics(value: Any, prefix: str = "") -> dict[str, int | float | list]:
