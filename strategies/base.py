@@ -69,10 +69,13 @@ def replies_as_they_arrive(grid: Grid, pending: set[str], timeout: float, enough
         if queued and room > 0:
             pending |= {mid for mid in grid.push_messages(queued[:room]) if mid}
             del queued[:room]
-        asked = sorted(pending)
-        step = pull_at_once if pull_at_once > 0 else max(1, len(asked))
-        for first in range(0, len(asked), step):
-            arrived = list(grid.pull_messages(asked[first:first + step]))
+        if pull_at_once > 0:
+            asked = sorted(pending)
+            pulls = [asked[first:first + pull_at_once] for first in range(0, len(asked), pull_at_once)]
+        else:
+            pulls = [set(pending)] if pending else []
+        for ids in pulls:
+            arrived = list(grid.pull_messages(ids))
             pending -= {m.metadata.reply_to_message_id for m in arrived}
             while arrived:
                 message = arrived.pop(0)
