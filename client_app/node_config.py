@@ -33,6 +33,10 @@ class NodeConfig(Section):
     identity_key: str = Field("", description="Deployment: the hospital's private key (the one given to "
                                                "flower-supernode --auth-supernode-private-key); it signs the "
                                                "hospital's name for servers that check hospital-keys.")
+    peer_keys: str = Field("", description=(
+        "Deployment, secure aggregation: a folder of the consortium's registered keys, <hospital>.pub (the files of "
+        "the server's hospital-keys, held here so that no server can substitute them). Every other hospital's "
+        "public keys and survivor-set signature must verify with them; needs identity-key (it signs its own)."))
     warm_worker: bool = Field(WARM_WORKER_BY_DEFAULT, description=(
         "Deployment: keep torch and the data loaded in a worker process between messages (client_app/worker.py); "
         "false: do all the work in each message's own ClientApp process."))
@@ -139,6 +143,10 @@ def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(describe_validation_error(error, what=f"node config of {where}")) from None
     if node.identity_key and not Path(node.identity_key).is_file():
         raise ConfigError(f"node config of {node.name} key 'identity-key': {node.identity_key!r} is not a file")
+    if node.peer_keys and (not Path(node.peer_keys).is_dir() or not node.identity_key):
+        raise ConfigError(f"node config of {node.name} key 'peer-keys': {node.peer_keys!r} is not a folder of "
+                          "<hospital>.pub files, or identity-key is unset (the others check this hospital's "
+                          "signatures as it checks theirs)")
     if node.data_dir and not Path(node.data_dir).exists():
         raise ConfigError(f"node config of {node.name} key 'data-dir': {node.data_dir!r} does not exist")
     if node.policy_file and not Path(node.policy_file).is_file():

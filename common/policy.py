@@ -54,8 +54,11 @@ NO_DP_REASON = {
     "fedmepd-local": "local DP is not implemented for the FedMEPD family",
 }
 #: Reply metrics that are counts the protocol needs, not statistics of the data (``release-metrics`` keeps them).
-PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "hospital-seconds", "state-from-round",
-                              "clientapp-start-seconds", "bit-width", "influence", "personal-filters"})
+PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "state-from-round", "bit-width", "influence",
+                              "personal-filters"})
+#: What a reply says of the hospital's machine (its compute time, its device): sent only with release-metrics='all',
+#: as under secure aggregation (timing tells something of the data's size and the site's hardware).
+MACHINE_METRICS = frozenset({"hospital-seconds", "clientapp-start-seconds"})
 LEDGER_FILE = "privacy-ledger.json"
 #: FedProIn's influence counts are noised with this many times noise-multiplier (in samples) under local DP.
 COUNT_NOISE_FACTOR = 2.0
@@ -98,6 +101,15 @@ class Policy(Section):
         "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
         "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp."))
     local_dp: LocalDP | None = None
+    require_secure_aggregation: bool = Field(False, description=(
+        "It sends its training replies only masked (secure aggregation): a plain training request is refused."))
+    min_hospitals_per_sum: int = Field(2, ge=2, description=(
+        "Under secure aggregation: the fewest hospitals a round and a survivor set (the hospitals in the sum) may "
+        "have; fewer are refused (docs/secure-aggregation.md)."))
+    min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
+        "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
+        "least one half, which holds without a policy too: a server telling two groups different survivor sets "
+        "cannot then rebuild both secrets of one hospital)."))
 
     @field_validator("tasks")
     @classmethod
@@ -478,7 +490,7 @@ class Enforcer:
             self.apply_min_samples(method, payload, reply, where)
             if self.policy.local_dp is not None:
                 self.apply_local_dp(method, payload, reply, where)
-            self.filter_metrics(reply.metrics, site, where)
+            self.filter_metrics(reply.metrics, site, where, reply.config)
             self.ledger.record(run, rnd, cfg.strategy, z)
         if z is not None:
             dp = self.policy.local_dp
@@ -505,9 +517,12 @@ class Enforcer:
         """A metric of a part of the data (polyp ``dice/<source>``), which may hold fewer than k samples."""
         return self.policy.min_samples > 1 and "/" in key
 
-    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any]) -> None:
+    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any], config: dict[str, Any]) -> None:
+        """What the reply's metrics (and its ``device``, in ``config``) may say under ``release-metrics``."""
         release = self.policy.metrics_released
         dropped = []
+        if release != "all" and config.pop("device", None) is not None:
+            dropped.append("device")
         for key in list(metrics):
             if key in PROTOCOL_METRICS:
                 continue

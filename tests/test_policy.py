@@ -343,3 +343,14 @@ def test_fedproin_influence_counts_have_the_sensitivity_the_accounting_assumes(t
 
     assert largest_move(bounded=True) <= math.sqrt(2) + 1e-9
     assert largest_move(bounded=False) > math.sqrt(2)  # the paper's counts, with the trained model, move more
+
+
+@pytest.mark.parametrize("release", ["all", "validation", "none"])
+def test_timing_and_the_device_leave_only_when_every_metric_may(tmp_path, release):
+    """What a reply says of the hospital's machine follows release-metrics, as under secure aggregation."""
+    hospital, payload, enforcer, _ = in_process(tmp_path, "fedavg", f'release-metrics = "{release}"\n')
+    reply = enforcer.train(hospital, 1, payload, "t", {})
+    assert ("hospital-seconds" in reply.metrics) is (release == "all")
+    assert ("device" in reply.config) is (release == "all")
+    assert any(k.startswith("val-") for k in reply.metrics) is (release != "none")
+    assert {"num-examples", "server-round"} <= set(reply.metrics)
