@@ -10,7 +10,10 @@ import copy
 
 import numpy as np
 import pytest
+from flwr.app import MessageType
 
+import strategies.base
+from benchmarks.memory.grid import SyntheticGrid
 from common.config import load_job_config
 from common.inprocess import simulated_sites
 from common.methods.base import Payload
@@ -18,9 +21,13 @@ from common.quantization.codec import decode_model, encode_model
 from common.quantization.sparse import decode_sparse, encode_sparse
 from common.reply_store import StoredArrays
 from common.round_engine import RoundEngine, RoundReply
+from strategies import FedAvgStrategy
 from strategies.fedproto.server import PROTOTYPES
 from strategies.qfedpolyp.messages import BIT_WIDTH_KEY, PACKED, STATISTICS, split_statistics
+from strategies.records import arrays_of
 from strategies.registry import hospital_class
+
+from .fake_grid import FakeGrid, simulated_hospitals
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,3 +183,70 @@ def test_a_streamed_round_equals_the_round_with_every_reply_in_memory(tmp_path, 
                                                   (["hospital-02", "hospital-04"] if case == "fedmepd-local" else []))
     if case != "fedmepd-local":
         assert seen and all(kind is StoredArrays for kind in seen)  # the streamed rounds aggregated from disk
+
+
+def run_strategy(tmp_path, store: str, grid, **extra):
+    folder = tmp_path / store[0]  # folders named alike: the state folder's name travels in every message
+    config = {**CLASSIFICATION, "run-name": "run", "results-dir": str(folder / "results"),
+              "state-dir": str(folder / "state"), "reply-store": store, "evaluate-every": 1000, **extra}
+    strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
+    return strategy, strategy.start(grid(config), num_rounds=2)
+
+
+def test_our_loop_streams_the_replies_and_ends_as_with_every_reply_in_memory(tmp_path):
+    def grid(config):
+        nodes = simulated_hospitals({**config, "strategy": "fedavg"}, 4)
+        honest = nodes[104]
+        nodes[104] = lambda message: unchanged(honest, message)  # the last hospital returns what it received
+        return FakeGrid(nodes)
+
+    def unchanged(honest, message):
+        reply = honest(message)
+        if message.metadata.message_type == MessageType.TRAIN:
+            reply.content["arrays"] = message.content["arrays"]
+        return reply
+
+    runs = {store: run_strategy(tmp_path, store, grid) for store in ("memory", "disk")}
+    (in_memory, kept), (streamed, final) = runs["memory"], runs["disk"]
+    assert_same(dict(arrays_of(kept.arrays)), dict(arrays_of(final.arrays)), "final model")
+    for a, b in zip(in_memory.engine.history, streamed.engine.history, strict=True):
+        assert untimed(a) == untimed(b)
+        assert "refuse-unchanged" in a["refused"]["hospital-03"]
+    assert not list(streamed.job.run_dir.glob(".round-*"))
+
+
+def untimed(record: dict) -> dict:
+    """A round record without what the clock says."""
+    return {**{k: v for k, v in record.items() if k not in ("seconds", "identity-seconds", "train")},
+            "hospital_metrics": {h: {k: v for k, v in m.items() if k != "hospital-seconds"}
+                                 for h, m in record["hospital_metrics"].items()},
+            "train": {k: v for k, v in record["train"].items() if k != "hospital-seconds"}}
+
+
+def test_the_servers_memory_does_not_grow_with_the_hospitals_when_replies_are_streamed(tmp_path, monkeypatch):
+    """tracemalloc's peak over a round (NumPy's arrays and Flower's bytes are traced): with every reply in memory it
+    grows by about two models per hospital (the message and its decoded copy); streamed, not at all."""
+    import tracemalloc
+
+    monkeypatch.setattr(strategies.base, "PULL_BYTES", 1)  # one reply per pull (by default, 64 MB of them)
+    model = {"model": "resnet18", "resnet-width": 0.25, "image-size": 16, "synthetic-samples": 30,
+             "audit-log": "none"}
+    growth, model_bytes = {}, 0
+    for store in ("memory", "disk"):
+        peaks = []
+        for hospitals in (3, 12):
+            config = {**model, "run-name": f"{store}-{hospitals}", "results-dir": str(tmp_path), "reply-store": store,
+                      "min-available-hospitals": hospitals, "evaluate-every": 1000}
+            strategy = FedAvgStrategy(run_config=config)
+            model_bytes = sum(a.nbytes for a in strategy.engine.method.global_arrays.values())
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                strategy.start(SyntheticGrid(hospitals), num_rounds=1)
+                peaks.append(tracemalloc.get_traced_memory()[1] - base)
+            finally:
+                tracemalloc.stop()
+            assert strategy.engine.history[0]["aggregated"] == [f"hospital-{i:04d}" for i in range(hospitals)]
+        growth[store] = (peaks[1] - peaks[0]) / model_bytes  # in model sizes, for 9 more hospitals
+    assert growth["memory"] > 9, growth
+    assert growth["disk"] < 0.5, growth
