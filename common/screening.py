@@ -151,7 +151,8 @@ def update_distance(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np
         ref = reference.get(name)
         if ref is None or value.dtype.kind != "f" or ref.shape != value.shape:
             continue
-        difference = value.astype(np.float64) - ref.astype(np.float64)
+        difference = value.astype(np.float64)
+        difference -= ref  # (as ref.astype(np.float64) would, without that copy)
         total += float(np.dot(difference.ravel(), difference.ravel()))
         shared = True
     return math.sqrt(total) if shared else None

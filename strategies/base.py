@@ -39,7 +39,7 @@ from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
 from strategies.registry import method_spec, method_tasks, methods
 
-from .records import arrays_of, as_arrayrecord, round_metricrecord
+from .records import arrays_of, into_arrayrecord, round_metricrecord
 
 log = logging.getLogger("fedmed")
 
@@ -339,7 +339,7 @@ class HospitalStrategy(Strategy):
 
     def initial_arrays(self) -> ArrayRecord:
         """The method's initial global model (seeded by the run config's seed), for ``start``."""
-        return as_arrayrecord(self.engine.method.global_arrays)
+        return into_arrayrecord(self.engine.method.global_arrays)
 
     def resume(self, checkpoint: Mapping[str, Any]) -> None:
         """Continue after the checkpoint's last round (``server_app.checkpoint.load_checkpoint``)."""
@@ -377,7 +377,8 @@ class HospitalStrategy(Strategy):
         if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
             head = head_in_reason(str(message.error.reason))
         elif received:
-            heads = [record.get("audit-head") for record in message.content.config_records.values()]
+            heads = [record.get("audit-head") for record in message.content.values()  # not .config_records, whose
+                     if isinstance(record, ConfigRecord)]  # view holds the message in a cycle until Python's collector
             head = next((h for h in heads if isinstance(h, str)), None)
         audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],
                      run=self.job.run_name, round=server_round, method=self.job.strategy, peer=hospital,
@@ -719,7 +720,7 @@ class HospitalStrategy(Strategy):
             metrics = MetricRecord({**metrics, **dict(own or {})})
         if "skipped" in record:
             return None, metrics
-        return as_arrayrecord(self.engine.method.global_arrays), metrics
+        return into_arrayrecord(self.engine.method.global_arrays), metrics
 
     def warn_of_idle_gpus(self, record: dict[str, Any]) -> None:
         """Once: the server sees GPUs but hospitals with ``device='auto'`` trained on the CPU (in Flower's simulation:

@@ -58,7 +58,7 @@ class SyntheticGrid(Grid):
         ids = []
         for message in messages:
             mid = str(uuid4())
-            config = message.content.config_records.get(CONFIG_RECORD, {})
+            config = message.content.get(CONFIG_RECORD, {})  # (.config_records would keep the message in a cycle)
             stub = Message(RecordDict(), message.metadata.dst_node_id, message.metadata.message_type,
                            group_id=message.metadata.group_id)
             stub.metadata.__dict__["_message_id"] = mid
