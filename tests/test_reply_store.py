@@ -167,3 +167,33 @@ def test_decoder_filters_upload_by_upload_equal_the_sum_over_the_stacked_uploads
     result, _ = aggregate_filters(server, [store.keep(u) for u in uploads], weights, layers, 0.3)
     for name, value in expected.items():
         assert result[name].tobytes() == value.tobytes(), name
+
+
+@pytest.mark.parametrize("hospitals", [1, 3, 11])
+def test_fedavg_slice_by_slice_from_disk_equals_the_sum_over_whole_tensors(tmp_path, monkeypatch, hospitals):
+    import common.arrays
+    from common.arrays import weighted_average
+
+    rng = np.random.default_rng(hospitals)
+    shapes = {"scalar": (), "bias": (7,), "conv": (16, 8, 3, 3), "half": (33,)}
+    models = [{name: rng.standard_normal(shape).astype(np.float16 if name == "half" else np.float32)
+               for name, shape in shapes.items()} | {"steps": rng.integers(0, 9, (3,))} for _ in range(hospitals)]
+    counts = rng.integers(1, 500, hospitals).tolist()
+    weights = np.asarray(counts, dtype=np.float64) / sum(counts)  # the sum as it was: whole tensors at once
+    expected = {}
+    for name, first in models[0].items():
+        if first.dtype.kind == "f":
+            total = np.zeros(first.shape, dtype=np.float64)
+            for model, w in zip(models, weights):
+                total += w * model[name]
+            expected[name] = total.astype(first.dtype)
+        else:
+            expected[name] = np.max(np.stack([m[name] for m in models]), axis=0)
+    store = ReplyStore(tmp_path / ".round-1")
+    stored = [store.keep(model) for model in models]
+    monkeypatch.setattr(common.arrays, "AVERAGE_SLICE", 50)  # the conv tensor in 24 slices
+    for given in (models, stored):
+        result = weighted_average(given, counts)
+        for name, value in expected.items():
+            assert result[name].shape == value.shape and result[name].dtype == value.dtype
+            assert result[name].tobytes() == value.tobytes(), name
