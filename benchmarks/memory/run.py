@@ -36,11 +36,16 @@ LARGE = {"model": "resnet18", "resnet-width": 1.5, "image-size": 32}
 SMALL = {"model": "small-cnn", "image-size": 16}
 
 
-def status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def status_mb_of(path: str, field: str) -> float:
+    """A ``kB`` field of a /proc file, in MB."""
+    for line in Path(path).read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def status_mb(field: str) -> float:
+    return status_mb_of("/proc/self/status", field)
 
 
 def measure(hospitals: int, store: str, model: dict, rounds: int, work: Path) -> dict:
@@ -75,6 +80,24 @@ def run_row(hospitals: int, store: str, model: dict, rounds: int, work: Path) ->
                str(rounds), str(work), str(out)]
     subprocess.run(command, check=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
     return json.loads(out.read_text())
+
+
+def unaffordable(rows: list[dict], hospitals: int, store: str, model: dict) -> dict | None:
+    """A row not run, when the rows measured before it say it would take more than half the memory this machine has
+    available now (a shared machine): its peak extrapolated from the largest such row, linear in the hospitals."""
+    measured = [r for r in rows if r["store"] == store and r["model"] == model["model"] and "skipped" not in r]
+    if not measured:
+        return None
+    last = max(measured, key=lambda r: r["hospitals"])
+    predicted = last["base_mb"] + (last["peak_mb"] - last["base_mb"]) * hospitals / last["hospitals"]
+    available = status_mb_of("/proc/meminfo", "MemAvailable")
+    if predicted <= available / 2:
+        return None
+    return {**{k: last[k] for k in ("model", "model_mb", "base_mb")}, "hospitals": hospitals, "store": store,
+            "peak_mb": predicted, "models_over_base": (predicted - last["base_mb"]) / last["model_mb"],
+            "round_s": float("nan"), "skipped": f"not run: extrapolated from {last['hospitals']} hospitals, as it "
+                                                f"would take ~{predicted / 1024:.1f} GB of the {available / 1024:.1f} "
+                                                "GB available"}
 
 
 def flower_rows(args: argparse.Namespace, work: Path) -> dict:
@@ -117,7 +140,8 @@ def main() -> None:
         for model, counts in ((LARGE, args.hospitals), (SMALL, args.small)):
             for hospitals in counts:
                 for store in args.stores:  # one heavy process at a time
-                    rows.append(run_row(hospitals, store, model, args.rounds, Path(tmp)))
+                    too_much = unaffordable(rows, hospitals, store, model)
+                    rows.append(too_much or run_row(hospitals, store, model, args.rounds, Path(tmp)))
                     print(json.dumps(rows[-1]), flush=True)
                     write_report(args, rows, flower)
         if args.deployment or args.simulation:
@@ -148,9 +172,9 @@ def write_report(args: argparse.Namespace, rows: list[dict], flower: dict) -> No
              "| model | model MB | hospitals | replies | base MB | peak MB | (peak - base) / model | round s |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        peak = f"~{row['peak_mb']:.0f} ({row['skipped']})" if "skipped" in row else f"{row['peak_mb']:.0f}"
         lines.append(f"| {row['model']} | {row['model_mb']:.1f} | {row['hospitals']} | {row['store']} | "
-                     f"{row['base_mb']:.0f} | {row['peak_mb']:.0f} | {row['models_over_base']:.1f} | "
-                     f"{row['round_s']:.1f} |")
+                     f"{row['base_mb']:.0f} | {peak} | {row['models_over_base']:.1f} | {row['round_s']:.1f} |")
     if flower:
         lines += ["", "## Flower runs (benchmarks/overhead; peak PSS of each process kind, MB)", "",
                   "| run | replies | model MB | SuperLink MB | ServerApp MB | ServerApp / model | "
