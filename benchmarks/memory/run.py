@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.machine import cpu_name
+from common.launch import exit_on_termination
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 STORES = ("memory", "disk")
@@ -100,23 +101,27 @@ def unaffordable(rows: list[dict], hospitals: int, store: str, model: dict) -> d
                                                 "GB available"}
 
 
-def flower_rows(args: argparse.Namespace, work: Path) -> dict:
-    """The Flower runs (benchmarks/overhead), each store in turn."""
+def flower_rows(args: argparse.Namespace, work: Path, rows: list[dict], flower: dict) -> None:
+    """The Flower runs (benchmarks/overhead), each store in turn, into ``flower`` (the report rewritten after each;
+    those ``flower`` has already are not run again)."""
     from benchmarks.overhead.run import run_large_model, run_simulation
 
-    rows: dict[str, dict] = {}
     for store in args.stores:
-        if args.deployment:
-            row = run_large_model(LARGE["resnet-width"], args.rounds, work / f"deploy-{store}",
-                                  extra={"reply-store": store})
-            rows[f"deployment/{store}"] = row
-            print(f"deployment {store}: {row}", flush=True)
+        key = f"deployment/{store}"
+        if args.deployment and key not in flower:
+            flower[key] = run_large_model(LARGE["resnet-width"], args.flower_rounds, work / f"deploy-{store}",
+                                          extra={"reply-store": store})
+            print(f"{key}: {flower[key]}", flush=True)
+            write_report(args, rows, flower)
         for hospitals in args.simulation:
-            run = run_simulation(hospitals, args.rounds, work / f"sim-{store}-{hospitals}",
+            key = f"simulation/{store}/{hospitals}"
+            if key in flower:
+                continue
+            run = run_simulation(hospitals, args.flower_rounds, work / f"sim-{store}-{hospitals}",
                                  extra={"reply-store": store})
-            rows[f"simulation/{store}/{hospitals}"] = {k: v for k, v in run.items() if k != "rows"}
-            print(f"simulation {store} {hospitals}: {rows[f'simulation/{store}/{hospitals}']}", flush=True)
-    return rows
+            flower[key] = {k: v for k, v in run.items() if k != "rows"}
+            print(f"{key}: {flower[key]}", flush=True)
+            write_report(args, rows, flower)
 
 
 def main() -> None:
@@ -124,7 +129,10 @@ def main() -> None:
     parser.add_argument("--hospitals", type=int, nargs="*", default=[2, 10, 50], help="with the ~100 MB model")
     parser.add_argument("--small", type=int, nargs="*", default=[1000], help="hospital counts with the small model")
     parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES))
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each in-process row")
+    parser.add_argument("--flower-rounds", type=int, default=1, help="rounds of each Flower run")
+    parser.add_argument("--fresh", action="store_true", help="measure every row again (default: keep those in --out's "
+                                                              "JSON, so an interrupted run goes on where it stopped)")
     parser.add_argument("--deployment", action="store_true", help="also a loopback deployment, 2 hospitals, 100 MB")
     parser.add_argument("--simulation", type=int, nargs="*", default=[], help="also Flower simulations, small model")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.md")
@@ -134,19 +142,23 @@ def main() -> None:
         hospitals, store, model, rounds, work, out = args.row
         Path(out).write_text(json.dumps(measure(int(hospitals), store, json.loads(model), int(rounds), Path(work))))
         return
+    exit_on_termination()  # SIGTERM (a timeout) unwinds, stopping the Flower processes a run started
+    saved = json.loads(args.out.with_suffix(".json").read_text()) \
+        if args.out.with_suffix(".json").exists() and not args.fresh else {}
+    kept = {(r["hospitals"], r["store"], r["model"]): r for r in saved.get("in-process", []) if "skipped" not in r}
     rows: list[dict] = []
-    flower: dict = {}
+    flower: dict = saved.get("flower", {})
     with tempfile.TemporaryDirectory(prefix="fedmed-memory-") as tmp:
         for model, counts in ((LARGE, args.hospitals), (SMALL, args.small)):
             for hospitals in counts:
                 for store in args.stores:  # one heavy process at a time
-                    too_much = unaffordable(rows, hospitals, store, model)
-                    rows.append(too_much or run_row(hospitals, store, model, args.rounds, Path(tmp)))
-                    print(json.dumps(rows[-1]), flush=True)
+                    row = kept.get((hospitals, store, model["model"])) or unaffordable(rows, hospitals, store, model) \
+                        or run_row(hospitals, store, model, args.rounds, Path(tmp))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
                     write_report(args, rows, flower)
         if args.deployment or args.simulation:
-            flower = flower_rows(args, Path(tmp))
-            write_report(args, rows, flower)
+            flower_rows(args, Path(tmp), rows, flower)
     print(args.out.read_text())
 
 
@@ -157,7 +169,8 @@ def write_report(args: argparse.Namespace, rows: list[dict], flower: dict) -> No
     command = (f"python -m benchmarks.memory.run --hospitals {' '.join(map(str, args.hospitals))} --small "
                f"{' '.join(map(str, args.small))} --rounds {args.rounds}"
                + (" --deployment" if args.deployment else "")
-               + (f" --simulation {' '.join(map(str, args.simulation))}" if args.simulation else ""))
+               + (f" --simulation {' '.join(map(str, args.simulation))} --flower-rounds {args.flower_rounds}"
+                  if args.simulation or args.deployment else ""))
     lines = ["# The ServerApp's memory against the number of hospitals", "",
              f"`{command}` on a {os.cpu_count()}-core {cpu_name()} machine with {memory_gb:.0f} GB of memory. "
              "FedAvg, every hospital in every round; `memory`: every reply held until the round closes (Flower's own "
