@@ -32,12 +32,11 @@ class Asked:
     layout: str | None  #: the flat layout of its model, or None for a query
 
 
-class SyntheticGrid(Grid):
-    def __init__(self, hospitals: int, seed: int = 0):
+class LocalGrid(Grid):
+    """What a Grid whose nodes answer in this process needs besides pushing and pulling (tests' FakeGrid too)."""
+
+    def __init__(self):
         TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as inside a ServerApp
-        self.names = {node: f"hospital-{node - 1:04d}" for node in range(1, hospitals + 1)}
-        self.seed = seed
-        self.asked: dict[str, Asked] = {}
         self._run = None
 
     def set_run(self, run) -> None:
@@ -50,6 +49,17 @@ class SyntheticGrid(Grid):
     def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
                        ttl: float | None = None) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+class SyntheticGrid(LocalGrid):
+    def __init__(self, hospitals: int, seed: int = 0):
+        super().__init__()
+        self.names = {node: f"hospital-{node - 1:04d}" for node in range(1, hospitals + 1)}
+        self.seed = seed
+        self.asked: dict[str, Asked] = {}
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.names)
@@ -70,9 +80,6 @@ class SyntheticGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return [self.reply(self.asked.pop(mid)) for mid in list(message_ids) if mid in self.asked]
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
 
     def reply(self, asked: Asked) -> Message:
         node = asked.stub.metadata.dst_node_id

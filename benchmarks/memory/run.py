@@ -182,12 +182,15 @@ def write_report(args: argparse.Namespace, rows: list[dict], flower: dict) -> No
              "process (`benchmarks/memory/grid.py`), which build each reply when the server pulls it. Base: the "
              "process after building the strategy (Python, torch, Flower, the model, the server's test set); peak: "
              "its resident high-water mark over the rounds (the last round's test-set evaluation included).", "",
-             "| model | model MB | hospitals | replies | base MB | peak MB | (peak - base) / model | round s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | model MB | hospitals | replies | base MB | peak MB | peak - base MB | (peak - base) / model | "
+             "round s |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        peak = f"~{row['peak_mb']:.0f} ({row['skipped']})" if "skipped" in row else f"{row['peak_mb']:.0f}"
-        lines.append(f"| {row['model']} | {row['model_mb']:.1f} | {row['hospitals']} | {row['store']} | "
-                     f"{row['base_mb']:.0f} | {peak} | {row['models_over_base']:.1f} | {row['round_s']:.1f} |")
+        skipped = "skipped" in row
+        peak = f"~{row['peak_mb']:.0f} ({row['skipped']})" if skipped else f"{row['peak_mb']:.0f}"
+        lines.append(f"| {row['model']} | {row['model_mb']:.3g} | {row['hospitals']} | {row['store']} | "
+                     f"{row['base_mb']:.0f} | {peak} | {'~' * skipped}{row['peak_mb'] - row['base_mb']:.0f} | "
+                     f"{'~' * skipped}{row['models_over_base']:.1f} | "
+                     f"{'-' if skipped else format(row['round_s'], '.1f')} |")
     if flower:
         lines += ["", "## Flower runs (benchmarks/overhead; peak PSS of each process kind, MB)", "",
                   "| run | replies | model MB | SuperLink MB | ServerApp MB | ServerApp / model | "
@@ -195,13 +198,14 @@ def write_report(args: argparse.Namespace, rows: list[dict], flower: dict) -> No
         for key, row in flower.items():
             kind, store = key.split("/")[:2]
             roles = row["peak_mb_by_role"]
-            model_mb = row.get("model_mb", 0.0)
+            model_mb = row.get("model_mb") or next((r["model_mb"] for r in rows if r["model"] == SMALL["model"]), 0.0)
             server = roles.get("serverapp", 0.0)
             what = (f"loopback deployment, {row.get('hospitals', 2)} hospitals, ResNet-18 x{row.get('width', 1.5):g}"
                     if kind == "deployment" else f"simulation, {key.split('/')[2]} virtual hospitals, small CNN")
-            lines.append(f"| {what} | {store} | {model_mb:.1f} | {roles.get('superlink', 0.0):.0f} | "
-                         f"{server:.0f} | {server / model_mb if model_mb and server else 0:.1f} | "
-                         f"{roles.get('simulation', 0.0):.0f} | {row.get('peak_mb', 0.0):.0f} |")
+            simulation = roles.get("simulation", 0.0)
+            lines.append(f"| {what} | {store} | {model_mb:.3g} | {roles.get('superlink', 0.0):.0f} | "
+                         f"{f'{server:.0f}' if server else '-'} | {f'{server / model_mb:.1f}' if server else '-'} | "
+                         f"{f'{simulation:.0f}' if simulation else '-'} | {row.get('peak_mb', 0.0):.0f} |")
     args.out.write_text("\n".join(lines) + "\n")
 
 
