@@ -59,7 +59,8 @@ class ReplyStore:
         self.folder = Path(folder)
         if self.folder.exists():  # left by a round that was cut short (a killed server): that round is repeated
             shutil.rmtree(self.folder)
-        self.folder.mkdir(parents=True)
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700)  # single hospitals' updates: the server's user alone reads them
         self.nbytes = 0  #: bytes written this round
         self._files = 0
 

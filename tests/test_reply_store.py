@@ -23,6 +23,7 @@ def test_arrays_come_back_from_disk_exactly_and_a_slice_alone_can_be_read(tmp_pa
               "half": rng.standard_normal(6).astype(np.float16), "empty": np.zeros((0, 3), np.float32),
               "strided": rng.standard_normal((4, 6))[:, ::2]}
     store = ReplyStore(tmp_path / ".round-1")
+    assert (store.folder.stat().st_mode & 0o777) == 0o700  # single hospitals' updates: for the server's user alone
     stored = store.keep(arrays)
     assert isinstance(stored, StoredArrays) and list(stored) == list(arrays) and len(stored) == len(arrays)
     for name, value in arrays.items():
