@@ -171,8 +171,9 @@ def run_problem(history: list[dict[str, Any]], num_rounds: int) -> str | None:
 
 
 def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], home: Path,
-             timeout: float) -> int:
-    """Run the app in Flower's simulation engine on a private local SuperLink; print the results.
+             timeout: float, label: str = "", summary: bool = True) -> int:
+    """Run the app in Flower's simulation engine on a private local SuperLink; print the results (``summary``:
+    the run's table; each round's progress line always, after ``label`` if one is given).
 
     Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
     130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
@@ -225,7 +226,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             for record in history[printed:]:
                 from common.round_engine import describe
 
-                print(f"round {record['round']}: {describe(record)}", flush=True)
+                print(f"{label}round {record['round']}: {describe(record)}", flush=True)
             printed = len(history)
 
     try:
@@ -233,7 +234,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             try:
                 start_superlink(flower_home, free_port(), simulation=True)
                 run_id = submit_run(flower_home, "local", run_config, simulation_resources(hospitals, engine))
-                print(f"run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
+                print(f"{label}run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
                 left = max(1.0, deadline - time.monotonic())
                 status = wait_for_run(flower_home, "local", run_id, left, on_poll=progress)
             except RunStopped as stopped:
@@ -268,10 +269,11 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
                 print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
                 print(f"fedmed: run {run_id} failed: {problem}; see {run_dir / 'metrics.jsonl'}", file=sys.stderr)
                 return 1
-            print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
-            if (run_dir / "cross_site.md").exists():
-                print((run_dir / "cross_site.md").read_text())
-            print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
+            if summary:
+                print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
+                if (run_dir / "cross_site.md").exists():
+                    print((run_dir / "cross_site.md").read_text())
+                print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
             return 0
     finally:
         with signals(_still_stopping):
@@ -416,11 +418,9 @@ def partition_command(args: argparse.Namespace) -> int:
 PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir", "results")
 
 
-def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
-        from server_app.audit_cli import main as audit_main
-
-        return audit_main(sys.argv[1:] if argv is None else list(argv))
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and option of ``fedmed`` but ``audit`` (server_app/audit_cli.py); the docs' commands are
+    checked against it (tests/test_docs_snippets.py)."""
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -487,7 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
         p.add_argument("--timeout", type=float, default=6 * 3600,
                        help="seconds the whole run may take; then it is stopped (exit code 124)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
+        from server_app.audit_cli import main as audit_main
+
+        return audit_main(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "export-int8" and args.out is None and not args.best:
         parser.error("export-int8: the following arguments are required: --out (or --best)")
