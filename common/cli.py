@@ -1,6 +1,6 @@
 """``fedmed``: the demo, simulations on one machine, and per-hospital data folders for deployments.
 
-    fedmed demo                               # the main job on generated data, printed as a table
+    fedmed demo                               # local training, FedAvg and FedProIn on generated non-IID data
     fedmed simulate --hospitals 5 --run-config "task='polyp-segmentation' num-server-rounds=10"
     fedmed partition --run-config "dataset='ham10000' data-dir='../shared/data/ham10000'" --hospitals 5 --out sites
     fedmed export-int8 --run results/<run-name> --out polyp-int8.pt2   # QFedPolyp's INT8 deployment model
@@ -425,9 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="federated classification on generated data (3 hospitals, simulation)")
+    demo = sub.add_parser("demo", help="local training, FedAvg and FedProIn side by side on generated non-IID "
+                          "hospitals (Flower simulation; a few minutes on a CPU)")
     demo.add_argument("--hospitals", type=int, default=3)
-    demo.add_argument("--rounds", type=int, default=5)
+    demo.add_argument("--rounds", type=int, default=10)
+    demo.add_argument("--seed", type=int, default=42, help="the data, its split and the training's random draws")
+    demo.add_argument("--results", type=Path, default=Path("results"),
+                      help="folder for the demo's folder, demo-<time>/ (default: results)")
 
     sim = sub.add_parser("simulate", help="a run in Flower's simulation engine on this machine")
     sim.add_argument("--hospitals", type=int, default=3, help="number of simulated hospitals (SuperNodes)")
@@ -510,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, option, None) is not None:
                 usable_path(f"--{option.replace('_', '-')}", getattr(args, option))
         if args.command == "demo":
-            return simulate(args.hospitals, {"num-server-rounds": args.rounds}, {}, args.home, args.timeout)
+            from common.demo import demo
+
+            return demo(args.hospitals, args.rounds, args.seed, args.home, args.timeout, args.results)
         if args.command == "simulate":
             overrides = parse_overrides(args.run_config)
             if args.overwrite:
