@@ -6,7 +6,6 @@ ClientApp process would pay even for models that do not use it.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -22,40 +21,13 @@ def _stem(image_size: int) -> dict:
     return {"conv1_t_size": 3, "conv1_t_stride": 1}
 
 
-#: ``model-args='{"norm": ...}'`` of the built-in ResNet-18: its normalisation layers
-NORMS = ("batch", "group")
-
-
-def _with_norm(network: torch.nn.Module, norm: str) -> torch.nn.Module:
-    """``network`` with every BatchNorm replaced by ``norm``. GroupNorm (Wu and He 2018; 8 groups, fewer where the
-    channels do not divide by 8) normalises each image on its own: it has no running statistics to average across
-    hospitals whose data differ, and trains and evaluates alike (Hsieh et al. 2020 recommend it over BatchNorm for
-    non-IID federated training). The swap is ours because MONAI 1.6's ResNet gives its ``norm`` argument to the stem
-    only, every residual block keeping BatchNorm (Project-MONAI/MONAI#9028)."""
-    if norm not in NORMS:
-        from common.settings import ConfigError
-
-        raise ConfigError(f"model-args: norm={norm!r} is not a normalisation of the built-in resnet18; choose one of "
-                          f"{', '.join(NORMS)}")
-    if norm == "batch":
-        return network
-    for module in list(network.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.BatchNorm2d):
-                channels = child.num_features
-                setattr(module, name, torch.nn.GroupNorm(math.gcd(8, channels), channels))
-    return network
-
-
 def build_resnet18_classifier(num_classes: int, in_channels: int = 3, image_size: int = 128,
-                              width: float = 1.0, norm: str = "batch") -> torch.nn.Module:
-    """``width`` multiplies the channels (MONAI's widen_factor); 1.0 is the standard ResNet-18. ``norm``: batch
-    (the standard) or group normalisation."""
+                              width: float = 1.0) -> torch.nn.Module:
+    """``width`` multiplies the channels (MONAI's widen_factor); 1.0 is the standard ResNet-18."""
     from monai.networks.nets import resnet18
 
-    network = resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes, widen_factor=width,
-                       **_stem(image_size))
-    return _with_norm(network, norm)
+    return resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes, widen_factor=width,
+                    **_stem(image_size))
 
 
 def encoder_feature_dim(width: float = 1.0) -> int:
@@ -64,15 +36,15 @@ def encoder_feature_dim(width: float = 1.0) -> int:
 
 
 def build_resnet18_encoder(in_channels: int = 3, image_size: int = 128, weights: str = "",
-                           width: float = 1.0, norm: str = "batch") -> torch.nn.Module:
+                           width: float = 1.0) -> torch.nn.Module:
     """ResNet-18 up to global average pooling: image -> 512-d (times ``width``) post-ReLU feature.
 
     ``weights`` optionally names a user's pretrained state-dict file (a ``fc.*`` head in it is ignored).
     """
     from monai.networks.nets import resnet18
 
-    encoder = _with_norm(resnet18(spatial_dims=2, n_input_channels=in_channels, feed_forward=False,
-                                  widen_factor=width, **_stem(image_size)), norm)
+    encoder = resnet18(spatial_dims=2, n_input_channels=in_channels, feed_forward=False, widen_factor=width,
+                       **_stem(image_size))
     if weights:
         load_pretrained(encoder, weights)
     return encoder

@@ -17,7 +17,6 @@ from common.models.networks import build_network
 from common.models.representations import headless
 from common.models.resnet import build_resnet18_encoder, encoder_feature_dim, load_pretrained
 from common.models.small_cnn import build_small_cnn
-from common.settings import ConfigError
 
 from .base import Task, images_to_tensor, index_batches, random_flips
 
@@ -63,15 +62,9 @@ class ClassificationTask(Task):
         prototype methods put their prototypes on): the built-in ResNet-18 up to its pooling, any other network
         with its last linear layer taken out (that layer's input is the feature)."""
         in_channels = int(self.spec.get("in-channels", 3))
-        if self.network_name == "resnet18":  # the classifier's model-args (its norm) build the encoder alike
-            arguments = self.network_model_args()
-            try:
-                encoder = build_resnet18_encoder(in_channels, self.cfg.image_size, width=self.cfg.resnet_width,
-                                                 **arguments)
-            except TypeError as error:
-                raise ConfigError(f"model-args: the built-in resnet18 cannot take {sorted(arguments)}: "
-                                  f"{error}") from None
-            return encoder, encoder_feature_dim(self.cfg.resnet_width)
+        if self.network_name == "resnet18":
+            return (build_resnet18_encoder(in_channels, self.cfg.image_size, width=self.cfg.resnet_width),
+                    encoder_feature_dim(self.cfg.resnet_width))
         if self.network_name == "small-cnn":  # built with one class, as it always was: the same draws of the seed
             return headless(build_small_cnn(1, in_channels), self.network_name)
         return headless(self.build_classifier(), self.network_name)
