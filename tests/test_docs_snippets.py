@@ -370,7 +370,7 @@ def check_flower_process(words: list[str], where: str) -> None:
     from client_app.node_config import NodeConfig
     from common.cli import parse_overrides
 
-    if words[0] == "flower-supernode":
+    if words[0].endswith("flower-supernode"):
         from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode as flower_parser
     else:
         from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink as flower_parser
@@ -409,18 +409,11 @@ def check_command(words: list[str], where: str) -> None:
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # VAR=value before the command
         words = words[1:]
     name = words[0].removeprefix(".venv/bin/")
-    if name == "fedmed":
-        check_fedmed(words, where)
-    elif name == "flwr":
-        check_flwr(words, where)
-    elif name in ("python", "python3"):
-        check_python(words, where)
-    elif name == "pip":
-        check_pip(words, where)
-    elif name == "docker-compose":
-        check_docker_compose(words, where)
-    elif name in ("flower-supernode", "flower-superlink"):
-        check_flower_process(words, where)
+    checks = {"fedmed": check_fedmed, "flwr": check_flwr, "python": check_python, "python3": check_python,
+              "pip": check_pip, "docker-compose": check_docker_compose, "flower-supernode": check_flower_process,
+              "flower-superlink": check_flower_process}
+    if name in checks:
+        checks[name](words, where)
     elif name.startswith("deploy/"):
         check_script(words, where)
     else:
