@@ -45,7 +45,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
-from common.audit import AuditLog, message_digest
+from common.audit import AUDIT_HEAD_MARK, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.payload import Payload
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
@@ -82,11 +82,13 @@ class Hospital:
             if kind not in handlers:
                 raise ValueError(f"message type {message.metadata.message_type!r} is not one fedmed answers")
             reply = handlers[kind](message)
-        except Exception as error:  # reported to the server, which logs it and carries on
+            if audit is not None and not reply.has_error():
+                stamp_audit_head(reply, audit.head())
+        except (Exception, SystemExit) as error:  # reported to the server, which logs it and carries on
             what = "" if type(error).__name__ == "WorkerFailed" else f"{type(error).__name__}: "  # already says
             reason = f"hospital {self.name}: {what}{error}"
             log.error("%s\n%s", reason, traceback.format_exc())
-            reply = Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+            reply = Message(Error(code=HOSPITAL_ERROR, reason=with_audit_head(reason, audit)), reply_to=message)
         if audit is not None:
             try:
                 audit.append("message", direction="sent", **about, **message_digest(reply))
@@ -104,25 +106,16 @@ class Hospital:
         path = node.audit_path(str(self.context.run_config.get("state-dir", "state")))
         return AuditLog(path, f"hospital:{node.name}") if path is not None else None
 
-    def audit_head(self) -> str | None:
-        audit = self.audit_log()
-        return audit.head() if audit is not None else None
-
     def query(self, message: Message) -> Message:
         identity = self.payload_answer("query", from_recorddict(message.content))
-        head = self.audit_head()
-        config = {**identity.config, **({AUDIT_HEAD_KEY: head} if head else {})}
-        return Message(RecordDict({"hospital": ConfigRecord(config)}), reply_to=message)
+        return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
 
     def train(self, message: Message) -> Message:
         started = seconds_before_handler()
         payload = from_recorddict(message.content)
         reply = self.payload_answer("train", payload)
-        if started is not None:  # the round's overhead, attributed (benchmarks/overhead)
-            reply.metrics["clientapp-start-seconds"] = round(started, 3)
-        head = self.audit_head()
-        if head:
-            reply.config[AUDIT_HEAD_KEY] = head
+        if started is not None and "hospital-seconds" in reply.metrics:  # the round's overhead (benchmarks/overhead),
+            reply.metrics["clientapp-start-seconds"] = round(started, 3)  # when the policy lets timing leave
         layout = payload.config.get("message-arrays")  # the layout and record names the server chose, both ways
         return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor",
                                      RecordKeys.of(message.content)), reply_to=message)
@@ -130,9 +123,7 @@ class Hospital:
     def evaluate(self, message: Message) -> Message:
         """Flower's evaluate phase: metrics of the received model on this hospital's validation data."""
         metrics = self.payload_answer("evaluate", from_recorddict(message.content)).metrics
-        head = self.audit_head()
-        return Message(to_recorddict(Payload(config={AUDIT_HEAD_KEY: head} if head else {}, metrics=metrics),
-                                     keys=RecordKeys.of(message.content)), reply_to=message)
+        return Message(to_recorddict(Payload(metrics=metrics), keys=RecordKeys.of(message.content)), reply_to=message)
 
     def payload_answer(self, kind: str, payload: Payload) -> Payload:
         """The method's hospital half answers the payload: here, or in the hospital's warm worker when Flower
@@ -146,16 +137,38 @@ class Hospital:
         return hospital.answer(kind, payload, self.context.run_config, self.context.node_config)
 
 
+def stamp_audit_head(reply: Message, head: str) -> None:
+    """Every answer, a secure-aggregation stage's included, carries the hospital's audit head in its config record
+    (the identity reply's ``hospital`` record), which the server's audit log records."""
+    for record in reply.content.config_records.values():  # every reply of ours has exactly one
+        record[AUDIT_HEAD_KEY] = head
+        return
+
+
+def with_audit_head(reason: str, audit: AuditLog | None) -> str:
+    """An error reply's reason with the hospital's audit head at its end (a Flower error reply carries no records),
+    so the server's log anchors refusals as it anchors answers (:func:`common.audit.head_in_reason`)."""
+    if audit is None:
+        return reason
+    try:
+        return f"{reason} {AUDIT_HEAD_MARK}{audit.head()}]"
+    except Exception:  # a damaged log: the reason still goes out, and the next append stops the hospital
+        return reason
+
+
 def message_about(message: Message, kind: str) -> dict[str, Any]:
     """What an audit line says of a message besides its digest: the run, round and method it names, its kind, the
-    Flower run and the peer that sent it."""
+    Flower run, the peer that sent it and the head of the server's audit log the message carries."""
     config: dict[str, Any] = {}
     if not message.has_error():
         for record in message.content.config_records.values():
-            config.update({k: record[k] for k in ("run-name", "server-round", "strategy") if k in record})
+            config.update({k: record[k] for k in ("run-name", "server-round", "strategy", SERVER_HEAD_KEY)
+                           if k in record})
+    head = config.get(SERVER_HEAD_KEY)
     return {"kind": kind, "run": config.get("run-name"), "round": config.get("server-round"),
             "method": config.get("strategy"), "flower-run": message.metadata.run_id,
-            "peer-node": message.metadata.src_node_id, "peer": "server"}
+            "peer-node": message.metadata.src_node_id, "peer": "server",
+            "peer-audit-head": head if isinstance(head, str) else None}
 
 
 def uses_worker(context: Context) -> bool:

@@ -11,10 +11,11 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from common.audit import AuditLog
+from common.code_gate import CodeGate, split_list
 from common.config import JobConfig, hospital_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
-from common.policy import Enforcer, enforcer_for
+from common.policy import Enforcer, PolicyRefusal, enforcer_for
 from common.site import HospitalStateStore, Site, build_site
 from strategies.registry import hospital_class
 
@@ -39,11 +40,9 @@ def hospital_site(cfg: JobConfig, node: NodeConfig, run_name: str = "") -> Site:
     return site
 
 
-def hospital_method(run_config: Mapping[str, Any], node_config: Mapping[str, Any], payload: Payload) -> HospitalMethod:
+def hospital_method(cfg: JobConfig, node: NodeConfig, payload: Payload) -> HospitalMethod:
     """The hospital half of the method the message names, on this node's site (its state folder is the
     run's, named in the payload); how it trains comes from the message's server-set keys."""
-    cfg = hospital_job_config(run_config, payload.config)
-    node = load_node_config(node_config)
     run_name = str(payload.config.get("run-name", ""))
     return hospital_class(cfg.strategy)(cfg, hospital_site(cfg, node, run_name))
 
@@ -56,33 +55,57 @@ def hospital_audit(node: NodeConfig, run_state_dir: str) -> AuditLog | None:
 
 def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
     """The hospital's own policy (node config ``policy-file``), read afresh for every message; None without one.
-    Its decisions go to the hospital's audit log."""
+    Its decisions, and its ledger's entries, go to the hospital's audit log."""
     if not node.policy_file:
         return None
-    audit = hospital_audit(node, cfg.state_dir)
-    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), audit.append if audit else None)
+    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), hospital_audit(node, cfg.state_dir))
+
+
+def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:
+    """The code this hospital runs by name: built in, and what its node config and policy list."""
+    policy = enforcer.policy if enforcer is not None else None
+    models = split_list(node.models) + tuple(policy.models if policy else ())
+    datasets = split_list(node.datasets) + tuple(policy.datasets if policy else ())
+    return CodeGate(models, datasets, trust_run_config=node.virtual,
+                    source="node config and policy" if policy else "node config")
 
 
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:
     """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics), within the
-    hospital's policy (``policy-file``): a message it does not allow raises ``PolicyRefusal`` with the reason."""
+    hospital's policy (``policy-file``) and the code it approved (``common/code_gate.py``): a message it does not
+    allow raises ``PolicyRefusal`` with the reason, before anything the message names is imported."""
+    node = load_node_config(node_config)
+    cfg = hospital_job_config(run_config, payload.config, node.pinned_keys())
+    enforcer = hospital_enforcer(node, cfg)
+    run, rnd = str(payload.config.get("run-name", "")), int(payload.config.get("server-round", 0))
+    where = {"run": run, "round": rnd, "method": cfg.strategy, "kind": kind}
+    gate = code_gate(node, enforcer)
+    refused = gate.problems(cfg)
+    if refused:
+        if enforcer is not None:
+            raise enforcer.refuse("; ".join(refused), **where)
+        raise PolicyRefusal(f"refused: {'; '.join(refused)}")
+    with gate.enforced():
+        return answer_within(kind, payload, cfg, node, enforcer, where)
+
+
+def answer_within(kind: str, payload: Payload, cfg: JobConfig, node: NodeConfig, enforcer: Enforcer | None,
+                  where: dict[str, Any]) -> Payload:
+    """:func:`answer` once the message passed the hospital's gate."""
+    rnd = where["round"]
     if kind == "query":
-        info = hospital_method(run_config, node_config, payload).info()
+        info = hospital_method(cfg, node, payload).info()
         identity = {"name": info.name, "num-examples": info.num_examples,
                     **{f"property.{k}": v for k, v in info.properties.items()}}
-        node = load_node_config(node_config)
         if node.identity_key and NONCE_KEY in payload.config:  # the server checks who we are
             identity[SIGNATURE_KEY] = sign_identity(node.identity_key, str(payload.config.get("run-name", "")),
                                                     str(payload.config[NONCE_KEY]), info.name)
         return Payload(config=identity)
-    method = hospital_method(run_config, node_config, payload)
-    enforcer = hospital_enforcer(load_node_config(node_config), method.cfg)
-    run, rnd = str(payload.config.get("run-name", "")), int(payload.config.get("server-round", 0))
-    where = {"run": run, "round": rnd, "method": method.cfg.strategy, "kind": kind}
+    method = hospital_method(cfg, node, payload)
     if kind == "train":
         rnd = int(payload.config["server-round"])
         reply = (method.timed_train(rnd, payload) if enforcer is None
-                 else enforcer.train(method, rnd, payload, run, where))
+                 else enforcer.train(method, rnd, payload, where["run"], where))
         weight_key = payload.config.get("weighted-by-key")
         if isinstance(weight_key, str) and weight_key and weight_key != "num-examples":  # a strategy's weighted_by_key
             reply.metrics[weight_key] = reply.metrics["num-examples"]

@@ -33,6 +33,10 @@ class NodeConfig(Section):
     identity_key: str = Field("", description="Deployment: the hospital's private key (the one given to "
                                                "flower-supernode --auth-supernode-private-key); it signs the "
                                                "hospital's name for servers that check hospital-keys.")
+    peer_keys: str = Field("", description=(
+        "Deployment, secure aggregation: a folder of the consortium's registered keys, <hospital>.pub (the files of "
+        "the server's hospital-keys, held here so that no server can substitute them). Every other hospital's "
+        "public keys and survivor-set signature must verify with them; needs identity-key (it signs its own)."))
     warm_worker: bool = Field(WARM_WORKER_BY_DEFAULT, description=(
         "Deployment: keep torch and the data loaded in a worker process between messages (client_app/worker.py); "
         "false: do all the work in each message's own ClientApp process."))
@@ -40,6 +44,19 @@ class NodeConfig(Section):
         "The hospital's data-protection policy (TOML, or JSON ending in .json; common/policy.py, docs/privacy.md): "
         "tasks and methods it allows, min-samples, max-rounds-per-run, local-dp. Read at the hospital for every "
         "message; nothing the server sends changes it."))
+    models: str = Field("", description=(
+        "Networks of the consortium's own this hospital runs, by import path, comma-separated; '*' matches any run "
+        "of characters ('monai.networks.nets:DenseNet121, my_site.nets:*'). Built-in networks need no listing; "
+        "anything else a message names is refused before it is imported (common/code_gate.py)."))
+    datasets: str = Field("", description=(
+        "Data loaders of the consortium's own this hospital runs, by import path, comma-separated (as models)."))
+    dataset: str = Field("", description=(
+        "Pins this hospital's data loader (a format we read or an import path): it reads its data with this loader "
+        "and its own dataset-args, whatever the server's run config or a message names."))
+    approved_apps: str = Field("", description=(
+        "SHA-256 hashes of the Flower app bundles (FABs) this hospital runs, comma-separated (`fedmed app-hash` "
+        "prints an app's); fedmed-supernode refuses any other (deploy/fedmed_supernode.py). The policy's 'apps' "
+        "adds to them."))
     audit_log: str = Field("", description=(
         "The hospital's audit log (common/audit.py): every message received and sent and every policy decision, "
         "chained by SHA-256. Empty: audit.jsonl in its state folder; 'none': no log."))
@@ -80,6 +97,17 @@ class NodeConfig(Section):
         return self
 
     @property
+    def virtual(self) -> bool:
+        """A virtual hospital of Flower's simulation engine: no data folder or policy of its own, so the run
+        config's author (the operator of the one machine) decides its data and code."""
+        return not self.data_dir and not self.policy_file
+
+    def pinned_keys(self) -> dict[str, str]:
+        """Run-config keys this hospital sets itself, over whatever a message says: its data loader, when pinned
+        (its dataset-args are then its own, given to the loader on their own)."""
+        return {"dataset": self.dataset, "dataset-args": ""} if self.dataset else {}
+
+    @property
     def name(self) -> str:
         return self.hospital or f"hospital-{self.partition_id:02d}"
 
@@ -115,6 +143,10 @@ def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(describe_validation_error(error, what=f"node config of {where}")) from None
     if node.identity_key and not Path(node.identity_key).is_file():
         raise ConfigError(f"node config of {node.name} key 'identity-key': {node.identity_key!r} is not a file")
+    if node.peer_keys and (not Path(node.peer_keys).is_dir() or not node.identity_key):
+        raise ConfigError(f"node config of {node.name} key 'peer-keys': {node.peer_keys!r} is not a folder of "
+                          "<hospital>.pub files, or identity-key is unset (the others check this hospital's "
+                          "signatures as it checks theirs)")
     if node.data_dir and not Path(node.data_dir).exists():
         raise ConfigError(f"node config of {node.name} key 'data-dir': {node.data_dir!r} does not exist")
     if node.policy_file and not Path(node.policy_file).is_file():

@@ -1,12 +1,15 @@
-"""A hospital's side of secure aggregation (SecAgg+): the answer to each stage's TRAIN message.
+"""A hospital's side of secure aggregation over Flower messages: the answer to each stage's TRAIN message.
 
 ``secure_train(message, context, train)`` answers a training message: one without a stage goes to ``train`` as
-today; the key stages (setup, share keys, unmask) are answered here with Flower's stage logic
-(``common/secure_aggregation.py``), the hospital's secrets kept between stages in the ClientApp's
-``context.state`` as Flower's ``secaggplus_mod`` keeps them; in the collect stage the hospital trains with
-``train`` (the method's hospital half, as today), and its reply's arrays are replaced by its contribution, bounded,
-quantised and masked: only its metrics (numbers) leave it in the clear. ``secure_aggregation_mod`` is the same as a
-Flower mod, for a ClientApp of a consortium's own::
+today (refused when the hospital's policy says ``require-secure-aggregation``); the key stages (setup, share keys,
+consistency check, unmask) are answered by the protocol (``common/secure_aggregation/hospital.py``) under the
+hospital's own rules (its node config's name, ``identity-key`` and ``peer-keys``, its policy's minimums, its replay
+memory in its state folder), its secrets kept between stages in the ClientApp's ``context.state`` as Flower's
+``secaggplus_mod`` keeps them. In the collect stage it trains with ``train`` (the method's hospital half, as today)
+unless it already helped unmask a sum trained from the same model, and replaces its reply's arrays by its
+contribution, bounded, quantised and masked: its metrics leave in the clear only as its policy's
+``release-metrics`` allows. ``secure_aggregation_mod`` is the same as a Flower mod, for a ClientApp of a
+consortium's own::
 
     app = ClientApp(mods=[secure_aggregation_mod])
 
@@ -19,27 +22,34 @@ import time
 from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
-from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
-from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from common.payload import Payload
-from common.secure_aggregation import (
+from common.secure_aggregation import Layout, encode, modulus_bits, pack_values
+from common.secure_aggregation.hospital import (
+    HospitalRound,
+    HospitalRules,
+    ReplayMemory,
+    check_turn,
+    finished,
+    hospital_stage,
+    model_digest,
+)
+from common.secure_aggregation.messages import (
+    COLLECT,
     LAYOUT_KEY,
     MASKED_ARRAY,
     MASKED_GROUP,
+    SETUP,
     STAGE_KEY,
-    Layout,
-    encode,
-    hospital_stage,
-    modulus_bits,
-    ours,
-    pack_values,
-    secure_method,
+    STAGES,
 )
+from common.secure_aggregation.methods import secure_method
+from common.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
 from common.wire import RecordKeys, from_recorddict, to_recorddict
 
-STATE_RECORD = "fedmed.secagg"  #: context.state: the protocol's state (Flower's SecAggPlusState)
-ROUND_RECORD = "fedmed.secagg.round"  #: context.state: the run and round the state belongs to
+STATE_RECORD = "fedmed.secagg"  #: context.state: Flower's SecAggPlusState of the protocol run
+ROUND_RECORD = "fedmed.secagg.round"  #: context.state: the rest of the hospital's part in it (run, round, ...)
+ALWAYS_CLEAR = frozenset({"num-examples", "server-round"})  #: reply metrics the server needs whatever the policy
 
 TrainHandler = Callable[[Message], Message]
 
@@ -51,85 +61,108 @@ def stage_of(message: Message) -> str | None:
     for record in message.content.config_records.values():
         stage = record.get(STAGE_KEY)
         if stage is not None:
-            if stage not in Stage.all():
+            if stage not in STAGES:
                 raise ValueError(f"unknown secure-aggregation stage {stage!r}")
             return str(stage)
     return None
 
 
-def load_state(context: Context) -> SecAggPlusState:
-    record = context.state.config_records.get(STATE_RECORD)
-    return SecAggPlusState(**dict(record)) if record is not None else SecAggPlusState()
+def hospital_policy(context: Context):
+    """The hospital's policy (node config ``policy-file``, read afresh for every message); None without one."""
+    from common.policy import read_policy
+
+    path = context.node_config.get("policy-file")
+    return read_policy(str(path))[0] if path else None
 
 
-def save_state(context: Context, state: SecAggPlusState, bound_to: dict[str, Any]) -> None:
-    context.state[STATE_RECORD] = ConfigRecord(state.to_dict())
-    context.state[ROUND_RECORD] = ConfigRecord(bound_to)
+def hospital_rules(context: Context):
+    """This hospital's rules (node config and policy, read afresh for every message) and its policy (None: none)."""
+    from .node_config import load_node_config
+
+    node = load_node_config(context.node_config)
+    policy = hospital_policy(context)
+    rules = HospitalRules(node.name, node.identity_key, node.peer_keys,
+                          policy.min_threshold_fraction if policy else MIN_THRESHOLD_FRACTION,
+                          policy.min_hospitals_per_sum if policy else 2,
+                          ReplayMemory(node.state_root(str(context.run_config.get("state-dir") or "state"))))
+    return rules, policy
 
 
-def forget(context: Context, bound_to: dict[str, Any]) -> None:
-    """End this hospital's part in the round: its keys and shares are dropped, the next stage it takes is a setup."""
-    done = SecAggPlusState()
-    done.current_stage = Stage.UNMASK
-    save_state(context, done, bound_to)
+def load_state(context: Context) -> HospitalRound:
+    return HospitalRound.from_records(context.state.config_records.get(STATE_RECORD),
+                                      context.state.config_records.get(ROUND_RECORD))
+
+
+def save_state(context: Context, state: HospitalRound) -> None:
+    flower, ours = state.to_records()
+    context.state[STATE_RECORD] = ConfigRecord(flower)
+    context.state[ROUND_RECORD] = ConfigRecord(ours)
 
 
 def secure_train(message: Message, context: Context, train: TrainHandler, required: bool = False) -> Message:
-    """The reply to a TRAIN message: ``train(message)`` for an ordinary one (refused when ``required``: a hospital
-    that sends its updates only masked), the stage's answer for a secure-aggregation one."""
+    """The reply to a TRAIN message: ``train(message)`` for an ordinary one (refused when ``required`` or when the
+    hospital's policy requires secure aggregation), the stage's answer for a secure-aggregation one. A refused or
+    failed stage past setup ends this hospital's part in the protocol run: no secret of it is kept."""
     stage = stage_of(message)
     if stage is None:
-        if required and message.metadata.message_type.split(".")[0] == MessageType.TRAIN:
-            raise ValueError("this hospital sends its updates only under secure aggregation (the server asked for "
-                             "an unmasked one)")
+        if message.metadata.message_type.split(".")[0] == MessageType.TRAIN:
+            policy = hospital_policy(context)
+            if required or (policy is not None and policy.require_secure_aggregation):
+                from pathlib import Path
+
+                from common.policy import PolicyRefusal
+
+                source = Path(str(context.node_config.get("policy-file") or "its ClientApp")).name
+                raise PolicyRefusal(f"refused by its policy ({source}): require-secure-aggregation: this hospital "
+                                    "sends its updates only masked, and the server asked for an unmasked one")
         return train(message)
     keys = RecordKeys.of(message.content)
     config = dict(message.content.config_records[keys.config])
-    bound_to = {"run-name": str(config.get("run-name", "")), "server-round": int(config.get("server-round", -1))}
+    rules, policy = hospital_rules(context)
     state = load_state(context)
-    if stage != Stage.SETUP:
-        previous = context.state.config_records.get(ROUND_RECORD)
-        if previous is None or dict(previous) != bound_to:
-            raise ValueError(f"secure-aggregation stage {stage!r} of run {bound_to['run-name']!r} round "
-                             f"{bound_to['server-round']}, but this hospital's keys are of "
-                             f"{dict(previous) if previous is not None else 'no round'}")
-    node = message.metadata.dst_node_id
-    if stage == Stage.COLLECT_MASKED_VECTORS:
-        reply = train(message)
-        if reply.has_error():
-            return reply
-        return masked_reply(message, reply, context, state, config, keys, bound_to)
     try:
-        state, answer = hospital_stage(state, stage, config, node)
+        if stage == COLLECT:
+            return masked_reply(message, train, context, state, rules, policy, config, keys)
+        state, answer = hospital_stage(state, stage, config, message.metadata.dst_node_id, rules)
     except Exception:
-        if stage != Stage.SETUP:  # a refused or failed stage ends this hospital's round: no secret is kept
-            forget(context, bound_to)
+        if stage != SETUP:
+            save_state(context, finished())
         raise
-    save_state(context, state, bound_to)
-    return Message(to_recorddict(Payload(config={STAGE_KEY: stage, **ours(answer)}), keys=keys), reply_to=message)
+    save_state(context, state)
+    return Message(to_recorddict(Payload(config={STAGE_KEY: stage, **answer}), keys=keys), reply_to=message)
 
 
-def masked_reply(message: Message, reply: Message, context: Context, state: SecAggPlusState, config: dict[str, Any],
-                 keys: RecordKeys, bound_to: dict[str, Any]) -> Message:
-    """The training reply with its arrays replaced by the hospital's masked contribution (what its method sums,
-    its update bounded to the round's norm bound) and the metrics the method keeps at the hospital left out."""
+def masked_reply(message: Message, train: TrainHandler, context: Context, state: HospitalRound, rules: HospitalRules,
+                 policy, config: dict[str, Any], keys: RecordKeys) -> Message:
+    """Train (unless it revealed shares for a sum trained from this model before), then the training reply with its
+    arrays replaced by the hospital's masked contribution (what its method sums, its update bounded to the round's
+    norm bound); what the method keeps at the hospital, and what its policy withholds, are left out."""
+    check_turn(state, COLLECT, config)
+    received = from_recorddict(message.content)
+    digest = model_digest(received.arrays)
+    rules.memory.check_model(digest)
+    reply = train(message)
+    if reply.has_error():
+        save_state(context, finished())
+        return reply
     started = time.perf_counter()
-    received, trained = from_recorddict(message.content), from_recorddict(reply.content)
+    trained = from_recorddict(reply.content)
     method = secure_method(str(received.config.get("strategy", "")))
     layout = Layout.from_json(config.get(LAYOUT_KEY))
-    try:
-        values, metrics = method.contribution(received, trained, config, layout)
-        vector = encode(layout, values, state.clipping_range, state.target_range)
-        state, masked = hospital_stage(state, Stage.COLLECT_MASKED_VECTORS, config, message.metadata.dst_node_id,
-                                       vector)
-    except Exception:
-        forget(context, bound_to)
-        raise
-    save_state(context, state, bound_to)
-    clear = {k: v for k, v in trained.metrics.items() if k not in method.hidden_metrics and not isinstance(v, list)}
-    payload = Payload(arrays={MASKED_GROUP: {MASKED_ARRAY: pack_values(masked, modulus_bits(state.mod_range))}},
-                      config={**trained.config, STAGE_KEY: Stage.COLLECT_MASKED_VECTORS},
-                      metrics={**clear, **metrics, "secagg-seconds": round(time.perf_counter() - started, 3)})
+    values, metrics = method.contribution(received, trained, config, layout)
+    vector = encode(layout, values, state.flower.clipping_range, state.flower.target_range)
+    state, answer = hospital_stage(state, COLLECT, config, message.metadata.dst_node_id, rules, vector, digest)
+    save_state(context, state)
+    metrics = {**trained.metrics, **metrics, "secagg-seconds": round(time.perf_counter() - started, 3)}
+    release = policy.metrics_released if policy is not None else "all"
+    weight_key = received.config.get("weighted-by-key")
+    needed = ALWAYS_CLEAR | ({weight_key} if isinstance(weight_key, str) else set())
+    clear = {k: v for k, v in metrics.items() if k not in method.hidden_metrics and not isinstance(v, list)
+             and (k in needed or release == "all" or (release == "validation" and k.startswith("val-")))}
+    reply_config = {k: v for k, v in trained.config.items() if release == "all" or k != "device"}
+    payload = Payload(arrays={MASKED_GROUP: {MASKED_ARRAY: pack_values(answer["masked"],
+                                                                       modulus_bits(state.flower.mod_range))}},
+                      config={**reply_config, STAGE_KEY: COLLECT}, metrics=clear)
     return Message(to_recorddict(payload, "per-tensor", keys), reply_to=message)
 
 

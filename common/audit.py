@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 GENESIS = "0" * 64  #: ``prev`` of a log's first line
+SERVER_HEAD_KEY = "server-audit-head"  #: message config: the server's audit head when it built the message
+AUDIT_HEAD_MARK = "[audit-head "  #: an error reply's reason ends with "[audit-head <hash>]" (no records in errors)
 RESERVED = ("seq", "time", "prev", "hash")  #: fields every line has; an event's own fields may not use them
 MAX_TEXT = 2000  #: characters kept of any text field (a refusal's reason, an error)
 _TAIL = 1 << 16  #: bytes read from the end of the file to find the last line
@@ -234,26 +236,38 @@ def verify(path: str | Path, head: str | None = None) -> Verification:
     return result
 
 
-def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
-    """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
-    must each be the hash of a line of ``log``: problems as (line of ``other``, what)."""
-    hashes = set()
-    for text in Path(log).read_bytes().split(b"\n"):
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
-            record = json.loads(text)
-            if isinstance(record, dict) and isinstance(record.get("hash"), str):
-                hashes.add(record["hash"])
-    problems = []
-    for number, text in enumerate(Path(other).read_bytes().split(b"\n"), start=1):
+def records_of(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each line of a log that is a JSON object, with its line number (a damaged line is skipped: verify names it)."""
+    for number, text in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
         try:
             record = json.loads(text)
         except (ValueError, UnicodeDecodeError):
             continue
-        recorded = record.get("peer-audit-head") if isinstance(record, dict) else None
-        if recorded and record.get("peer") == name and recorded != GENESIS and recorded not in hashes:
-            problems.append((number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were "
-                                     "removed from its end or it was rewritten"))
-    return problems
+        if isinstance(record, dict):
+            yield number, record
+
+
+def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
+    """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
+    must each be the hash of a line of ``log``, and some line of ``other`` must be about ``name``: problems as
+    (line of ``other``, what)."""
+    hashes = {record["hash"] for _, record in records_of(log) if isinstance(record.get("hash"), str)}
+    about = [(number, record) for number, record in records_of(other) if record.get("peer") == name]
+    if not about:
+        peers = sorted({r["peer"] for _, r in records_of(other) if isinstance(r.get("peer"), str)})
+        return [(0, f"no line of {other} is about {name!r} (it names {', '.join(peers[:10]) or 'no peer'}): a "
+                    "misspelt name proves nothing")]
+    return [(number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were removed from "
+                     "its end or it was rewritten")
+            for number, record in about
+            if (recorded := record.get("peer-audit-head")) and recorded != GENESIS and recorded not in hashes]
+
+
+def head_in_reason(reason: str) -> str | None:
+    """The audit head a hospital put at the end of an error reply's reason, or None."""
+    mark = reason.rfind(AUDIT_HEAD_MARK)
+    head = reason[mark + len(AUDIT_HEAD_MARK):].rstrip("]") if mark >= 0 else ""
+    return head if len(head) == 64 and all(c in "0123456789abcdef" for c in head) else None
 
 
 def message_digest(message: Any, nbytes: int | None = None) -> dict[str, Any]:

@@ -177,12 +177,12 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
 
     Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
     130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
-    from common.config import load_job_config
+    from common.config import fedmed_keys_of, load_job_config, upgrade_keys
     from server_app.results import read_history, render_summary
 
     defaults = {"results-dir": "results", "state-dir": "state"}
-    run_config = absolute_paths({**defaults, **overrides})
-    cfg = load_job_config(run_config, check_paths=True)  # fail here, before anything starts
+    run_config = upgrade_keys(absolute_paths({**defaults, **overrides}))  # classifier= is model=: Flower knows one
+    cfg = load_job_config(fedmed_keys_of(run_config), check_paths=True)  # fail here, before anything starts
     needed = max(cfg.min_available_hospitals, cfg.min_train_hospitals)
     if hospitals < needed:
         print(f"fedmed: --hospitals {hospitals} is too few for this run config: min-available-hospitals="
@@ -314,7 +314,8 @@ def int8_command(args: argparse.Namespace) -> int:
             checkpoint = find_best(args.run) if args.best else find_checkpoint(args.run)
             out = args.out or Path(args.run) / BEST_INT8  # export_int8 adds the engine's suffix
             path, metadata = export_int8(load_checkpoint(checkpoint), out, args.calibration_dir,
-                                         args.calibration_images, source=str(checkpoint), engine=args.engine)
+                                         args.calibration_images, source=str(checkpoint), engine=args.engine,
+                                         app_dir=args.app_dir)
             print(f"INT8 model of {checkpoint} written to {path}\n{json.dumps(metadata, indent=2)}")
         else:
             model = best_int8_model(args.run) if args.best else args.model
@@ -358,7 +359,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
         check_evaluation_dataset(args.run, args.dataset)
         result = evaluate_run(args.run, args.data, round_number=args.round, int8_model=args.model,
                               modalities=args.modalities, hospital=args.hospital, dataset=args.dataset,
-                              best=args.best)
+                              best=args.best, app_dir=args.app_dir)
     except (ValueError, OSError) as error:  # a folder, checkpoint or model that does not fit: one line
         print(f"fedmed evaluate: {error}", file=sys.stderr)
         return 2
@@ -415,12 +416,12 @@ def partition_command(args: argparse.Namespace) -> int:
 
 
 #: command-line options that name files or folders (checked before anything runs)
-PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir", "results")
+PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir", "results", "app_dir")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand and option of ``fedmed`` but ``audit`` (server_app/audit_cli.py); the docs' commands are
-    checked against it (tests/test_docs_snippets.py)."""
+    """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (server_app/audit_cli.py,
+    client_app/site_cli.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -453,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--best", action="store_true",
                         help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the latest")
     export.add_argument("--calibration-dir", type=Path, default=None,
-                        help="images to calibrate activation ranges on (default: the run's training data)")
+                        help="images to calibrate activation ranges on (default: the run's training data); with a "
+                        "loader of the run's own, a folder it reads as a hospital's data")
     export.add_argument("--calibration-images", type=int, default=64)
     export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime"), default="auto",
                         help="pt2e: PyTorch's quantisation (torchao), a .pt2 compiled when it runs; onnxruntime: ONNX "
@@ -476,11 +478,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--model", type=Path, default=None, help="an INT8 model from `fedmed export-int8`")
     evaluation.add_argument("--modalities", default="", help="brain task: the MRI modalities to give the model")
     evaluation.add_argument("--hospital", default="", help="FedProto: this hospital's own model")
-    evaluation.add_argument("--dataset", default="", help="the folder's format when it cannot be told from its layout")
+    evaluation.add_argument("--dataset", default="", help="the folder's format when it cannot be told from its layout "
+                            "(default: the run's own loader, where it had one)")
     evaluation.add_argument("--out", type=Path, default=None,
                             help="file name without suffix (default: <run>/evaluations/<data folder>)")
     evaluation.add_argument("--best", action="store_true",
                             help="the best round's model (checkpoints/best.npz, kept by select-by) instead of the last")
+
+    for p in (export, evaluation):
+        p.add_argument("--app-dir", type=Path, default=None, help="the folder holding the run's own network and loader "
+                       "modules (model/dataset='package.module:name'), when the one the run recorded is gone")
 
     runs = sub.add_parser("runs", help="the runs in a results folder, newest first")
     runs.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results)")
@@ -499,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         from server_app.audit_cli import main as audit_main
 
         return audit_main(sys.argv[1:] if argv is None else list(argv))
+    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
+        from client_app.site_cli import main as site_main
+
+        return site_main(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "export-int8" and args.out is None and not args.best:

@@ -94,8 +94,10 @@ class ScreeningSection(Section):
         "Refuse an update whose distance from the model the hospital received is more than this many times "
         "the median of the round's other updates (0: off). Honest hospitals measured at most 5.6x on the real "
         "data sets (benchmarks/results/screening_honest_norms.md)."))
-    max_hospital_weight: float = Field(1.0, gt=0.0, le=1.0, description=(
-        "Largest share of the aggregate any one hospital may have; the excess is spread over the others."))
+    max_hospital_weight: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "Largest share of the aggregate any one hospital may have; the excess is spread over the others. 0.5: no "
+        "hospital, whatever it declares, carries more than half of any average (two hospitals weigh equally); 1.0: "
+        "plain sample weighting."))
     max_reply_mb: float = Field(0.0, ge=0.0, description=(
         "Largest reply, in MB of arrays once decoded (0: 4x the global state + 64 MB). Checked on declared sizes "
         "before anything is decompressed."))
@@ -109,9 +111,9 @@ class ScreeningSection(Section):
     sample_ratio_limit: float = Field(10.0, ge=0.0, description=(
         "A hospital's update weighs at most this many times the median sample count of the round's other accepted "
         "hospitals (0: off), so no declared size can take the aggregate over; max-hospital-weight caps it besides."))
-    refuse_unchanged: bool = Field(False, description=(
-        "Refuse an update that returns the received model unchanged (a free-rider); each round records every "
-        "hospital's update norm relative to the others' median either way."))
+    refuse_unchanged: bool = Field(True, description=(
+        "Refuse an update that returns the received model unchanged (a free-rider, whose weight would only pull "
+        "the average back); each round records every hospital's update norm relative to the others' median."))
 
 
 SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -385,11 +387,16 @@ def hospital_keys(cfg: "JobConfig") -> dict[str, Any]:
     return {k: v for k, v in cfg.to_flat().items() if k not in SERVER_ONLY_KEYS}
 
 
+#: From this length on, a key of an app's own one edit from one of ours is taken for a typo of ours; shorter keys are
+#: too often words of their own (``mode``/``model``, ``seeds``/``seed``) and are only warned about.
+MIN_TYPO_LENGTH = 6
+
+
 def fedmed_keys_of(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys of a Flower run config that are fedmed's. An app's own keys (``lr``, ``result-file``) are left out
-    and logged once; a key that looks like a misspelt one of ours (in one of our tables, or close to a key of
-    ours) is a ConfigError naming it."""
-    import difflib
+    """The keys of a Flower run config that are fedmed's. The others are the app's own (a ServerApp's or ClientApp's:
+    ``lr``, ``mode``, ``result-file``, ``myapp.threshold``): left out here, logged once, and read by the app from its
+    ``context.run_config``. A key taken for a misspelt one of ours (:func:`misspelt_key`) is a ConfigError naming
+    the key meant."""
     import logging
 
     ours, foreign = {}, []
@@ -397,24 +404,89 @@ def fedmed_keys_of(run_config: Mapping[str, Any]) -> dict[str, Any]:
         if key in _FLAT_KEYS:
             ours[key] = value
             continue
-        table = key.split(".")[0] if "." in key else None
-        close = difflib.get_close_matches(key, _FLAT_KEYS, n=1, cutoff=0.85)
-        if table in _TABLES or close:
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"run config key {key!r}: unknown key of fedmed's{hint}")
+        problem = misspelt_key(key)
+        if problem:
+            raise ConfigError(f"run config key {key!r}: {problem}")
         foreign.append(key)
+    log = logging.getLogger("fedmed")
     if foreign:
-        logging.getLogger("fedmed").info("run-config keys that are not fedmed's, left to the app: %s",
-                                         ", ".join(sorted(foreign)))
+        log.info("run-config keys that are not fedmed's, left to the app: %s", ", ".join(sorted(foreign)))
+    for key in foreign:
+        near = next((k for k in sorted(_FLAT_KEYS) if one_edit_apart(normalised(key), k)), None)
+        if near:
+            log.warning("run-config key %r is not fedmed's and is left to the app; if you meant fedmed's %r, spell "
+                        "it so", key, near)
     return ours
 
 
-def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any]) -> "JobConfig":
+def misspelt_key(key: str) -> str | None:
+    """Why ``key`` (not one of ours) is taken for a misspelt key of fedmed's, naming the key meant; None where it is
+    an app's own. The rule (docs/own-serverapp.md): it is one of ours but for case or '_' for '-'
+    (``learning_rate``); it lies in one of our tables (``fedprox.muu``), or in a table one edit from one of ours
+    (``scrrening.max-reply-mb``); or it is one edit (a letter inserted, deleted, replaced, or two swapped) from a
+    key of ours and at least :data:`MIN_TYPO_LENGTH` long (``num-server-round``)."""
+    import difflib
+
+    spelt = normalised(key)
+    if spelt in _FLAT_KEYS:
+        return f"did you mean {spelt!r}? (fedmed's keys are lower case, words joined by '-')"
+    if spelt in _TABLES:
+        return f"{spelt!r} is a table of fedmed's, not a key: write {spelt}.<key>"
+    table, dot, rest = spelt.partition(".")
+    if dot and table in _TABLES:
+        fields = sorted(k.removeprefix(f"{table}.") for k in _FLAT_KEYS if k.startswith(f"{table}."))
+        meant = next((f for f in fields if one_edit_apart(rest, f)), None) or next(
+            iter(difflib.get_close_matches(rest, fields, n=1, cutoff=0.6)), None)
+        hint = f"did you mean '{table}.{meant}'?" if meant else f"its keys are {', '.join(fields)}"
+        return f"not a key of fedmed's table {table!r}; {hint}"
+    if dot:
+        meant = next((t for t in sorted(_TABLES) if len(table) >= MIN_TYPO_LENGTH and one_edit_apart(table, t)), None)
+        if meant is None:
+            return None  # a table of the app's own
+        return (f"did you mean {meant + '.' + rest if meant + '.' + rest in _FLAT_KEYS else meant + '.<key>'!r}? "
+                f"({table!r} is one letter from fedmed's table {meant!r}; an app's own table needs another name)")
+    if len(spelt) < MIN_TYPO_LENGTH:
+        return None
+    meant = next((k for k in sorted(_FLAT_KEYS) if "." not in k and one_edit_apart(spelt, k)), None)
+    if meant is None:
+        return None
+    return (f"did you mean {meant!r}? (a key of the app's own this close to one of fedmed's must go under a table "
+            f"of its own, e.g. 'app.{key}')")
+
+
+def normalised(key: str) -> str:
+    """A key as fedmed spells its own: lower case, words joined by '-'."""
+    return key.strip().lower().replace("_", "-")
+
+
+def one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one edit: a character inserted, deleted or replaced, or two neighbours
+    swapped (the optimal string alignment distance is 1)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) > len(b):
+        a, b = b, a
+    i = next((k for k in range(len(a)) if a[k] != b[k]), len(a))  # the first difference
+    if len(a) < len(b):
+        return a[i:] == b[i + 1:]
+    return a[i + 1:] == b[i + 1:] or (a[i:i + 2] == b[i:i + 2][::-1] and a[i + 2:] == b[i + 2:])
+
+
+def server_settable_keys() -> list[str]:
+    """The run-config keys a server may set in a hospital's job (its run config and every message): all of fedmed's
+    but :data:`HOSPITAL_OWN_KEYS` and the server's own (``fedmed policy check`` prints them for the hospital). A
+    node config may pin more (``dataset``); what code the keys may name is the hospital's too (common/code_gate.py)."""
+    return sorted(key for key in _FLAT_KEYS if key not in HOSPITAL_OWN_KEYS | SERVER_ONLY_KEYS | set(RENAMED_KEYS))
+
+
+def hospital_job_config(run_config: Mapping[str, Any], message_config: Mapping[str, Any],
+                        pinned: Mapping[str, Any] | None = None) -> "JobConfig":
     """A hospital's job: its run config, with the server's job from the message over it (all but
-    :data:`HOSPITAL_OWN_KEYS`). Keys that are not fedmed's are left out: a user's own app (docs/own-serverapp.md)
-    may have run-config keys of its own."""
+    :data:`HOSPITAL_OWN_KEYS`), and the keys the hospital ``pinned`` (its node config's) over both. Keys that are
+    not fedmed's are left out: a user's own app (docs/own-serverapp.md) may have run-config keys of its own."""
     overrides = {k: v for k, v in message_config.items() if k in _FLAT_KEYS and k not in HOSPITAL_OWN_KEYS}
-    return load_job_config({k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS})
+    merged = {k: v for k, v in {**run_config, **overrides}.items() if k in _FLAT_KEYS}
+    return load_job_config({**merged, **dict(pinned or {})})
 
 
 def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -34,6 +34,11 @@ def signed_text(run_name: str, nonce: str, name: str) -> bytes:
 
 def sign_identity(private_key_file: str | Path, run_name: str, nonce: str, name: str) -> bytes:
     """The hospital's signature of its name for this query (ValueError naming the file if it is no key)."""
+    return sign_statement(private_key_file, signed_text(run_name, nonce, name))
+
+
+def sign_statement(private_key_file: str | Path, statement: bytes) -> bytes:
+    """The hospital's ECDSA P-384 signature of ``statement`` with its identity key (ValueError naming the file)."""
     try:
         key = load_ssh_private_key(Path(private_key_file).read_bytes(), password=None)
     except (OSError, ValueError) as error:
@@ -41,13 +46,23 @@ def sign_identity(private_key_file: str | Path, run_name: str, nonce: str, name:
             from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"node config key 'identity-key': {private_key_file} is not an ECDSA key")
-    return key.sign(signed_text(run_name, nonce, name), ec.ECDSA(hashes.SHA384()))
+    return key.sign(statement, ec.ECDSA(hashes.SHA384()))
 
 
 def identity_problem(keys_folder: str | Path, run_name: str, nonce: str, name: str, signature: object) -> str | None:
     """Why the claim to be ``name`` is not proven (``None``: the signature verifies with ``<name>.pub``)."""
     if not isinstance(signature, bytes) or not signature:
         return f"it claims to be {name!r} but sent no signature (node config 'identity-key' unset?)"
+    return statement_problem(keys_folder, name, signed_text(run_name, nonce, name), signature,
+                             f"it claims to be {name!r} but its signature")
+
+
+def statement_problem(keys_folder: str | Path, name: str, statement: bytes, signature: object,
+                      claim: str = "") -> str | None:
+    """Why ``signature`` is not ``name``'s signature of ``statement`` with its registered key ``<name>.pub`` in
+    ``keys_folder`` (``None``: it is); ``claim`` begins the sentence for a signature that does not verify."""
+    if not isinstance(signature, bytes) or not signature:
+        return f"{name!r} sent no signature (node config 'identity-key' unset?)"
     key_file = Path(keys_folder) / f"{name}.pub"
     if not key_file.is_file():
         return f"no key is registered for {name!r} (expected {key_file})"
@@ -58,7 +73,7 @@ def identity_problem(keys_folder: str | Path, run_name: str, nonce: str, name: s
     if not isinstance(key, ec.EllipticCurvePublicKey):
         return f"the registered key {key_file} is not an ECDSA key"
     try:
-        key.verify(signature, signed_text(run_name, nonce, name), ec.ECDSA(hashes.SHA384()))
+        key.verify(signature, statement, ec.ECDSA(hashes.SHA384()))
     except InvalidSignature:
-        return f"it claims to be {name!r} but its signature does not verify with {key_file}"
+        return f"{claim or f'the signature in the name of {name!r}'} does not verify with {key_file}"
     return None

@@ -23,6 +23,7 @@ computed with Google's ``dp-accounting`` (RDP accountant), installed by the ``pr
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import hashlib
 import json
@@ -53,8 +54,11 @@ NO_DP_REASON = {
     "fedmepd-local": "local DP is not implemented for the FedMEPD family",
 }
 #: Reply metrics that are counts the protocol needs, not statistics of the data (``release-metrics`` keeps them).
-PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "hospital-seconds", "state-from-round",
-                              "clientapp-start-seconds", "bit-width", "influence", "personal-filters"})
+PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "state-from-round", "bit-width", "influence",
+                              "personal-filters"})
+#: What a reply says of the hospital's machine (its compute time, its device): sent only with release-metrics='all',
+#: as under secure aggregation (timing tells something of the data's size and the site's hardware).
+MACHINE_METRICS = frozenset({"hospital-seconds", "clientapp-start-seconds"})
 LEDGER_FILE = "privacy-ledger.json"
 #: FedProIn's influence counts are noised with this many times noise-multiplier (in samples) under local DP.
 COUNT_NOISE_FACTOR = 2.0
@@ -81,11 +85,31 @@ class Policy(Section):
     methods: list[str] = Field(default_factory=list, description="Methods it trains (empty: any).")
     min_samples: int = Field(1, ge=1, description="k: no prototype, class mean or count of fewer than k samples "
                                                   "leaves; with fewer than k training samples it does not train.")
-    max_rounds_per_run: int = Field(0, ge=0, description="The most rounds of one run it trains in (0: no limit).")
+    max_rounds_per_run: int = Field(0, ge=0, description=(
+        "The most trainings it does for one run (0: no limit), counted from its ledger: every training counts, "
+        "whatever round number the server gives it, a round sent again included."))
+    max_trainings_per_day: int = Field(0, ge=0, description=(
+        "The most trainings it does in any 24 hours, whatever the run (0: no limit): a new run name does not start "
+        "the count afresh."))
+    models: list[str] = Field(default_factory=list, description=(
+        "Networks of the consortium's own it runs, by import path ('*' matches any run of characters); built-in "
+        "ones need no listing (common/code_gate.py)."))
+    datasets: list[str] = Field(default_factory=list, description="Data loaders of its own it runs, by import path.")
+    apps: list[str] = Field(default_factory=list, description=(
+        "SHA-256 hashes of the app bundles (FABs) it runs (`fedmed app-hash`); fedmed-supernode refuses others."))
     release_metrics: Literal["all", "validation", "none"] | None = Field(None, description=(
         "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
         "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp."))
     local_dp: LocalDP | None = None
+    require_secure_aggregation: bool = Field(False, description=(
+        "It sends its training replies only masked (secure aggregation): a plain training request is refused."))
+    min_hospitals_per_sum: int = Field(2, ge=2, description=(
+        "Under secure aggregation: the fewest hospitals a round and a survivor set (the hospitals in the sum) may "
+        "have; fewer are refused (docs/secure-aggregation.md)."))
+    min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
+        "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
+        "least one half, which holds without a policy too: a server telling two groups different survivor sets "
+        "cannot then rebuild both secrets of one hospital)."))
 
     @field_validator("tasks")
     @classmethod
@@ -107,6 +131,20 @@ class Policy(Section):
             raise ValueError(f"unknown method {unknown[0]!r}; methods are {', '.join(method_names())}")
         return value
 
+    @field_validator("apps")
+    @classmethod
+    def _app_hashes(cls, value: list[str]) -> list[str]:
+        bad = [item for item in value if len(item) != 64 or any(c not in "0123456789abcdef" for c in item.lower())]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not the SHA-256 of an app bundle (64 hex digits; `fedmed app-hash APP` "
+                             "prints it)")
+        return [item.lower() for item in value]
+
+    @property
+    def counts_releases(self) -> bool:
+        """Whether the policy depends on what its ledger holds (then the audit log must hold it too)."""
+        return bool(self.local_dp or self.max_rounds_per_run or self.max_trainings_per_day)
+
     @model_validator(mode="after")
     def _dp_methods_only(self) -> "Policy":
         if self.local_dp is not None and self.methods:
@@ -122,24 +160,43 @@ class Policy(Section):
         return self.release_metrics or ("none" if self.local_dp is not None else "all")
 
 
+#: the policy file formats by suffix (anything else is read as TOML)
+POLICY_FORMATS = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
+
+
+def parse_policy_text(path: Path, data: bytes) -> Any:
+    """The file's table, read in the format its suffix names; ConfigError naming the file and the format."""
+    form = POLICY_FORMATS.get(path.suffix.lower(), "TOML")
+    try:
+        text = data.decode("utf-8")
+        if form == "JSON":
+            return json.loads(text)
+        if form == "YAML":
+            try:
+                import yaml
+            except ImportError:
+                raise ConfigError(f"policy-file {str(path)!r} is YAML, which needs PyYAML (pip install pyyaml); or "
+                                  "write the policy as TOML or JSON") from None
+            try:
+                return yaml.safe_load(text)  # plain data only: no tags that build objects
+            except yaml.YAMLError as error:
+                raise ValueError(str(error)) from None
+        import tomllib
+
+        return tomllib.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise ConfigError(f"policy-file {str(path)!r} is not valid {form}: {error}") from None
+
+
 def read_policy(path: str | Path) -> tuple[Policy, str]:
-    """The policy in ``path`` (TOML, or JSON when it ends in .json) and the SHA-256 of the file's bytes;
-    ConfigError names the file and the key at fault."""
+    """The policy in ``path`` (TOML; JSON or YAML when it ends in .json, .yaml or .yml) and the SHA-256 of the
+    file's bytes; ConfigError names the file and the key at fault."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as error:
         raise ConfigError(f"policy-file {str(path)!r} cannot be read: {error.strerror or error}") from None
-    try:
-        if path.suffix.lower() == ".json":
-            raw = json.loads(data.decode("utf-8"))
-        else:
-            import tomllib
-
-            raw = tomllib.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ConfigError(f"policy-file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: "
-                          f"{error}") from None
+    raw = parse_policy_text(path, data)
     if not isinstance(raw, dict):
         raise ConfigError(f"policy-file {str(path)!r} must hold a table of keys, not {type(raw).__name__}")
     try:
@@ -207,13 +264,21 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-class PrivacyLedger:
-    """Every round the hospital trained in (run, round, method, the noise multiplier of its release; None without
-    local DP), in ``privacy-ledger.json`` of its state folder: what its epsilon and rounds per run are counted from.
-    ``folder=None`` keeps it in memory (tests, in-process runs)."""
+RELEASE_EVENT = "privacy-release"  #: the audit line of one training, the ledger's entry
+RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier")  #: what the ledger and the audit log must agree on
 
-    def __init__(self, folder: str | Path | None):
+
+class PrivacyLedger:
+    """Every training the hospital did (run, round, method, the noise multiplier of its release; None without local
+    DP): what its epsilon and its training limits are counted from. Kept in ``privacy-ledger.json`` of its state
+    folder and, entry for entry, as ``privacy-release`` lines of its hash-chained audit log (``audit``): a ledger
+    that was deleted, rolled back or edited no longer matches the log, and the hospital refuses to train until an
+    operator restores it from the log (``fedmed audit rebuild-ledger``). ``folder=None`` keeps it in memory (tests,
+    in-process runs)."""
+
+    def __init__(self, folder: str | Path | None, audit: Any = None):
         self.folder = Path(folder) if folder else None
+        self.audit = audit  #: the hospital's AuditLog (common/audit.py), or None
         self._memory: list[dict[str, Any]] = []
 
     @property
@@ -230,27 +295,60 @@ class PrivacyLedger:
             yield
 
     def releases(self) -> list[dict[str, Any]]:
+        """The ledger's entries, checked against the audit log (PolicyRefusal when they differ)."""
         if self.path is None:
             return list(self._memory)
+        releases = self._file_releases()
+        if self.audit is not None:
+            self._check_against(audit_releases(self.audit.path), releases)
+        return releases
+
+    def _file_releases(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
         try:
             data = json.loads(self.path.read_text())
             releases = data["releases"]
-            if not isinstance(releases, list):
-                raise ValueError("'releases' is not a list")
+            if not isinstance(releases, list) or not all(isinstance(r, dict) for r in releases):
+                raise ValueError("'releases' is not a list of entries")
         except (OSError, ValueError, KeyError, TypeError) as error:  # never start counting afresh by accident
             raise PolicyRefusal(f"its privacy ledger {self.path} cannot be read ({error}); it trains no more until "
-                                "an operator repairs it") from None
+                                "an operator repairs it (fedmed audit rebuild-ledger)") from None
         return releases
 
+    def _check_against(self, logged: list[dict[str, Any]], releases: list[dict[str, Any]]) -> None:
+        key = [tuple(r.get(f) for f in RELEASE_FIELDS) for r in releases]
+        logged_key = [tuple(r.get(f) for f in RELEASE_FIELDS) for r in logged]
+        if key == logged_key:
+            return
+        if len(key) < len(logged_key) and logged_key[:len(key)] == key:
+            what = (f"holds {len(key)} trainings, its audit log {len(logged_key)}: the ledger was deleted or rolled "
+                    "back")
+        elif len(key) > len(logged_key) and key[:len(logged_key)] == logged_key:
+            what = (f"holds {len(key)} trainings, its audit log only {len(logged_key)}: lines of the audit log were "
+                    "removed, or the log was replaced")
+        else:
+            common = min(len(key), len(logged_key))
+            first = next((i for i in range(common) if key[i] != logged_key[i]), common)
+            what = f"and its audit log differ at training {first + 1}: the ledger was edited"
+        raise PolicyRefusal(f"its privacy ledger {self.path} {what} ({self.audit.path}); it trains no more until an "
+                            f"operator restores the ledger from the log: fedmed audit rebuild-ledger "
+                            f"{self.audit.path} {self.folder}")
+
     def record(self, run: str, rnd: int, method: str, noise_multiplier: float | None) -> None:
+        """One training, in the audit log first (so that a crash between the two errs towards counting it)."""
         entry = {"run": run, "round": rnd, "method": method, "noise-multiplier": noise_multiplier,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if self.path is None:
             self._memory.append(entry)
             return
-        releases = self.releases() + [entry]
+        releases = self.releases()
+        if self.audit is not None:
+            self.audit.append(RELEASE_EVENT, **{f: entry[f] for f in RELEASE_FIELDS},
+                              ledger=str(self.path))
+        self._write(releases + [entry])
+
+    def _write(self, releases: list[dict[str, Any]]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(f".{LEDGER_FILE}.{os.getpid()}.tmp")
         partial.write_text(json.dumps({"releases": releases}, indent=1))
@@ -258,11 +356,52 @@ class PrivacyLedger:
             os.fsync(handle.fileno())
         os.replace(partial, self.path)
 
-    def rounds_in(self, run: str) -> set[int]:
-        return {int(r["round"]) for r in self.releases() if r.get("run") == run}
+    def trainings_in(self, run: str) -> int:
+        """Trainings done for ``run``: every one counts, a round number sent twice included."""
+        return sum(1 for r in self.releases() if r.get("run") == run)
+
+    def trainings_since(self, seconds: float) -> int:
+        """Trainings done in the last ``seconds``, whatever the run."""
+        since = time.time() - seconds
+        count = 0
+        for release in self.releases():
+            try:
+                when = calendar.timegm(time.strptime(str(release.get("time")), "%Y-%m-%dT%H:%M:%SZ"))
+            except ValueError:
+                when = math.inf  # an entry whose time cannot be read counts
+            count += when >= since
+        return count
 
     def epsilon(self, delta: float, extra: list[float | None] = ()) -> float:
         return epsilon_of([r.get("noise-multiplier") for r in self.releases()] + list(extra), delta)
+
+
+def audit_releases(path: str | Path) -> list[dict[str, Any]]:
+    """The ``privacy-release`` lines of an audit log (its chain checked: PolicyRefusal when it is broken), with the
+    line's time."""
+    from common.audit import records_of, verify
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    result = verify(path)
+    if not result.ok:
+        line, what = result.problems[0]
+        raise PolicyRefusal(f"its audit log {path} does not verify (line {line} {what}), so its privacy ledger cannot "
+                            "be checked; it trains no more until an operator repairs the log")
+    return [{**{f: record.get(f) for f in RELEASE_FIELDS}, "time": record.get("time")}
+            for _, record in records_of(path) if record.get("event") == RELEASE_EVENT]
+
+
+def rebuild_ledger(audit_path: str | Path, folder: str | Path) -> int:
+    """An operator's repair: the privacy ledger in ``folder`` written anew from the audit log's releases (its chain
+    must verify). The old ledger is kept beside it. Returns how many trainings the ledger now holds."""
+    releases = audit_releases(audit_path)
+    ledger = PrivacyLedger(folder)
+    if ledger.path.exists():
+        os.replace(ledger.path, ledger.path.with_name(f"{LEDGER_FILE}.{time.strftime('%Y%m%dT%H%M%S')}.replaced"))
+    ledger._write(releases)
+    return len(releases)
 
 
 AuditFn = Callable[..., Any]
@@ -312,11 +451,20 @@ class Enforcer:
         k = policy.min_samples
         if len(site.train) < k:
             raise self.refuse(f"it holds fewer training samples than min-samples={k}, so it does not train", **where)
+        try:
+            self.ledger.releases()  # a ledger that no longer matches the audit log stops everything below
+        except PolicyRefusal as error:
+            raise self.refuse(str(error), **where) from None
         if policy.max_rounds_per_run:
-            done = self.ledger.rounds_in(run) - {rnd}
-            if len(done) >= policy.max_rounds_per_run:
-                raise self.refuse(f"it has trained in {len(done)} rounds of run {run!r}, max-rounds-per-run="
-                                  f"{policy.max_rounds_per_run}", **where)
+            done = self.ledger.trainings_in(run)
+            if done >= policy.max_rounds_per_run:
+                raise self.refuse(f"it has trained {done} times for run {run!r} (a round sent again counts again), "
+                                  f"max-rounds-per-run={policy.max_rounds_per_run}", **where)
+        if policy.max_trainings_per_day:
+            done = self.ledger.trainings_since(24 * 3600)
+            if done >= policy.max_trainings_per_day:
+                raise self.refuse(f"it has trained {done} times in the last 24 hours (any run), "
+                                  f"max-trainings-per-day={policy.max_trainings_per_day}", **where)
         dp = policy.local_dp
         if dp is None:
             return None
@@ -337,11 +485,12 @@ class Enforcer:
         with self.ledger.locked():
             self.check_job("train", cfg, where)
             z = self.check_train(cfg, site, run, rnd, where)
+            method.privacy_bounded = self.policy.local_dp is not None
             reply = method.timed_train(rnd, payload)
             self.apply_min_samples(method, payload, reply, where)
             if self.policy.local_dp is not None:
                 self.apply_local_dp(method, payload, reply, where)
-            self.filter_metrics(reply.metrics, site, where)
+            self.filter_metrics(reply.metrics, site, where, reply.config)
             self.ledger.record(run, rnd, cfg.strategy, z)
         if z is not None:
             dp = self.policy.local_dp
@@ -368,9 +517,12 @@ class Enforcer:
         """A metric of a part of the data (polyp ``dice/<source>``), which may hold fewer than k samples."""
         return self.policy.min_samples > 1 and "/" in key
 
-    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any]) -> None:
+    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any], config: dict[str, Any]) -> None:
+        """What the reply's metrics (and its ``device``, in ``config``) may say under ``release-metrics``."""
         release = self.policy.metrics_released
         dropped = []
+        if release != "all" and config.pop("device", None) is not None:
+            dropped.append("device")
         for key in list(metrics):
             if key in PROTOCOL_METRICS:
                 continue
@@ -477,12 +629,18 @@ def initial_norm_layers(method, payload, names: set[str]) -> dict[str, np.ndarra
     return {name: initial[name] for name in names}
 
 
-def enforcer_for(policy_file: str, state_root: str | Path | None, audit: AuditFn | None = None) -> Enforcer | None:
-    """The hospital's enforcer for the policy in ``policy_file`` (None without one)."""
+def enforcer_for(policy_file: str, state_root: str | Path | None, audit_log: Any = None) -> Enforcer | None:
+    """The hospital's enforcer for the policy in ``policy_file`` (None without one); ``audit_log`` (an AuditLog) is
+    told every decision and holds the ledger's entries. A policy whose limits are counted from the ledger needs it."""
     if not policy_file:
         return None
     policy, digest = read_policy(policy_file)
-    return Enforcer(policy, PrivacyLedger(state_root), policy_file, digest, audit)
+    if audit_log is None and policy.counts_releases:
+        raise ConfigError(f"policy-file {policy_file!r}: local-dp, max-rounds-per-run and max-trainings-per-day are "
+                          "counted from the privacy ledger, which the audit log guards; node config audit-log='none' "
+                          "cannot be used with them")
+    return Enforcer(policy, PrivacyLedger(state_root, audit_log), policy_file, digest,
+                    audit_log.append if audit_log is not None else None)
 
 
 def policed(hospital_class: type, enforcer: Enforcer | Callable[[str], Enforcer], run: str = "in-process") -> type:

@@ -28,6 +28,7 @@ from common.methods.base import (
     unpack_json,
 )
 from common.models.requirements import check_network
+from common.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.screening import (
     batchnorm_problem,
     brief,
@@ -171,6 +172,28 @@ class RoundEngine:
             self.evaluate_round(record)
         return record
 
+    def unscreened_round(self, rnd: int, chosen: list[HospitalInfo], started: float,
+                         bytes_down: dict[str, int] | None = None, skipped: str | None = None,
+                         aggregated_by: str = "") -> dict[str, Any]:
+        """Record round ``rnd``, whose replies fedmed's screening never saw (a user's or a wrapper's
+        ``aggregate_train`` took them first): skipped for the reason ``skipped`` (the global model unchanged), or
+        else aggregated by ``aggregated_by`` from the chosen hospitals' replies."""
+        bytes_down = bytes_down or {}
+        traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": 0} for h in chosen}
+        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
+                                  "aggregated": [] if skipped else [h.name for h in chosen], "missing": [],
+                                  "refused": {}, "update-norm": {}, "update-norm-vs-median": {}, "traffic": traffic,
+                                  "bytes_down": int(sum(t["down"] for t in traffic.values())), "bytes_up": 0,
+                                  "hospital_metrics": {}, "devices": {}, "train": {},
+                                  "seconds": round(time.time() - started, 3) if started else 0.0}
+        if skipped:
+            record["skipped"] = skipped
+            log.warning("round %d: %s", rnd, skipped)
+        else:
+            record["aggregated-by"] = aggregated_by
+        self.history.append(record)
+        return record
+
     def evaluate_round(self, record: dict[str, Any]) -> None:
         """Score the global model on the test set for ``record``'s round (every ``evaluate-every`` rounds, and the
         last) and log the round."""
@@ -249,6 +272,7 @@ class RoundEngine:
         state["run/history"] = pack_json(self.history)
         state["run/config"] = pack_json(self.cfg.model_dump(mode="json", by_alias=True))
         state["run/model-spec"] = pack_json(self.method.task.spec)  # classes and channels the model was built for
+        state[IMPORT_PATHS_KEY] = pack_json(import_roots(self.cfg))  # where its own network and loader came from
         return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:

@@ -75,6 +75,26 @@ def metrics_problem(metrics: Mapping[str, Any], list_metrics: frozenset[str] = f
             values = [value]
         if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
             return f"metric {key!r}={brief(value)} is not a number" + (" list" if isinstance(value, list) else "")
+        bounds = metric_bounds(key)
+        if bounds is not None and not isinstance(value, (list, tuple)) and math.isfinite(value) \
+                and not bounds[0] <= value <= bounds[1]:
+            return f"metric {key!r}={brief(value)} is outside [{bounds[0]:g}, {bounds[1]:g}], the range of such metrics"
+    return None
+
+
+#: The ranges of the metrics we know by name (a NaN, e.g. HD95 of an empty mask, is no score and is left out of means).
+METRIC_BOUNDS = {"accuracy": (0.0, 1.0), "dice": (0.0, 1.0), "iou": (0.0, 1.0), "f1": (0.0, 1.0),
+                 "precision": (0.0, 1.0), "recall": (0.0, 1.0), "auc": (0.0, 1.0), "mcc": (-1.0, 1.0),
+                 "loss": (0.0, math.inf), "hd95": (0.0, math.inf)}
+
+
+def metric_bounds(key: str) -> tuple[float, float] | None:
+    """The range of a metric we know by its name (``val-accuracy``, ``dice/kvasir``, ``global.val-w-f1``), else
+    None: a hospital's own metrics are any number."""
+    base = key.split("/")[0].rsplit(".", 1)[-1]
+    for name, bounds in METRIC_BOUNDS.items():
+        if base == name or base.endswith("-" + name) or base.startswith(name + "_"):
+            return bounds
     return None
 
 

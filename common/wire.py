@@ -148,7 +148,7 @@ def flatten_arrays(arrays: NamedArrays) -> tuple[ArrayRecord, str]:
     return flat, json.dumps(layout, separators=(",", ":"))
 
 
-def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str) -> NamedArrays:
+def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str, max_tensors: int | None = None) -> NamedArrays:
     """The named tensors of a flat record (views into its Arrays); MalformedPayload unless ``layout_json``
     lists tensors that use every value of every Array exactly once."""
     if not isinstance(layout_json, str):
@@ -159,6 +159,8 @@ def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str) -> NamedA
     except Exception as error:
         raise MalformedPayload(f"record {name!r}: flat layout cannot be read: {type(error).__name__}: {error}") \
             from None
+    if max_tensors is not None and len(entries) > max_tensors:
+        raise MalformedPayload(f"record {name!r}: flat layout lists {len(entries)} tensors, more than {max_tensors}")
     if len({n for n, _, _ in entries}) != len(entries) or any(x < 0 for _, _, s in entries for x in s):
         raise MalformedPayload(f"record {name!r}: flat layout repeats a name or has a negative size")
     arrays, used = {}, dict.fromkeys(vectors, 0)
@@ -220,18 +222,41 @@ def record_nbytes(record: Any) -> int:
     return total
 
 
-def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordKeys | None = None) -> Payload:
+#: Characters a flat layout may spend per tensor it lists (a name of up to 200, its Array, its shape).
+LAYOUT_CHARS_PER_TENSOR = 512
+
+
+def tensor_count_problem(content: RecordDict, config: Any, max_tensors: int) -> str | None:
+    """Why a message holds more tensors than ``max_tensors`` (None: it does not), counted before anything is
+    decoded: the Arrays of its ArrayRecords and the length of its flat layouts' texts."""
+    arrays = sum(len(record) for record in content.values() if isinstance(record, ArrayRecord))
+    if arrays > max_tensors:
+        return f"it holds {arrays} Arrays, more than the {max_tensors} a reply of this job may hold"
+    layouts = [v for k, v in config.items() if k.startswith(FLAT_LAYOUT)] if isinstance(config, ConfigRecord) else []
+    characters = sum(len(v) for v in layouts if isinstance(v, str))
+    if characters > max_tensors * LAYOUT_CHARS_PER_TENSOR:
+        return (f"its flat layouts take {characters} characters, more than {max_tensors} tensors of this job "
+                "could need")
+    return None
+
+
+def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordKeys | None = None,
+                    max_tensors: int | None = None) -> Payload:
     """The payload in a message's content (any layout); MalformedPayload for records of the wrong kind or
-    content, or for arrays that would take more than ``limit`` bytes (checked before any is decoded). ``keys``:
-    the record names (default: those the message's own config names)."""
+    content, for arrays that would take more than ``limit`` bytes or for more than ``max_tensors`` tensors (both
+    checked before any is decoded). ``keys``: the record names (default: those the message's own config names)."""
     keys = keys or RecordKeys.of(content)
+    config = content.get(keys.config)
+    if max_tensors is not None:
+        problem = tensor_count_problem(content, config, max_tensors)
+        if problem:
+            raise MalformedPayload(problem)
     if limit is not None:
         total = sum(record_nbytes(r) for r in content.values())
         if total > limit:
             raise MalformedPayload(f"its records take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB "
                                    "allowed (screening.max-reply-mb)")
     payload = Payload()
-    config = content.get(keys.config)
     flat_layouts = {k: v for k, v in config.items() if k.startswith(FLAT_LAYOUT)} \
         if isinstance(config, ConfigRecord) else {}
     for name, record in content.items():
@@ -241,7 +266,8 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
                 payload.arrays[group] = unpack_arrays(record[PACKED_ARRAY], name, limit)
                 continue
             if record and all(key.startswith(FLAT_ARRAY) for key in record):
-                payload.arrays[group] = unflatten_arrays(record, flat_layouts.pop(FLAT_LAYOUT + name, None), name)
+                payload.arrays[group] = unflatten_arrays(record, flat_layouts.pop(FLAT_LAYOUT + name, None), name,
+                                                         max_tensors)
                 continue
             try:
                 payload.arrays[group] = {key: array.numpy() for key, array in record.items()}

@@ -22,6 +22,12 @@ What a fresh process per message guaranteed still holds:
   message it was computed for;
 - an exception in the app becomes an error reply, as in ``flwr-clientapp``; the executor goes on.
 
+The hospital approves the apps it runs: a FAB whose SHA-256 is not among its node config's ``approved-apps`` and
+its policy file's ``apps`` is refused before it is installed or loaded, with an error reply naming the hash
+(``fedmed app-hash APP_DIR`` shows an app's hash and files for review). Without either list any app runs, as in
+Flower, and the SuperNode says so when it starts. Flower's own ``--trusted-entities`` checks signatures that only
+apps fetched from Flower Hub carry; it still applies to those.
+
 Flower's SuperNode itself runs in this script's own process (``--fedmed-supernode``) with shorter waits
 (:class:`SuperNodeClock`): Flower 1.42 sleeps 3 s after every poll of the SuperLink that found no message,
 0.5 s between looks for the reply it is to send, 1 s, 2 s, 4 s... before asking again for a message
@@ -128,6 +134,75 @@ def run_supernode(supernode_args: list[str]) -> None:
     sys.exit(flower_supernode())
 
 
+# --- the apps this hospital approved -------------------------------------------------------------------------------
+class AppRefused(RuntimeError):
+    """A FAB the hospital did not approve: nothing of it was installed, loaded or run."""
+
+
+def node_config_of(supernode_args: list[str]) -> dict[str, Any]:
+    """The SuperNode's ``--node-config``, parsed as Flower parses it."""
+    from flwr.common.config import parse_config_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--node-config")
+    text = parser.parse_known_args(supernode_args)[0].node_config
+    return parse_config_args([text]) if text else {}
+
+
+def approved_apps(node_config: dict[str, Any]) -> frozenset[str] | None:
+    """SHA-256 hashes of the FABs this hospital runs: node config ``approved-apps`` (comma-separated) and the
+    ``apps`` list of its policy file (TOML, JSON or YAML; read afresh for every task, as the policy is); None when
+    neither has such a key (every app runs, as in Flower). A policy that cannot be read approves no app."""
+    declared = "approved-apps" in node_config
+    listed = [item for item in str(node_config.get("approved-apps", "")).replace(",", " ").split() if item]
+    policy = str(node_config.get("policy-file", "") or "")
+    if policy:
+        try:
+            table = read_table(Path(policy))
+            apps = table.get("apps") if isinstance(table, dict) else None
+            if apps is not None:
+                if not isinstance(apps, list):
+                    raise ValueError("'apps' is not a list")
+                declared, listed = True, listed + [str(item) for item in apps]
+        except Exception as error:  # fail closed
+            log.error("policy-file %s cannot be read (%s): no app is approved", policy, error)
+            return frozenset()
+    return frozenset(item.lower() for item in listed) if declared else None
+
+
+def read_table(path: Path) -> Any:
+    """A policy file's table (the format its suffix names, as common/policy.py reads it)."""
+    data = path.read_bytes()
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        import json
+
+        return json.loads(data)
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(data)
+    import tomllib
+
+    return tomllib.loads(data.decode())
+
+
+def app_refusal(fab: Any, approved: frozenset[str] | None) -> str | None:
+    """Why this hospital does not run ``fab`` (None: it does): its content must hash to the hash the SuperLink
+    gave, and that hash must be approved."""
+    import hashlib
+
+    content = getattr(fab, "content", b"") or b""
+    if content and hashlib.sha256(content).hexdigest() != fab.hash_str:
+        return (f"the app bundle's content does not hash to the {fab.hash_str} it was sent as: it was not "
+                "installed")
+    if approved is not None and fab.hash_str.lower() not in approved:
+        return (f"app bundle {fab.hash_str} is not among the apps this hospital approved (node config approved-apps, "
+                "policy apps), so it was neither installed nor run; to approve it, review it with `fedmed app-hash "
+                "APP_DIR` and add its hash")
+    return None
+
+
 # --- the supervisor: the SuperNode and its executor --------------------------------------------------------------
 def supernode_flags(supernode_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
@@ -161,9 +236,16 @@ def supervise(supernode_args: list[str]) -> int:
 
     secret = supernode_flags(supernode_args).superexec_auth_secret_file  # the SuperNode then asks the executor for it
 
+    node_config = node_config_of(supernode_args)
+    if approved_apps(node_config) is None:
+        log.warning("no approved-apps in the node config and no apps in its policy: this hospital runs any app the "
+                    "SuperLink sends (list the apps it approved: `fedmed app-hash APP_DIR` prints an app's hash)")
+
     def start_executor() -> subprocess.Popen:
+        import json
+
         return subprocess.Popen([sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address", address,
-                                 "--parent-pid", str(supernode.pid),
+                                 "--parent-pid", str(supernode.pid), "--node-config-json", json.dumps(node_config),
                                  *(["--superexec-auth-secret-file", secret] if secret else [])])
 
     stopping = threading.Event()
@@ -205,12 +287,14 @@ def restart(reason: str, token: str | None = None) -> None:
 class Executor:
     """Acquires the SuperNode's ClientApp tasks and answers them one at a time in this process."""
 
-    def __init__(self, address: str, auth_secret: bytes | None = None) -> None:
+    def __init__(self, address: str, auth_secret: bytes | None = None,
+                 node_config: dict[str, Any] | None = None) -> None:
         from flwr.supercore.interceptors import SuperExecAuthHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
 
         self.address = address
+        self.node_config = dict(node_config or {})  #: the SuperNode's: which apps the hospital approved
         self.fab_hash: str | None = None  # the FAB whose code this process has loaded, and its ClientApp
         self.app: Any = None
         # with --superexec-auth-secret-file only who holds the secret may take the hospital's tasks, as in Flower
@@ -279,6 +363,9 @@ class Executor:
         try:
             message, context, run, fab = pull_task_input(client)
             pulled = time.time()
+            refused = app_refusal(fab, approved_apps(self.node_config))
+            if refused:
+                raise AppRefused(refused)
             if fab.hash_str != self.fab_hash:
                 if self.fab_hash is not None:  # the task named no FAB before its pull, and its message is taken
                     other_fab = fab.hash_str
@@ -293,8 +380,12 @@ class Executor:
         except Exception as error:  # as flwr-clientapp: an error reply, and this process goes on
             code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION if isinstance(error, LoadClientAppError) \
                 else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
-            log.exception("ClientApp raised an exception")
-            details = f"{type(error)}:<'{error}'>"
+            if isinstance(error, AppRefused):
+                log.error("refused a task: %s", error)
+                details = f"hospital refused the app: {error}"
+            else:
+                log.exception("ClientApp raised an exception")
+                details = f"{type(error)}:<'{error}'>"
             if message is not None:
                 reply = Message(Error(code=code, reason=details), reply_to=message)
         finally:
@@ -381,6 +472,7 @@ def run_executor(argv: list[str]) -> None:
     parser.add_argument("--parent-pid", type=int, required=True, help="the SuperNode: the executor ends with it")
     parser.add_argument("--token", help="a task acquired by the process this one replaced")
     parser.add_argument("--superexec-auth-secret-file", type=Path, help="the SuperNode's, if it has one")
+    parser.add_argument("--node-config-json", default="{}", help="the SuperNode's node config (approved apps)")
     args = parser.parse_args(argv)
     from flwr.supercore.app_utils import start_parent_process_monitor
 
@@ -389,7 +481,9 @@ def run_executor(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     secret = args.superexec_auth_secret_file.read_bytes() if args.superexec_auth_secret_file else None
-    Executor(args.runtime_api_address, secret).serve(args.token)
+    import json
+
+    Executor(args.runtime_api_address, secret, json.loads(args.node_config_json)).serve(args.token)
 
 
 def main() -> None:

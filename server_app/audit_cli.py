@@ -1,8 +1,10 @@
 """``fedmed audit verify LOG [--head HASH] [--peer OTHER_LOG --name NAME]``: check an audit log's chain
-(``common/audit.py``, docs/privacy.md).
+(``common/audit.py``, docs/privacy.md). ``fedmed audit rebuild-ledger LOG STATE_FOLDER``: a hospital operator's
+repair of a privacy ledger that no longer matches the audit log (the hospital refuses to train until then).
 
 Exit status 0 when the chain is intact (and the recorded hashes are found), 1 when a line was edited, inserted,
-removed, reordered or cut short (each named by its line number), 2 when the file cannot be read.
+removed, reordered or cut short (each named by its line number), or when NAME is in no line of OTHER_LOG; 2 when
+the file cannot be read.
 """
 
 from __future__ import annotations
@@ -30,7 +32,21 @@ def main(argv: list[str] | None = None) -> int:
                        "(peer-audit-head: the server's log records each hospital's); needs --name")
     check.add_argument("--name", default="", help="with --peer: the hospital whose log LOG is, as the server "
                        "names it (hospital-00)")
+    rebuild = sub.add_parser("rebuild-ledger", help="write a hospital's privacy ledger anew from its audit log")
+    rebuild.add_argument("log", help="the hospital's audit log (its chain must verify)")
+    rebuild.add_argument("folder", help="the hospital's state folder, where privacy-ledger.json lives (the old one "
+                         "is kept beside it)")
     args = parser.parse_args(argv)
+    if args.command == "rebuild-ledger":
+        from common.policy import PolicyRefusal, rebuild_ledger
+
+        try:
+            count = rebuild_ledger(args.log, args.folder)
+        except (OSError, PolicyRefusal) as error:
+            print(f"fedmed audit rebuild-ledger: {error}", file=sys.stderr)
+            return 2
+        print(f"{args.folder}: privacy ledger rebuilt from {args.log}: {count} training(s)")
+        return 0
     if args.peer and not args.name:
         parser.error("--peer needs --name (the hospital whose log is checked, as the other log names it)")
     try:

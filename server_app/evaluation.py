@@ -109,14 +109,15 @@ def folder_format(task: str, folder: Path) -> str:
 
 
 def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8_model: Path | None = None,
-                 modalities: str = "", hospital: str = "", dataset: str = "", best: bool = False) -> dict[str, Any]:
+                 modalities: str = "", hospital: str = "", dataset: str = "", best: bool = False,
+                 app_dir: Path | None = None) -> dict[str, Any]:
     """Scores of a run's model on the labelled ``data``: ``{"model", "data", "checkpoint", "overall", "sources"}``
-    (and ``"best"``: round, metric and value, for the best round's model)."""
-    from common.data.brain_sources import load_folder_cases
-    from common.data.brats import parse_modalities
+    (and ``"best"``: round, metric and value, for the best round's model). The run's own network, model arguments,
+    loader and its arguments are the run's (its checkpoint's config): a loader of its own reads ``data`` as the
+    server's test set, and its modules are imported from where the run took them, or ``app_dir``
+    (:mod:`common.run_imports`)."""
     from common.methods.base import unpack_json
-    from common.tasks import get_task, task_class
-    from strategies.registry import server_class
+    from common.run_imports import run_modules_importable
 
     from .checkpoint import checkpoint_dir, find_best, load_checkpoint, read_best
 
@@ -136,8 +137,28 @@ def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8
     data = Path(data)
     if not data.exists():
         raise ConfigError(f"--data: {data} does not exist")
-    eval_cfg = cfg.model_copy(update={"dataset": dataset or folder_format(cfg.task, data), "test_dir": str(data),
-                                      "data_dir": ""})
+    with run_modules_importable(cfg, state, app_dir):
+        result = score_checkpoint(run, source, state, cfg, data, int8_model, modalities, hospital, dataset)
+    if best:
+        chosen = read_best(source)
+        result["best"] = {"round": chosen["round"], "metric": chosen["metric"], "value": chosen["value"]}
+        result["model"] = f"{result['model']} of the best round"
+    return result
+
+
+def score_checkpoint(run: Path, source: Path, state: dict[str, Any], cfg: JobConfig, data: Path,
+                     int8_model: Path | None, modalities: str, hospital: str, dataset: str) -> dict[str, Any]:
+    """:func:`evaluate_run`'s scores, the run's own modules importable."""
+    from common.data.brain_sources import load_folder_cases
+    from common.data.brats import parse_modalities
+    from common.data.loaders import is_custom
+    from common.methods.base import unpack_json
+    from common.tasks import get_task, task_class
+    from strategies.registry import server_class
+
+    own = cfg.dataset if is_custom(cfg.dataset) else ""  # the run's own loader reads the folder, as it read its data
+    eval_cfg = cfg.model_copy(update={"dataset": dataset or own or folder_format(cfg.task, data),
+                                      "test_dir": str(data), "data_dir": ""})
     task_type = task_class(cfg.task)
     if modalities:  # only those sequences are read: the folder need not hold the others
         if cfg.task != "brain-tumour-segmentation":
@@ -175,13 +196,8 @@ def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8
             metric, _, where = key.partition("/")
             sources.setdefault(where, {})[metric] = value
     rounds = len(unpack_json(state["run/history"]))
-    result = {"run": str(run), "model": name, "data": str(data), "dataset": eval_cfg.dataset, "after-round": rounds,
-              "overall": overall, "sources": sources}
-    if best:
-        chosen = read_best(source)
-        result["best"] = {"round": chosen["round"], "metric": chosen["metric"], "value": chosen["value"]}
-        result["model"] = f"{name} of the best round"
-    return result
+    return {"run": str(run), "model": name, "data": str(data), "dataset": eval_cfg.dataset, "after-round": rounds,
+            "overall": overall, "sources": sources}
 
 
 def render_evaluation(result: dict[str, Any]) -> str:

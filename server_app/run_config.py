@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.config import ConfigError, JobConfig, flatten, load_job_config, upgrade_keys
+from common.config import ConfigError, JobConfig, fedmed_keys_of, flatten, load_job_config, upgrade_keys
 from common.methods.base import unpack_json
 
 from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint
@@ -102,8 +102,9 @@ def check_writable(run_dir: Path) -> None:
 
 def load_run_config(run_config: Mapping[str, Any]) -> tuple[JobConfig, dict[str, Any] | None]:
     """Validate Flower's run config (paths included), resolve the run and check that its folder can be written;
-    raises ConfigError."""
-    cfg, checkpoint = resolve(load_job_config(run_config, check_paths=True))
+    raises ConfigError. Keys that are not fedmed's are the app's own (a ClientApp of the hospitals' may read them):
+    left alone; a near-miss of one of ours is refused (``common.config.fedmed_keys_of``)."""
+    cfg, checkpoint = resolve(load_job_config(fedmed_keys_of(run_config), check_paths=True))
     claim_run_folder(cfg, resuming=checkpoint is not None and same_folder(cfg))
     check_writable(cfg.run_dir)
     return cfg, checkpoint

@@ -15,25 +15,28 @@ polling, resume) and under Flower's own loop, e.g. inside Flower's DP wrappers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.audit import AuditLog, message_digest
+from common.audit import SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
-from strategies.registry import method_tasks
+from strategies.registry import method_spec, method_tasks, methods
 
 from .records import arrays_of, as_arrayrecord, round_metricrecord
 
@@ -141,11 +144,35 @@ class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
 
+def outermost_result_observed(aggregate_train: Callable) -> Callable:
+    """``aggregate_train`` that hands what the outermost call returns to :meth:`HospitalStrategy.aggregation_returned`.
+
+    Flower's contract is on that value: ``(None, ...)`` keeps the previous global model. A user's subclass may
+    override ``aggregate_train``, call ours through ``super()`` and still return ``None``; only the outermost call
+    knows, so every override in the class tree is wrapped (:meth:`HospitalStrategy.__init_subclass__`) and the
+    depth counted."""
+
+    @functools.wraps(aggregate_train)
+    def observed(self: "HospitalStrategy", server_round: int, replies: Iterable[Message]):
+        self._aggregating += 1
+        try:
+            arrays, metrics = aggregate_train(self, server_round, replies)
+        finally:
+            self._aggregating -= 1
+        if not self._aggregating:
+            self.aggregation_returned(server_round, arrays)
+        return arrays, metrics
+
+    observed.__fedmed_observed__ = True  # type: ignore[attr-defined]
+    return observed
+
+
 class HospitalStrategy(Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
-    Flower's arguments mean what they mean in ``FedAvg``: ``fraction_train`` of the connected
-    hospitals train each round, at least ``min_train_nodes`` replies are needed to aggregate, and
+    Flower's arguments mean what they mean in ``FedAvg`` and come in its order, so they may be given by position
+    (``FedProInStrategy(0.5)`` as ``FedAvg(0.5)``); all after them are keyword-only. ``fraction_train`` of the
+    connected hospitals train each round, at least ``min_train_nodes`` replies are needed to aggregate, and
     round 1 waits for ``min_available_nodes`` hospitals. ``run_config`` is a fedmed run config (the
     keys of ``[tool.flwr.app.config]``, e.g. ``context.run_config``) for everything else: the task,
     the server's test set, the model's size. The method's own arguments are the subclasses'.
@@ -159,12 +186,19 @@ class HospitalStrategy(Strategy):
     renamed: ClassVar[dict[str, str]] = {}  #: argument -> settings field, where Flower's name differs (proximal_mu)
     RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
     QUERY_PATIENCE = 45.0  # seconds before an identity query without reply is sent again
+    _aggregating = 0  # calls of aggregate_train in progress (an override calling ours through super() makes 2)
 
-    def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("aggregate_train")
+        if own is not None and not getattr(own, "__fedmed_observed__", False):
+            cls.aggregate_train = outermost_result_observed(own)
+
+    def __init__(self, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 1, min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
                  arrayrecord_key: str = "arrays", configrecord_key: str = "config",
                  train_metrics_aggr_fn: MetricsAggregation | None = None,
-                 evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggregation | None = None, *,
                  run_config: Mapping[str, Any] | JobConfig | None = None, settings: Mapping[str, Any] | None = None,
                  on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0, **method_settings: Any):
         if not self.method_name:
@@ -206,8 +240,10 @@ class HospitalStrategy(Strategy):
         self.contested: dict[str, set[int]] = {}  # hospital name -> the nodes claiming it (no hospital-keys)
         self._warned_names = False
         self._warned_gpus = False
+        self._warned_client_dp = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
+        self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
         from strategies.secure_aggregation import SecureAggregation
 
@@ -288,8 +324,10 @@ class HospitalStrategy(Strategy):
         """Round config every message carries: the job as this strategy holds it (so settings given in Python reach
         the hospitals; ``common.config.hospital_keys`` leaves out what is the server's alone), the round, and the
         record names and weighting key the replies must use."""
+        audit = self.audit_log()  # the hospitals record the server's log as it stood: its operator cannot rewrite it
         return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
-                **self.records.as_config(), "weighted-by-key": self.weighted_by_key}
+                **self.records.as_config(), "weighted-by-key": self.weighted_by_key,
+                **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
 
     # --- the audit log ------------------------------------------------------------------------------
     def audit_log(self) -> AuditLog | None:
@@ -310,7 +348,9 @@ class HospitalStrategy(Strategy):
             return
         received = direction == "received"
         head = None
-        if received and not message.has_error():
+        if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
+            head = head_in_reason(str(message.error.reason))
+        elif received:
             heads = [record.get("audit-head") for record in message.content.config_records.values()]
             head = next((h for h in heads if isinstance(h, str)), None)
         audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],
@@ -474,12 +514,64 @@ class HospitalStrategy(Strategy):
             return self.job.message_arrays
         return "flat" if self._in_own_loop else "per-tensor"
 
+    # --- Flower's wrappers --------------------------------------------------------------------------
+    def wrappers(self) -> list[Strategy]:
+        """The strategies wrapping this one (``wrapper.strategy is self``, and their own wrappers), found on the call
+        stack: a wrapper such as Flower's DP wrappers is built around a strategy without telling it, and calls the
+        strategy's hooks (``summary``, ``configure_train``) from its own."""
+        found: list[Strategy] = []
+        inner: Strategy = self
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not inner and isinstance(owner, Strategy) and getattr(owner, "strategy", None) is inner:
+                found.append(owner)
+                inner = owner
+            frame = frame.f_back
+        return found
+
+    def refuse_unfit_wrappers(self) -> None:
+        """A ConfigError, before round 1 (Flower's loop calls ``summary`` first), when one of Flower's DP wrappers
+        wraps a method whose replies it cannot clip tensor by tensor against the model it sent
+        (``MethodSpec.not_for_central_dp``) or a strategy with secure aggregation; where a client-side wrapper is
+        fit, a warning that hospitals must clip with Flower's mod."""
+        from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping as ClientAdaptive
+        from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping as ClientFixed
+        from flwr.serverapp.strategy.dp_adaptive_clipping import DifferentialPrivacyAdaptiveBase
+        from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
+
+        dp = [w for w in self.wrappers() if isinstance(w, (DifferentialPrivacyFixedClippingBase,
+                                                            DifferentialPrivacyAdaptiveBase))]
+        if not dp:
+            return
+        wrapper = f"Flower's {type(dp[0]).__name__} cannot wrap {type(self).__name__} (method {self.job.strategy!r})"
+        why = method_spec(self.job.strategy).not_for_central_dp
+        if why:
+            fit = ", ".join(name for name, spec in methods().items() if not spec.not_for_central_dp)
+            raise ConfigError(f"{wrapper}: {why}. Nothing was sent to the hospitals. Central DP fits the methods whose "
+                              f"reply is the model ({fit}); for this method use each hospital's own local DP (its "
+                              "policy's local-dp, docs/privacy.md)")
+        if self.secure_aggregation is not None:
+            raise ConfigError(f"{wrapper} with secure aggregation (secure-aggregation.enabled): hospitals send "
+                              "masked sums, never the update of one hospital that the wrapper clips (and that Flower's "
+                              "clipping mod would clip after masking). Nothing was sent to the hospitals. For DP with "
+                              "secure aggregation use each hospital's own local DP (its policy's local-dp, "
+                              "docs/privacy.md)")
+        client_side = [w for w in dp if isinstance(w, (ClientFixed, ClientAdaptive))]
+        if client_side and not self._warned_client_dp:
+            self._warned_client_dp = True
+            mod = "adaptiveclipping_mod" if isinstance(client_side[0], ClientAdaptive) else "fixedclipping_mod"
+            log.warning("%s expects every hospital to clip its update with Flower's %s; fedmed's own ClientApp does "
+                        "not install it: give the hospitals a ClientApp of their own with it (docs/own-clientapp.md), "
+                        "or the noise is not calibrated to any clipping", type(client_side[0]).__name__, mod)
+
     # --- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Hospitals of this round and their messages; ``arrays`` (the current global model, as Flower's loop
         and ours pass it) become the method's global model first, so a wrapper's or a subclass's changes (e.g.
-        DP noise) are what hospitals receive."""
+        DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
+        self.refuse_unfit_wrappers()
         if len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
         self._grid = grid
@@ -502,7 +594,7 @@ class HospitalStrategy(Strategy):
     def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:
         """Replies by hospital: from unknown nodes ignored, errors and undecodable ones kept with their reason."""
         round_replies = []
-        chosen, limit = {h.name for h in self._chosen}, self.reply_limit()
+        chosen, limit, tensors = {h.name for h in self._chosen}, self.reply_limit(), self.reply_tensor_limit()
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
             self.audit_message("received", message, server_round, hospital.name if hospital else None)
@@ -519,8 +611,8 @@ class HospitalStrategy(Strategy):
                 continue
             up = message_nbytes(message)
             try:
-                round_replies.append(RoundReply(hospital, from_recorddict(message.content, limit, self.records),
-                                                None, up))
+                payload = from_recorddict(message.content, limit, self.records, tensors)
+                round_replies.append(RoundReply(hospital, payload, None, up))
                 self._replies[hospital.name] = message.content
             except MalformedPayload as error:
                 round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
@@ -534,16 +626,27 @@ class HospitalStrategy(Strategy):
         state = sum(a.nbytes for a in self.engine.method.global_arrays.values())
         return 4 * state + 64_000_000
 
+    def reply_tensor_limit(self) -> int:
+        """The most tensors a reply may hold, counted before any is decoded: twice the method's whole state (a
+        hospital sends back at most its part of the global model and a few extras) and 64."""
+        return 2 * len(self.engine.method.global_arrays) + 64
+
+    @outermost_result_observed
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The next global model and the round's metrics, as Flower's: ``(None, None)`` when no reply was accepted,
         no arrays when too few were (``min_train_nodes``: the model stays as it was). The round is recorded, scored
         on the test set and saved once its model is released (:meth:`configure_evaluate`), so what a subclass or a
-        DP wrapper makes of these arrays is the model that is scored, saved and sent next."""
+        DP wrapper makes of these arrays is the model that is scored, saved and sent next; a subclass's
+        ``aggregate_train`` that returns no arrays keeps the previous model (:meth:`aggregation_returned`)."""
         self._replies = {}
+        if self._aggregating > 1:  # called by an override, which may still decline the round: keep what to go back to
+            self._state_before = {k: np.array(v, copy=True) for k, v in self.engine.method.state_dict().items()}
         record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
                                             self._round_started, self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
+        if self._refusals:  # nodes that would not join (a hospital's gate or policy refused the job): metrics.jsonl
+            record["not-joined"] = {f"node {node}": reason for node, reason in sorted(self._refusals.items())}
         self._record = record
         self.warn_of_idle_gpus(record)
         if not record["aggregated"]:
@@ -571,11 +674,46 @@ class HospitalStrategy(Strategy):
                     "deployment set device='cuda:N' in their node config", torch.cuda.device_count(),
                     ", ".join(on_cpu))
 
+    def aggregation_returned(self, server_round: int, arrays: ArrayRecord | None) -> None:
+        """The outermost ``aggregate_train`` of round ``server_round`` returned ``arrays``. ``None`` is Flower's way to
+        skip a round: the previous global model stays, in the method too (whatever ours aggregated when an override
+        called it and then declined), and the round is recorded as skipped, with the reason. An override that
+        aggregated without ours has its round recorded too (``aggregated-by``); its arrays are released as any."""
+        record = self._record if self._record is not None and self._record["round"] == server_round else None
+        before, self._state_before = self._state_before, None
+        name = f"{type(self).__name__}.aggregate_train"
+        if record is None and arrays is None:  # an override that never called ours
+            self.round_record(server_round, f"{name} returned no arrays without fedmed's aggregation")
+        elif record is None and server_round == self.engine.next_round:  # one that aggregated on its own
+            self._record = self.engine.unscreened_round(server_round, self._chosen, self._round_started,
+                                                        self._bytes_down, aggregated_by=f"{name}, on its own")
+        elif record is not None and arrays is None and "skipped" not in record:
+            if before is not None:
+                self.engine.method.load_state_dict(before)
+            record["discarded"], record["aggregated"] = record["aggregated"], []
+            record.pop("method", None)
+            record["skipped"] = (f"{name} returned no arrays: the aggregate of {', '.join(record['discarded'])} "
+                                 f"was discarded; {kept(server_round)}")
+            log.warning("round %d: %s", server_round, record["skipped"])
+
+    def round_record(self, server_round: int, why: str = "") -> dict[str, Any] | None:
+        """Round ``server_round``'s record while it is in progress; where no ``aggregate_train`` of ours made one (an
+        override or a wrapper declined the round first: Flower's DP wrappers do when a reply is an error), one that
+        records it skipped, ``why``. None once the round has ended."""
+        if self._record is not None and self._record["round"] == server_round:
+            return self._record
+        if server_round != self.engine.next_round:
+            return None
+        why = why or "the replies never reached fedmed's aggregate_train (a wrapper declined the round)"
+        self._record = self.engine.unscreened_round(server_round, self._chosen, self._round_started, self._bytes_down,
+                                                    skipped=f"{why}; {kept(server_round)}")
+        return self._record
+
     def release(self, server_round: int, arrays: ArrayRecord) -> None:
         """``arrays`` are round ``server_round``'s released global model (a wrapper's or a subclass's take on what
         :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set."""
-        record = self._record
-        if record is None or record["round"] != server_round:
+        record = self.round_record(server_round)
+        if record is None:
             return
         if len(arrays) and "skipped" not in record:
             self.engine.adopt_global_arrays(arrays_of(arrays), f"global model released after round {server_round}")
@@ -637,7 +775,8 @@ class HospitalStrategy(Strategy):
                             cut(message.error.reason))
                 continue
             try:
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
+                                          self.reply_tensor_limit()).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
@@ -674,7 +813,8 @@ class HospitalStrategy(Strategy):
             try:
                 if message.has_error():
                     raise MalformedPayload(cut(message.error.reason))
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records).metrics
+                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
+                                          self.reply_tensor_limit()).metrics
                 scores[hospital.name] = models_of(metrics)
             except (MalformedPayload, ValueError) as error:
                 failed[hospital.name] = str(error)
@@ -687,6 +827,7 @@ class HospitalStrategy(Strategy):
         return self.cross_site
 
     def summary(self) -> None:
+        self.refuse_unfit_wrappers()  # Flower's loop begins with summary(): before evaluate_fn and round 1
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
                  type(self).__name__, self.job.num_server_rounds, self.job.fraction_train,
                  self.job.min_train_hospitals, self.job.round_timeout)
@@ -738,7 +879,7 @@ class HospitalStrategy(Strategy):
                     arrays = aggregated
                 if metrics is not None:
                     result.train_metrics_clientapp[rnd] = metrics
-                record = self._record
+                record = self.round_record(rnd)
                 evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
                 evaluated = self.aggregate_evaluate(
                     rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
@@ -761,11 +902,18 @@ class HospitalStrategy(Strategy):
                 f"no round of {first}..{num_rounds} aggregated any hospital: "
                 + "; ".join(f"round {r['round']}: " + (", ".join(f"{h} refused ({why})" for h, why in
                                                             r["refused"].items()) or f"missing {r['missing']}"
-                                                        if r["refused"] or r["missing"] else "no hospital chosen")
+                                                        if r["refused"] or r["missing"] else
+                                                        r.get("skipped") or "no hospital chosen")
                             for r in self.engine.history[-3:]))
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
         return result
+
+
+def kept(server_round: int) -> str:
+    """Which model a skipped round keeps."""
+    return ("the initial global model is kept" if server_round == 1 else
+            f"the global model of round {server_round - 1} is kept")
 
 
 class NoHospitalAggregated(RuntimeError):

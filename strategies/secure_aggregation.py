@@ -1,20 +1,26 @@
-"""The server's side of secure aggregation (SecAgg+) for our strategies, over any ``flwr.serverapp.Grid``.
+"""The server's side of secure aggregation (SecAgg+ with the malicious-server checks) for our strategies, over any
+``flwr.serverapp.Grid``.
 
-A secure round is four exchanges of TRAIN messages whose ConfigRecord carries the stage (``secagg.stage``):
+A secure round is five exchanges of TRAIN messages whose ConfigRecord carries the stage (``secagg.stage``):
 
-1. setup: the protocol's parameters to the round's hospitals; each answers with two public keys;
-2. share keys: each gets its neighbours' public keys and answers with its key shares, encrypted for each;
+1. setup: the protocol's parameters to the round's hospitals; each answers with two public keys, signed with its
+   identity key;
+2. share keys: each gets its neighbours' public keys, names and signatures, and answers with its key shares,
+   encrypted for each, and the signed SHA-256 of its mask seed;
 3. collect masked vectors: each gets the training message as today plus its neighbours' encrypted shares and the
    round's sum layout; it trains with the method's hospital half, bounds its update, and answers with its
-   contribution masked (``common/secure_aggregation.py``: what each method sums) and its metrics in the clear;
-4. unmask: each that answered is asked for the shares that remove the masks; the server adds the masked vectors,
-   removes the masks (also those of hospitals that dropped out after sharing keys) and turns the sums into the
-   method's next state.
+   contribution masked (``strategies/<method>/secure.py``: what each method sums) and its metrics in the clear as
+   its policy allows;
+4. consistency check: each hospital whose vector is in the sum is told the survivor set and signs it;
+5. unmask: each is asked, with the others' signatures, for the shares that remove the masks; the server adds the
+   masked vectors, removes the masks (also those of hospitals that dropped out after sharing keys), naming any
+   hospital whose share does not fit, and turns the sums into the method's next state.
 
-Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stage 4 inside
+Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stages 4-5 inside
 ``aggregate_train`` (through :class:`SecureRoundEngine`), so a round runs the same under our ``start()`` and under
-Flower's own loop (a DP wrapper's). :class:`SecureAggregation` is what ``strategies/base.py`` calls;
-:class:`SecureAggregationMixin` adds it to any of our strategies (``with_secure_aggregation(FedAvgStrategy)``).
+Flower's own loop (a DP wrapper's). The protocol itself is ``common/secure_aggregation/``. :class:`SecureAggregation`
+is what ``strategies/base.py`` calls; :class:`SecureAggregationMixin` adds it to any of our strategies
+(``with_secure_aggregation(FedAvgStrategy)``).
 """
 
 from __future__ import annotations
@@ -26,43 +32,47 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
-from flwr.common.secure_aggregation.secaggplus_constants import Stage
 from flwr.serverapp import Grid
 
 from common.config import ConfigError
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
 from common.screening import brief, cut, metrics_problem, sample_count_problem
-from common.secure_aggregation import (
+from common.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
+from common.secure_aggregation.messages import (
+    COLLECT,
+    CONSISTENCY,
     MASKED_ARRAY,
     MASKED_GROUP,
+    SETUP,
+    SHARE_KEYS,
     STAGE_KEY,
-    MethodPlan,
-    SecureAggregationSettings,
+    UNMASK,
+)
+from common.secure_aggregation.methods import MethodPlan, secure_method
+from common.secure_aggregation.server import (
     ServerRound,
+    Verifier,
     add_masked_vector,
     collect_config,
-    decode_sum,
-    modulus_bits,
+    consistency_config,
     plan_round,
     receive_key_shares,
     receive_public_keys,
-    secure_method,
+    receive_survivor_signatures,
     setup_config,
     share_keys_config,
     threshold_problem,
     unmask_config,
     unmask_sum,
-    unpack_values,
 )
+from common.secure_aggregation.vector import unpack_values
 from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
 
 if TYPE_CHECKING:
     from strategies.base import HospitalStrategy
 
 log = logging.getLogger("fedmed")
-
-COLLECT = Stage.COLLECT_MASKED_VECTORS
 
 
 @dataclass
@@ -115,8 +125,9 @@ class SecureAggregation:
         the hospitals that shared their keys) with the collect stage's keys; none when the round cannot run."""
         messages = list(messages)
         strategy = self.strategy
-        if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages):
-            return messages  # prepared already (the hook and a mixin both asked)
+        if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages) \
+                or (not messages and server_round in self.rounds):
+            return messages  # prepared already (the hook and a mixin both asked; a skipped round returned none)
         self.grid = grid
         progress = SecureRound(server_round, {m.metadata.dst_node_id: strategy.hospitals[m.metadata.dst_node_id]
                                               for m in messages})
@@ -128,9 +139,10 @@ class SecureAggregation:
         try:
             progress.norm_bound = self.norm_bound()
             plan = progress.plan = self.method.plan(strategy.engine.method, chosen, self.settings, progress.norm_bound)
-            protocol = progress.protocol = plan_round(list(progress.hospitals), self.settings,
-                                                      [strategy.job.seed, server_round], plan.layout.size,
-                                                      plan.modulus, plan.quantization_range)
+            protocol = progress.protocol = plan_round(
+                list(progress.hospitals), self.settings, [strategy.job.seed, server_round], plan.layout.size,
+                plan.modulus, plan.quantization_range, {n: h.name for n, h in progress.hospitals.items()},
+                strategy.job.run_name, server_round)
             largest = plan.layout.largest(plan.quantization_range)
             if len(chosen) * largest >= plan.modulus:
                 raise ValueError(f"{len(chosen)} hospitals x {largest} (the largest value one adds) does not stay "
@@ -138,15 +150,16 @@ class SecureAggregation:
         except ValueError as error:
             return self.skip(progress, str(error))
 
-        answers = self.exchange(progress, Stage.SETUP, {node: setup_config(protocol) for node in protocol.nodes})
-        receive_public_keys(protocol, answers)
-        problem = threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
+        answers = self.exchange(progress, SETUP, {node: setup_config(protocol) for node in protocol.nodes})
+        receive_public_keys(protocol, answers, self.verifier())
+        problem = few_problem(protocol, protocol.setup_done) \
+            or threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
         if problem:
             return self.skip(progress, f"after the setup stage, {problem}")
-        answers = self.exchange(progress, Stage.SHARE_KEYS, {node: share_keys_config(protocol, node)
+        answers = self.exchange(progress, SHARE_KEYS, {node: share_keys_config(protocol, node)
                                                              for node in sorted(protocol.setup_done)})
-        receive_key_shares(protocol, answers)
-        problem = threshold_problem(protocol, protocol.keyed, protocol.keyed)
+        receive_key_shares(protocol, answers, self.verifier())
+        problem = few_problem(protocol, protocol.keyed) or threshold_problem(protocol, protocol.keyed, protocol.keyed)
         if problem:
             return self.skip(progress, f"after the share-keys stage, {problem}")
 
@@ -163,6 +176,16 @@ class SecureAggregation:
             strategy._bytes_down[name] = message_nbytes(message)
             prepared.append(message)
         return prepared
+
+    def verifier(self) -> Verifier | None:
+        """Checks a hospital's signature with its registered key (run config ``hospital-keys``), so that a hospital
+        whose keys are not signed is set aside at once, named; None without registered keys."""
+        folder = self.strategy.job.hospital_keys
+        if not folder:
+            return None
+        from common.identity import statement_problem
+
+        return lambda name, statement, signature: statement_problem(folder, name, statement, signature)
 
     def norm_bound(self) -> float:
         """The L2 bound hospitals clip their update to this round: ``update-norm-bound``, else ``update-norm-factor``
@@ -291,8 +314,11 @@ class SecureAggregation:
             if problem:
                 skipped = f"before the unmask stage, {problem}; the global model is unchanged"
         if skipped is None:
-            answers = self.exchange(progress, Stage.UNMASK, {node: unmask_config(protocol, node)
+            answers = self.exchange(progress, CONSISTENCY, {node: consistency_config(protocol, node)
                                                             for node in sorted(protocol.masked)})
+            receive_survivor_signatures(protocol, answers, self.verifier())
+            answers = self.exchange(progress, UNMASK, {node: unmask_config(protocol, node)
+                                                       for node in sorted(protocol.masked)})
             computing, before = time.perf_counter(), None
             try:
                 total = unmask_sum(protocol, answers)
@@ -303,7 +329,7 @@ class SecureAggregation:
                                         weight_key=engine.weight_key) for r in accepted]  # what they said openly
                 method_record = self.method.apply(method, rnd, sums, plan, clear)
                 mean_norm = distance(method.global_arrays, before)
-                progress.stages[Stage.UNMASK]["sum-seconds"] = round(time.perf_counter() - computing, 3)
+                progress.stages[UNMASK]["sum-seconds"] = round(time.perf_counter() - computing, 3)
             except ValueError as error:
                 method.global_arrays = before if before is not None else method.global_arrays
                 skipped = f"the unmasked sums cannot be used: {error}; the global model is unchanged"
@@ -312,6 +338,8 @@ class SecureAggregation:
         record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
                                   "aggregated": [r.hospital.name for r in accepted], "missing": missing,
                                   "refused": refused, "update-norm": {}, "update-norm-vs-median": {}}
+        for node, why in sorted(protocol.hostile.items()) if protocol is not None else ():
+            log.warning("round %d: %s sent a share that does not fit: %s", rnd, progress.name(node), why)
         if skipped is not None:
             record["skipped"] = skipped
             log.warning("round %d: %s", rnd, skipped)
@@ -376,13 +404,23 @@ class SecureAggregation:
         if protocol is not None:
             summary.update({"shares": protocol.num_shares, "threshold": protocol.threshold,
                             "modulus-bits": modulus_bits(protocol.modulus), "values": protocol.size,
-                            "hospitals-in-sum": len(protocol.masked),
-                            "lost": {progress.name(node): why for node, why in sorted(protocol.lost.items())}})
+                            "hospitals-in-sum": len(protocol.masked), "session": protocol.session,
+                            "lost": {progress.name(node): why for node, why in sorted(protocol.lost.items())},
+                            "hostile-shares": {progress.name(node): why
+                                               for node, why in sorted(protocol.hostile.items())}})
         if plan is not None:
             summary["quantization-range"] = plan.quantization_range
         if mean_norm is not None:
             summary["mean-update-norm"] = float(mean_norm)
         return summary
+
+
+def few_problem(protocol: ServerRound, alive: set[int]) -> str | None:
+    """Why so few hospitals are left that the round cannot go on (None: enough are)."""
+    needed = max(2, protocol.threshold)
+    if len(alive) < needed:
+        return f"{len(alive)} hospital(s) are left, fewer than {needed} (at least 2 and the reconstruction threshold)"
+    return None
 
 
 def distance(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:

@@ -188,3 +188,85 @@ def test_both_ends_log_the_same_content_hashes(tmp_path):
     assert cross_check(hospital_log, server_log, "hospital-00") == []
     hospital_log.write_bytes(b"".join(lines_of(hospital_log)[:-3]))  # the hospital's last round cut away
     assert cross_check(hospital_log, server_log, "hospital-00")
+
+
+def rechained(lines: list[dict]) -> bytes:
+    """Lines rewritten as their log's operator could: each line's prev and hash made afresh, so the chain verifies."""
+    from common.audit import GENESIS, canonical, line_hash
+
+    out, previous = [], GENESIS
+    for seq, record in enumerate(lines, start=1):
+        record = {**record, "seq": seq, "prev": previous}
+        record["hash"] = previous = line_hash(record)
+        out.append((canonical(record) + "\n").encode())
+    return b"".join(out)
+
+
+def audited_federation(tmp_path, policy_text: str = ""):
+    """A FakeGrid run of two hospitals (the first refusing under ``policy_text`` when given); both logs' paths."""
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, hospital_node
+    from .test_strategies import SMALL_CLASSIFICATION, run_config
+
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    nodes = {}
+    for pid in range(2):
+        node = {"partition-id": pid, "num-partitions": 2}
+        if policy_text and pid == 0:
+            (tmp_path / "policy.toml").write_text(policy_text)
+            node["policy-file"] = str(tmp_path / "policy.toml")
+        nodes[101 + pid] = hospital_node(config, node, 101 + pid)
+    FedAvgStrategy(min_train_nodes=1, run_config=config).start(FakeGrid(nodes), num_rounds=2)
+    return tmp_path / "results" / "t" / "audit.jsonl", tmp_path / "state" / "hospital-00" / "audit.jsonl"
+
+
+def test_a_refusal_is_anchored_in_the_servers_log_and_cannot_be_removed_unseen(tmp_path):
+    """Error replies carry the hospital's audit head too: a refusal removed from the hospital's log and the log
+    rechained no longer passes `audit verify --peer`."""
+    server_log, hospital_log = audited_federation(tmp_path, "max-rounds-per-run = 1\n")
+    server = [json.loads(line) for line in lines_of(server_log)]
+    refused = [r for r in server if r.get("peer") == "hospital-00" and r["direction"] == "received"
+               and "max-rounds-per-run" in (r.get("error") or "")]
+    assert refused and all(r.get("peer-audit-head") for r in refused)
+    assert audit_main(["verify", str(hospital_log), "--peer", str(server_log), "--name", "hospital-00"]) == 0
+    hospital = [json.loads(line) for line in lines_of(hospital_log)]
+    kept = [r for r in hospital if "max-rounds-per-run" not in json.dumps(r)]
+    assert len(kept) < len(hospital)
+    hospital_log.write_bytes(rechained(kept))
+    assert verify(hospital_log).ok  # the rewritten log is a valid chain on its own
+    assert audit_main(["verify", str(hospital_log), "--peer", str(server_log), "--name", "hospital-00"]) == 1
+
+
+def test_the_servers_log_is_anchored_in_the_hospitals_logs(tmp_path):
+    """Every message carries the server's audit head, which the hospital records: the server's operator cannot
+    rewrite the server's log (and rechain it) unseen."""
+    server_log, hospital_log = audited_federation(tmp_path)
+    hospital = [json.loads(line) for line in lines_of(hospital_log)]
+    received = [r for r in hospital if r.get("direction") == "received"]
+    assert received and all(r.get("peer") == "server" and r.get("peer-audit-head") for r in received)
+    assert audit_main(["verify", str(server_log), "--peer", str(hospital_log), "--name", "server"]) == 0
+    server = [json.loads(line) for line in lines_of(server_log)]
+    server[2]["bytes"] = 1  # the operator edits a line and rechains the whole log
+    server_log.write_bytes(rechained(server))
+    assert verify(server_log).ok
+    assert audit_main(["verify", str(server_log), "--peer", str(hospital_log), "--name", "server"]) == 1
+
+
+def test_verify_peer_fails_on_a_name_it_cannot_find(tmp_path, capsys):
+    server_log, hospital_log = audited_federation(tmp_path)
+    assert audit_main(["verify", str(hospital_log), "--peer", str(server_log), "--name", "hospital-0"]) == 1
+    assert "no line" in capsys.readouterr().out
+
+
+def test_rebuild_ledger_command(tmp_path, capsys):
+    from common.policy import PrivacyLedger
+
+    log = AuditLog(tmp_path / "audit.jsonl", "hospital:h")
+    ledger = PrivacyLedger(tmp_path / "state", log)
+    ledger.record("r", 1, "fedavg", 0.5)
+    ledger.record("r", 2, "fedavg", 0.5)
+    (tmp_path / "state" / "privacy-ledger.json").unlink()
+    assert audit_main(["audit", "rebuild-ledger", str(log.path), str(tmp_path / "state")]) == 0
+    assert "2 training(s)" in capsys.readouterr().out
+    assert PrivacyLedger(tmp_path / "state", log).trainings_in("r") == 2

@@ -6,7 +6,7 @@ import pytest
 import tomllib
 
 from client_app.node_config import load_node_config
-from common.config import ConfigError, JobConfig, flatten, load_job_config
+from common.config import ConfigError, JobConfig, fedmed_keys_of, flatten, load_job_config, one_edit_apart
 
 from .conftest import ROOT
 
@@ -86,3 +86,51 @@ def test_a_path_the_file_system_cannot_take_is_named_by_its_key(tmp_path):
         load_job_config({"dataset": "npz", "data-dir": str(loop / "x.npz")}, check_paths=True)
     with pytest.raises(ConfigError, match="test-dir: .*(File name too long|does not exist)"):
         load_job_config({"dataset": "npz", "test-dir": "/tmp/" + "a" * 5000}, check_paths=True)
+
+
+@pytest.mark.parametrize("key", ["mode", "seeds", "lr", "result-file", "rounds", "myapp.seed", "app.models",
+                                 "tsak", "threshold", "learning-rate-decay"])
+def test_an_apps_own_keys_are_left_to_it(key, caplog):
+    with caplog.at_level("INFO", logger="fedmed"):
+        ours = fedmed_keys_of({"seed": 3, "fedprox.mu": 0.5, key: "x"})
+    assert ours == {"seed": 3, "fedprox.mu": 0.5}  # fedmed's keys, and no other
+    assert f"left to the app: {key}" in caplog.text
+
+
+@pytest.mark.parametrize("key,meant", [
+    ("num-server-round", "num-server-rounds"),  # one letter missing
+    ("learning_rate", "learning-rate"),  # '_' for '-'
+    ("Seed", "seed"),  # case
+    ("devise", "device"),  # one letter replaced
+    ("stratgey", "strategy"),  # two letters swapped
+    ("fedprox.muu", "fedprox.mu"),  # an unknown key in one of our tables
+    ("fedproin.num_prototypes", "fedproin.num-prototypes"),
+    ("scrrening.max-reply-mb", "screening.max-reply-mb"),  # a table one letter from ours
+    ("secure-aggregation.enable", "secure-aggregation.enabled"),
+])
+def test_a_near_miss_of_a_fedmed_key_is_refused_naming_the_key_meant(key, meant):
+    with pytest.raises(ConfigError, match=f"run config key '{key}'.*did you mean '{meant}'"):
+        fedmed_keys_of({key: 1})
+
+
+def test_a_key_in_our_tables_with_nothing_close_lists_the_tables_keys_and_a_table_is_not_a_key():
+    with pytest.raises(ConfigError, match="'fedprox.nu'.*table 'fedprox'; did you mean 'fedprox.mu'"):
+        fedmed_keys_of({"fedprox.nu": 0.1})
+    with pytest.raises(ConfigError, match="'fedproin.zzz'.*its keys are .*num-prototypes"):
+        fedmed_keys_of({"fedproin.zzz": 1})
+    with pytest.raises(ConfigError, match="'screening' is a table of fedmed's"):
+        fedmed_keys_of({"screening": 1})
+
+
+def test_a_short_near_miss_passes_to_the_app_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="fedmed"):
+        assert fedmed_keys_of({"mode": "fast"}) == {}
+    assert "'mode' is not fedmed's and is left to the app; if you meant fedmed's 'model'" in caplog.text
+
+
+@pytest.mark.parametrize("a,b,one", [("model", "mode", True), ("seed", "seeds", True), ("task", "tsak", True),
+                                     ("device", "devise", True), ("seed", "seed", False), ("seed", "sede", True),
+                                     ("model", "mod", False), ("strategy", "stratgye", False), ("ab", "ba", True),
+                                     ("abc", "cba", False)])
+def test_one_edit_is_an_insertion_deletion_substitution_or_swap(a, b, one):
+    assert one_edit_apart(a, b) is one and one_edit_apart(b, a) is one

@@ -11,11 +11,13 @@ import time
 import numpy as np
 import pytest
 
+from client_app.site_cli import app_hash
 from common.cli import main as fedmed
 from common.launch import FlowerHome, flwr, free_port, run_log, run_status, start_superlink, start_supernode, submit_run
 from server_app.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from server_app.results import read_history
 
+from .conftest import ROOT
 from .flower_processes import run_to_completion, stopped_at_exit
 
 ROUNDS = 4
@@ -39,11 +41,18 @@ def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_p
     home = FlowerHome(tmp_path / "flwr-home")
     port = free_port()
     superlink = start_superlink(home, port, simulation=False, connection="site")
+    sites_of = [("hospital-00", sites / "hospital-00"), ("hospital-01", sites / "hospital-01"),
+                ("hospital-broken", broken)]
+    approved = {name: {} for name, _ in sites_of}
+    if executor:  # fedmed-supernode runs only the apps a hospital approved: this app's hash, or another's
+        this_app, _ = app_hash(ROOT)
+        approved = {name: {"approved-apps": this_app} for name, _ in sites_of}
+        sites_of.append(("hospital-unapproved", sites / "hospital-01"))
+        approved["hospital-unapproved"] = {"approved-apps": "0" * 64}
     nodes = [start_supernode(home, f"127.0.0.1:{port}", free_port(),
                              {"hospital": name, "data-dir": str(folder), "state-dir": str(tmp_path / "state" / name),
-                              "device": "cpu"}, executor=executor)
-             for name, folder in (("hospital-00", sites / "hospital-00"), ("hospital-01", sites / "hospital-01"),
-                                  ("hospital-broken", broken))]
+                              "device": "cpu", **approved[name]}, executor=executor)
+             for name, folder in sites_of]
     job = {"strategy": "fedproin", "model": "small-cnn", "dataset": "npz", "test-dir": str(sites / "test"),
            "image-size": 16, "batch-size": 16, "num-server-rounds": ROUNDS, "round-timeout": 300.0,
            "results-dir": str(tmp_path / "results")}
@@ -88,6 +97,8 @@ def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_p
     # the broken hospital never joined; the server's log names its file
     assert all(set(r["chosen"]) == {"hospital-00", "hospital-01"} for r in resumed_history)
     assert "hospital-broken" in server_log and "data.npz: cannot read npz" in server_log
+    if executor:  # the hospital that approved another app never ran this one
+        assert f"app bundle {this_app} is not among the apps this hospital approved" in server_log
 
 
 def test_interrupted_checkpoint_write_leaves_the_last_checkpoint_readable(tmp_path, monkeypatch):

@@ -276,10 +276,12 @@ def check_fedmed(words: list[str], where: str) -> None:
     from common.cli import build_parser
 
     args = words[1:]
-    if args[:1] == ["audit"]:
-        source = (ROOT / "server_app" / "audit_cli.py").read_text()
-        missing = [o for o in option_words(args) if f'"{o}"' not in source]
-        assert args[1:2] == ["verify"] and not missing, f"{where}: fedmed audit {args[1:]}: no such option {missing}"
+    if args[:1] in (["audit"], ["app-hash"], ["policy"]):  # their own parsers, in their own modules
+        module = "server_app/audit_cli.py" if args[0] == "audit" else "client_app/site_cli.py"
+        source = (ROOT / module).read_text()
+        action = args[1:2] if args[0] in ("audit", "policy") else []  # app-hash takes a path
+        missing = [w for w in [*option_words(args), *action] if f'"{w}"' not in source]
+        assert not missing, f"{where}: fedmed {' '.join(args[:2])}: {module} has no {missing}"
         return
     parser = build_parser()
     try:
@@ -444,6 +446,7 @@ def test_shell_blocks_name_only_commands_options_and_keys_that_exist(block):
     ["deploy/start_superlink.sh", "certs", "--portt", "9200"],
     ["pip", "install", "-e", ".[tensorbord]"],
     ["fedmed", "audit", "check", "log"],
+    ["fedmed", "policy", "verify", "policy.toml"],
     ["flower-supernode", "--node-config", "hospitl='x'"],
     ["flower-supernode", "--superlinkk", "x"],
     ["pdm", "install"],

@@ -4,6 +4,8 @@ folder the run never saw (``fedmed evaluate``), on generated data."""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from common.data.containers import DataError, SegmentationImages, concat
 from common.data.export import write_site
 from common.data.sources import generate
 from common.inprocess import run_rounds, simulated_sites
+from common.quantization.int8 import load_deployment
 from server_app.app import save_round
 from server_app.evaluation import evaluate_run, render_evaluation, write_cross_site
 from strategies import FedAvgStrategy, FedMEPDStrategy, FedProtoStrategy
@@ -151,3 +154,114 @@ def test_fedmed_evaluate_scores_a_brain_model_on_case_folders_with_only_some_mod
     result = evaluate_run(brain.run_dir, folder, modalities="flair,t1ce")
     assert result["dataset"] == "brats" and result["overall"]["num-examples"] == 2
     assert 0.0 <= result["overall"]["dice_mean"] <= 1.0 and "dice_WT" in result["overall"]
+
+
+OWN_NETS = '''
+import torch
+
+
+def segmenter(in_channels, out_channels):
+    return torch.nn.Sequential(torch.nn.Conv2d(in_channels, 4, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(4, out_channels, 1))
+'''
+OWN_DATA = '''
+import torch
+
+
+class Pairs(torch.utils.data.Dataset):
+    """(image, mask) pairs with images in [0, 1], not normalised as ImageNet's: the consortium's own pipeline."""
+
+    def __init__(self, count, size, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.rand(count, 3, size, size, generator=generator)
+        self.masks = (self.images[:, :1] > 0.5).float()
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.images[index], self.masks[index]
+
+
+def load(request):
+    size = int(request.args["size"])
+    return Pairs(8, size, 1) if request.role == "server" else (Pairs(24, size, 2), Pairs(4, size, 3))
+'''
+
+
+@pytest.fixture
+def consortium_code(tmp_path):
+    """An app folder with a consortium's own network and loader (``consortium_code.nets``, ``.data``), on no path;
+    its modules are forgotten after the test."""
+    package = tmp_path / "app" / "consortium_code"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(OWN_NETS)
+    (package / "data.py").write_text(OWN_DATA)
+    yield package.parent
+    forget_consortium_code()
+
+
+def forget_consortium_code() -> None:
+    """As a fresh process would: the modules imported from the app folder are not there."""
+    for name in [name for name in sys.modules if name.split(".")[0] == "consortium_code"]:
+        del sys.modules[name]
+
+
+def test_post_run_tools_take_the_runs_own_network_loader_and_normalisation(tmp_path, consortium_code, capsys):
+    from common.cli import main as fedmed
+    from common.methods.base import unpack_json
+    from common.quantization.int8 import calibration_batches
+    from common.round_engine import RoundEngine
+    from server_app.checkpoint import save_best, save_checkpoint
+
+    app = consortium_code
+    cfg = load_job_config({**SMALL_POLYP, "strategy": "qfedpolyp", "model": "consortium_code.nets:segmenter",
+                           "dataset": "consortium_code.data:load", "dataset-args": '{"size": 16}',
+                           "run-name": "own", "results-dir": str(tmp_path / "results")})
+    sys.path.insert(0, str(app))  # the run's ServerApp imported them from its app folder, as Flower runs an app
+    try:
+        engine = RoundEngine(cfg)
+    finally:
+        sys.path.remove(str(app))
+    engine.history = [{"round": 1}]
+    state = engine.state_dict()
+    assert unpack_json(state["run/import-paths"]) == [str(app.resolve())]  # recorded in every checkpoint
+    save_checkpoint(cfg.run_dir, 1, state)
+    save_best(cfg.run_dir, 1, state, "max:test.dice", 0.5)
+    forget_consortium_code()
+    run, site = str(cfg.run_dir), tmp_path / "site"
+    site.mkdir()
+
+    # evaluate --best: no --dataset, no PYTHONPATH; the run's network and loader, imported from its app folder
+    assert fedmed(["evaluate", "--run", run, "--data", str(site), "--best", "--out", str(tmp_path / "best")]) == 0
+    scores = json.loads((tmp_path / "best.json").read_text())
+    assert scores["dataset"] == "consortium_code.data:load" and scores["overall"]["num-examples"] == 8
+    assert scores["model"] == "global model of the best round" and str(app) not in sys.path  # the path put back
+    forget_consortium_code()
+
+    # export-int8 calibrates on what the run trained on: the loader's [0, 1] images, not ImageNet-normalised ones
+    model_file = tmp_path / "own.onnx"
+    assert fedmed(["export-int8", "--run", run, "--best", "--out", str(model_file), "--engine", "onnxruntime",
+                   "--calibration-images", "16"]) == 0
+    _, metadata = load_deployment(model_file)
+    low, high = metadata["calibration-range"]
+    assert 0.0 <= low < 0.05 and 0.95 < high <= 1.0 and metadata["calibration-images"] == 16
+    assert metadata["normalisation"] == "dataset consortium_code.data:load"
+    built_in = load_job_config({**SMALL_POLYP, "strategy": "qfedpolyp"})  # a built-in format: ImageNet's statistics
+    assert min(float(b.min()) for b in calibration_batches(built_in, None, 8)) < -1.0
+    capsys.readouterr()
+    assert fedmed(["segment", "--model", str(model_file), "--images", str(site), "--out", str(tmp_path / "m")]) == 2
+    assert "normalised by the run's own dataset consortium_code.data:load" in capsys.readouterr().err
+    forget_consortium_code()
+
+    # the app folder gone: exactly what to pass; --app-dir where it is now
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(app), moved)
+    assert fedmed(["evaluate", "--run", run, "--data", str(site), "--out", str(tmp_path / "x")]) == 2
+    error = capsys.readouterr().err
+    assert "model: module 'consortium_code.nets' of the run cannot be imported here" in error
+    assert f"{app.resolve()} (gone now)" in error and "Pass --app-dir FOLDER" in error and "PYTHONPATH=" in error
+    assert fedmed(["evaluate", "--run", run, "--data", str(site), "--app-dir", str(moved),
+                   "--out", str(tmp_path / "moved")]) == 0
+    assert json.loads((tmp_path / "moved.json").read_text())["overall"]["num-examples"] == 8

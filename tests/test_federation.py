@@ -34,7 +34,10 @@ def test_selection_is_seeded_by_round_and_independent_of_order():
 
 @pytest.fixture
 def engine(small_classification):
-    return RoundEngine(small_classification)
+    """The round's arithmetic under plain sample weights, replies of the model unchanged accepted (the screening
+    defaults that change both are tested in tests/test_hostile_numbers.py)."""
+    plain = small_classification.screening.model_copy(update={"max_hospital_weight": 1.0, "refuse_unchanged": False})
+    return RoundEngine(small_classification.model_copy(update={"screening": plain}))
 
 
 def honest_reply(engine, name, scale=1.0, n=10):

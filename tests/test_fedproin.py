@@ -35,8 +35,11 @@ from strategies.fedproin.task import (
 
 @pytest.fixture
 def cfg():
+    # the method's own arithmetic: plain sample weights, replies of the model unchanged accepted (the screening
+    # defaults that change both are tested in tests/test_hostile_numbers.py)
     return JobConfig(run_name="test", strategy="fedproin", num_server_rounds=2, synthetic_samples=120, image_size=16,
-                     batch_size=16, min_partition_size=5, model="small-cnn")
+                     batch_size=16, min_partition_size=5, model="small-cnn",
+                     screening={"max-hospital-weight": 1.0, "refuse-unchanged": False})
 
 
 # --- aggregation ----------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_rounds_per_run_are_limited_and_counted_across_restarts(tmp_path):
     assert history[0]["aggregated"] == ["hospital-00", "hospital-01"]
     assert "max-rounds-per-run=1" in history[1]["refused"]["hospital-00"]
     ledger = PrivacyLedger(tmp_path / "state" / "hospital-00")  # the hospital's own folder: survives restarts
-    assert ledger.rounds_in("t") == {1}
+    assert ledger.trainings_in("t") == 1
 
 
 def test_local_dp_is_refused_for_a_method_whose_reply_is_not_the_model(tmp_path):
@@ -252,3 +252,105 @@ def test_every_decision_is_in_the_hospitals_audit_log(tmp_path):
     assert refusal["decision"] == "refused" and len(refusal["policy-sha256"]) == 64
     sent = next(r for r in records if r["event"] == "message" and r["direction"] == "sent" and r["kind"] == "train")
     assert "refused by its policy" in sent["error"]
+
+
+# --- a policy a hostile coordinator cannot talk around (issue 40) ------------------------------------------------
+def test_a_round_sent_again_counts_again(tmp_path, monkeypatch):
+    """The server repeats round 1: each training counts against max-rounds-per-run, whatever its round number."""
+    original = FedAvgStrategy.hospital_config
+    monkeypatch.setattr(FedAvgStrategy, "hospital_config",
+                        lambda self, server_round: {**original(self, server_round), "server-round": 1})
+    _, history = federation(tmp_path, "max-rounds-per-run = 1\n", rounds=3)
+    assert "max-rounds-per-run=1" in history[1]["refused"]["hospital-00"]
+    assert "max-rounds-per-run=1" in history[2]["refused"]["hospital-01"]
+    assert PrivacyLedger(tmp_path / "state" / "hospital-00").trainings_in("t") == 1
+
+
+def test_a_new_run_name_does_not_start_the_daily_count_afresh(tmp_path):
+    federation(tmp_path, "max-trainings-per-day = 2\n", rounds=1, **{"run-name": "first"})
+    _, history = federation(tmp_path, "max-trainings-per-day = 2\n", rounds=2, **{"run-name": "second"})
+    assert history[0]["aggregated"] == ["hospital-00", "hospital-01"]
+    assert "max-trainings-per-day=2" in history[1]["refused"]["hospital-00"]
+
+
+@pytest.mark.parametrize("tamper", ["delete", "roll back", "edit"])
+def test_a_deleted_or_rolled_back_ledger_stops_training_until_an_operator_restores_it(tmp_path, tamper):
+    from common.policy import LEDGER_FILE, rebuild_ledger
+
+    federation(tmp_path, DP, rounds=2, **{"run-name": "first"})
+    folder = tmp_path / "state" / "hospital-00"
+    ledger = folder / LEDGER_FILE
+    spent = PrivacyLedger(folder).epsilon(1e-5)
+    entries = json.loads(ledger.read_text())["releases"]
+    assert len(entries) == 2 and spent > 0
+    if tamper == "delete":
+        ledger.unlink()
+    elif tamper == "roll back":
+        ledger.write_text(json.dumps({"releases": entries[:1]}))
+    else:
+        entries[1]["noise-multiplier"] = 1e6  # a round that spent almost nothing
+        ledger.write_text(json.dumps({"releases": entries}))
+    _, history = federation(tmp_path, DP, rounds=1, **{"run-name": "second"})
+    reason = history[0]["refused"]["hospital-00"]
+    assert "privacy ledger" in reason and "audit log" in reason and "rebuild-ledger" in reason
+    assert history[0]["aggregated"] == ["hospital-01"]  # the untouched hospital trains on
+    assert rebuild_ledger(folder / "audit.jsonl", folder) == 2  # the operator acts: the ledger from the log
+    assert PrivacyLedger(folder).epsilon(1e-5) == pytest.approx(spent)
+    _, history = federation(tmp_path, DP, rounds=1, **{"run-name": "third"})
+    assert "hospital-00" in history[0]["aggregated"]
+
+
+def test_a_policy_counted_from_its_ledger_needs_the_audit_log(tmp_path):
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    nodes = simulated_hospitals(config, 2, **{"policy-file": policy_file(tmp_path, DP), "audit-log": "none"})
+    strategy = FedAvgStrategy(min_train_nodes=1, min_available_nodes=2, run_config=config)
+    with pytest.raises(ConfigError, match="audit-log='none' cannot be used"):  # before round 1
+        strategy.start(FakeGrid(nodes), num_rounds=1)
+
+
+def test_yaml_policies_are_read_as_yaml(tmp_path):
+    yaml_text = "methods: [fedavg]\nmin-samples: 5\nlocal-dp:\n  clip-norm: 0.5\n  noise-multiplier: 1.0\n"
+    parsed, _ = read_policy(policy_file(tmp_path, yaml_text, "policy.yaml"))
+    assert parsed.methods == ["fedavg"] and parsed.min_samples == 5 and parsed.local_dp.clip_norm == 0.5
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_policy(policy_file(tmp_path, "methods: [fedavg\n", "policy.yml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):  # no YAML tag builds an object or calls anything
+        read_policy(policy_file(tmp_path, "methods: !!python/object/apply:os.system ['touch x']\n", "policy.yaml"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_fedproin_influence_counts_have_the_sensitivity_the_accounting_assumes(tmp_path):
+    """Under local DP FedProIn counts with the model it received: one training image replaced by another moves
+    the counts by at most L2 sqrt(2), in every try (with the trained model it moved them by 2)."""
+    hospital, payload, _, _ = in_process(tmp_path, "fedproin", "min-samples = 1\n", model="resnet18",
+                                         **{"resnet-width": 0.25, "fedproin.num-prototypes": 3,
+                                            "fedproin.prototype-init": "class-means"})
+    images, labels = hospital.site.train.images, hospital.site.train.labels
+
+    def largest_move(bounded: bool) -> float:
+        hospital.privacy_bounded = bounded
+        moved = []
+        for attempt in range(4):
+            before = np.asarray(hospital.timed_train(1, payload).metrics["influence"], np.float64)
+            rng = np.random.default_rng(attempt)
+            index, donor = rng.integers(len(labels), size=2)
+            saved = images[index].copy(), labels[index]
+            images[index], labels[index] = images[donor] + rng.normal(0, 0.2, images[donor].shape), labels[donor]
+            after = np.asarray(hospital.timed_train(1, payload).metrics["influence"], np.float64)
+            images[index], labels[index] = saved
+            moved.append(np.linalg.norm(after - before))
+        return max(moved)
+
+    assert largest_move(bounded=True) <= math.sqrt(2) + 1e-9
+    assert largest_move(bounded=False) > math.sqrt(2)  # the paper's counts, with the trained model, move more
+
+
+@pytest.mark.parametrize("release", ["all", "validation", "none"])
+def test_timing_and_the_device_leave_only_when_every_metric_may(tmp_path, release):
+    """What a reply says of the hospital's machine follows release-metrics, as under secure aggregation."""
+    hospital, payload, enforcer, _ = in_process(tmp_path, "fedavg", f'release-metrics = "{release}"\n')
+    reply = enforcer.train(hospital, 1, payload, "t", {})
+    assert ("hospital-seconds" in reply.metrics) is (release == "all")
+    assert ("device" in reply.config) is (release == "all")
+    assert any(k.startswith("val-") for k in reply.metrics) is (release != "none")
+    assert {"num-examples", "server-round"} <= set(reply.metrics)

@@ -215,7 +215,7 @@ def test_bad_bit_width_lists_are_named_by_their_key():
 def polyp_job():
     return JobConfig(run_name="q", task="polyp-segmentation", strategy="qfedpolyp", num_server_rounds=2,
                      synthetic_samples=30, image_size=16, batch_size=8, min_partition_size=5,
-                     qfedpolyp={"bit-widths": "4,8,32"})
+                     qfedpolyp={"bit-widths": "4,8,32"}, screening={"max-hospital-weight": 1.0})  # plain weights
 
 
 def test_too_few_bit_widths_stop_the_run_before_any_message_of_round_1(polyp_job):

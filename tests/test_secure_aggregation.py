@@ -1,53 +1,50 @@
 """Secure aggregation (SecAgg+ on Flower's primitives, docs/secure-aggregation.md): the protocol sums and survives
-dropouts up to its threshold, hospitals refuse what would unmask them, each method's secure sums give what its plain
-aggregation gives within the quantisation error (FedProIn's NIA included), and what the server receives (FakeGrid
-records every reply) shows no single update. ``python -m tests.test_secure_aggregation`` prints the cost table of
-docs/secure-aggregation.md."""
+dropouts up to its threshold, each method's secure sums give what its plain aggregation gives within the quantisation
+error (FedProIn's NIA included), and what the server receives (FakeGrid records every reply) shows no single update.
+The attacks (a lying server, replays, a hospital's policy, hostile shares) are tests/test_secure_aggregation_attacks.py.
+What it costs is benchmarks/secure_aggregation/run.py."""
 
 from __future__ import annotations
 
+import json
 import math
-import time
 
 import numpy as np
 import pytest
 from flwr.app import Context, Message, MessageType, RecordDict
-from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
-from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from client_app.secure_aggregation import stage_of
+from common.audit import cross_check
 from common.config import ConfigError, load_job_config
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine
 from common.secure_aggregation import (
     INTEGER,
-    MASKED_ARRAY,
-    MASKED_GROUP,
     Entry,
     Layout,
     SecureAggregationSettings,
-    add_masked_vector,
-    code_ranges,
-    collect_config,
     decode_sum,
     encode,
-    fedproin_apply,
-    fedproin_contribution,
-    fedproin_plan,
-    float_names,
-    hospital_stage,
     modulus_bits,
-    ours,
     pack_values,
-    plan_round,
-    receive_key_shares,
-    receive_public_keys,
-    setup_config,
-    share_keys_config,
-    threshold_problem,
-    unmask_config,
-    unmask_sum,
     unpack_values,
+)
+from common.secure_aggregation.hospital import HospitalRound, SecureAggregationRefusal, hospital_stage
+from common.secure_aggregation.inprocess import InProcess
+from common.secure_aggregation.messages import (
+    COLLECT,
+    CONSISTENCY,
+    MASKED_ARRAY,
+    MASKED_GROUP,
+    SETUP,
+    UNMASK,
+)
+from common.secure_aggregation.methods import float_names
+from common.secure_aggregation.server import (
+    add_masked_vector,
+    consistency_config,
+    setup_config,
+    unmask_config,
 )
 from common.wire import from_recorddict, message_nbytes
 from strategies import (
@@ -60,7 +57,9 @@ from strategies import (
     MoonStrategy,
     QFedPolypStrategy,
 )
+from strategies.fedproin.secure import fedproin_apply, fedproin_contribution, fedproin_plan
 from strategies.fedproin.server import normalised_influence_aggregation
+from strategies.qfedpolyp.secure import code_ranges
 from strategies.records import arrays_of
 from strategies.secure_aggregation import with_secure_aggregation
 
@@ -77,86 +76,49 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --- the protocol, without transport -------------------------------------------------------------------------------
 def run_protocol(nodes, vectors, settings, silent_at=None, size=None):
-    """Every stage at the server and at each hospital; ``silent_at``: node -> the stage it stops answering at.
-    Returns the protocol state and the unmasked sum (or the reason the round cannot go on)."""
-    silent_at = silent_at or {}
-    plan = plan_round(nodes, settings, [0, 1], size or len(next(iter(vectors.values()))))
-    states = {n: SecAggPlusState() for n in nodes}
-
-    def answers(stage, config_of, alive):
-        out = {}
-        for node in sorted(alive):
-            if silent_at.get(node) == stage:
-                continue
-            states[node], answer = hospital_stage(states[node], stage, config_of(node), node)
-            out[node] = ours(answer)
-        return out
-
-    receive_public_keys(plan, answers(Stage.SETUP, lambda n: setup_config(plan), nodes))
-    receive_key_shares(plan, answers(Stage.SHARE_KEYS, lambda n: share_keys_config(plan, n), plan.setup_done))
-    for node in sorted(plan.keyed):
-        if silent_at.get(node) != Stage.COLLECT_MASKED_VECTORS:
-            states[node], masked = hospital_stage(states[node], Stage.COLLECT_MASKED_VECTORS,
-                                                  collect_config(plan, node), node, vectors[node])
-            add_masked_vector(plan, node, masked)
-    problem = threshold_problem(plan, plan.masked, plan.masked | plan.dropped)
-    if problem:
-        return plan, problem
-    return plan, unmask_sum(plan, answers(Stage.UNMASK, lambda n: unmask_config(plan, n), plan.masked))
+    return InProcess(nodes, settings, size or len(next(iter(vectors.values())))).run(vectors, silent_at)
 
 
 def test_the_protocol_sums_and_survives_dropouts_up_to_its_threshold():
     nodes = [7, 19, 23, 42, 101]
     rng = np.random.default_rng(0)
     vectors = {n: rng.integers(0, 2**20, 300) for n in nodes}
-    settings = SecureAggregationSettings(enabled=True, reconstruction_threshold=3)
+    settings = SecureAggregationSettings(enabled=True)
     plan, total = run_protocol(nodes, vectors, settings)
-    assert (plan.num_shares, plan.threshold) == (5, 3)
+    assert (plan.num_shares, plan.threshold) == (5, 3)  # more than half the shares, by default
     np.testing.assert_array_equal(total, sum(vectors.values()))
 
     # one hospital stops before its masked vector, one before the unmask stage: the sum is the 4 masked ones'
-    silent = {42: Stage.COLLECT_MASKED_VECTORS, 101: Stage.UNMASK}
+    silent = {42: COLLECT, 101: UNMASK}
     plan, total = run_protocol(nodes, vectors, settings, silent)
     assert plan.dropped == {42} and plan.masked == {7, 19, 23, 101}
     np.testing.assert_array_equal(total, sum(vectors[n] for n in plan.masked))
 
     # one lost at setup never enters anybody's masks
-    plan, total = run_protocol(nodes, vectors, settings, {7: Stage.SETUP, 19: Stage.COLLECT_MASKED_VECTORS})
+    plan, total = run_protocol(nodes, vectors, settings, {7: SETUP, 19: COLLECT})
     assert plan.keyed == {19, 23, 42, 101} and plan.masked == {23, 42, 101}
     np.testing.assert_array_equal(total, sum(vectors[n] for n in plan.masked))
 
     # three of five stop before masking: two live neighbours each, below the threshold of 3
-    plan, problem = run_protocol(nodes, vectors, settings, dict.fromkeys([7, 19, 23], Stage.COLLECT_MASKED_VECTORS))
+    plan, problem = run_protocol(nodes, vectors, settings, dict.fromkeys([7, 19, 23], COLLECT))
     assert "fewer live neighbours than the reconstruction threshold 3" in problem
 
     # SecAgg+ proper: 3 shares per hospital over 7, each hospital masks with its two ring neighbours only
     nodes = list(range(1, 8))
     vectors = {n: rng.integers(0, 2**20, 50) for n in nodes}
     plan, total = run_protocol(nodes, vectors, SecureAggregationSettings(num_shares=3, reconstruction_threshold=2),
-                               {3: Stage.COLLECT_MASKED_VECTORS})
+                               {3: COLLECT})
     assert plan.num_shares == 3 and all(len(n) == 3 for n in plan.neighbours.values())
     np.testing.assert_array_equal(total, sum(vectors[n] for n in plan.masked))
 
 
 def test_a_masked_vector_says_nothing_of_its_vector():
-    nodes = [1, 2, 3]
     rng = np.random.default_rng(1)
-    vectors = {n: rng.integers(0, 2**22, 20_000) for n in nodes}
+    vectors = {n: rng.integers(0, 2**22, 20_000) for n in (1, 2, 3)}
     vectors[1][:] = 0  # a hospital whose update is all zeros...
-    plan = plan_round(nodes, SecureAggregationSettings(), [0, 2], 20_000)
-    states = {n: SecAggPlusState() for n in nodes}
-    keys = {}
-    for n in nodes:
-        states[n], answer = hospital_stage(states[n], Stage.SETUP, setup_config(plan), n)
-        keys[n] = ours(answer)
-    receive_public_keys(plan, keys)
-    shares = {}
-    for n in nodes:
-        states[n], answer = hospital_stage(states[n], Stage.SHARE_KEYS, share_keys_config(plan, n), n)
-        shares[n] = ours(answer)
-    receive_key_shares(plan, shares)
-    _, masked = hospital_stage(states[1], Stage.COLLECT_MASKED_VECTORS, collect_config(plan, 1), 1, vectors[1])
-    _, other = hospital_stage(states[2], Stage.COLLECT_MASKED_VECTORS, collect_config(plan, 2), 2, vectors[2])
+    protocol = InProcess([1, 2, 3], SecureAggregationSettings(), 20_000)
+    protocol.keys()
+    masked, other = protocol.mask(1, vectors[1]), protocol.mask(2, vectors[2])
     # ...sends values spread evenly over [0, 2^32): mean 2^31, a quarter in each quarter, not correlated with others'
     assert abs(masked.mean() / 2**32 - 0.5) < 0.01
     assert np.allclose(np.histogram(masked, bins=4, range=(0, 2**32))[0] / masked.size, 0.25, atol=0.01)
@@ -164,32 +126,29 @@ def test_a_masked_vector_says_nothing_of_its_vector():
 
 
 def test_a_hospital_refuses_what_would_unmask_it():
-    plan = plan_round([1, 2, 3], SecureAggregationSettings(), [0, 1], 10)
-    config = setup_config(plan)
-    with pytest.raises(ValueError, match="threshold below 2"):
-        hospital_stage(SecAggPlusState(), Stage.SETUP, {**config, "secagg.threshold": 1}, 1)
-    with pytest.raises(ValueError, match="expect setup stage, but receive unmask"):  # Flower's stage order
-        hospital_stage(SecAggPlusState(), Stage.UNMASK, unmask_config(plan, 1), 1)
-    states, answers = {}, {}
-    for n in (1, 2, 3):
-        states[n], answer = hospital_stage(SecAggPlusState(), Stage.SETUP, config, n)
-        answers[n] = ours(answer)
-    receive_public_keys(plan, answers)
-    shares = {}
-    for n in (1, 2, 3):
-        states[n], answer = hospital_stage(states[n], Stage.SHARE_KEYS, share_keys_config(plan, n), n)
-        shares[n] = ours(answer)
-    receive_key_shares(plan, shares)
+    protocol = InProcess([1, 2, 3], SecureAggregationSettings(), 10)
+    config = setup_config(protocol.plan)
+    with pytest.raises(SecureAggregationRefusal, match="threshold below 2"):
+        hospital_stage(HospitalRound.new(), SETUP, {**config, "secagg.threshold": 1}, 1, protocol.rules[1])
+    with pytest.raises(SecureAggregationRefusal, match="expects stage 'setup'"):  # the stages' order
+        hospital_stage(HospitalRound.new(), UNMASK, unmask_config(protocol.plan, 1), 1, protocol.rules[1])
+    protocol.keys()
     for n in (1, 2):
-        states[n], _ = hospital_stage(states[n], Stage.COLLECT_MASKED_VECTORS, collect_config(plan, n), n,
-                                      np.zeros(10))
-    both = {"secagg.active_nids": [1, 2, 3], "secagg.dead_nids": [2]}  # its mask seed and its key: its update
-    with pytest.raises(ValueError, match="both alive and dropped"):
-        hospital_stage(states[1], Stage.UNMASK, both, 1)
-    with pytest.raises(ValueError, match="expect setup stage"):  # and it is not asked twice
-        hospital_stage(states[1], Stage.UNMASK, {"secagg.active_nids": [1, 2], "secagg.dead_nids": [3]}, 1)
-    done, answer = hospital_stage(states[2], Stage.UNMASK, {"secagg.active_nids": [1, 2], "secagg.dead_nids": [3]}, 2)
-    assert sorted(answer["nids"]) == [1, 2, 3] and done.sk1 == b"" and done.rd_seed == b""  # nothing kept
+        add_masked_vector(protocol.plan, n, protocol.mask(n, np.zeros(10)))
+    for n in (1, 2):
+        protocol.ask(n, CONSISTENCY, consistency_config(protocol.plan, n))
+    asked = unmask_config(protocol.plan, 1)
+    both = {**asked, "secagg.active_nids": [1, 2, 3], "secagg.dead_nids": [2]}  # its mask seed and its key
+    with pytest.raises(SecureAggregationRefusal, match="never both"):
+        protocol.ask(1, UNMASK, both)
+    with pytest.raises(SecureAggregationRefusal, match="expects stage 'setup'"):  # a refusal ends its round
+        protocol.ask(1, UNMASK, asked)
+    answer = protocol.ask(2, UNMASK, unmask_config(protocol.plan, 2))
+    assert sorted(answer["secagg.nids"]) == [1, 2, 3]
+    done = protocol.states[2].flower
+    assert done.sk1 == b"" and done.rd_seed == b"" and not getattr(done, "rd_seed_share_dict", {})  # nothing kept
+    with pytest.raises(SecureAggregationRefusal, match="expects stage 'setup'"):  # and it is not asked twice
+        protocol.ask(2, UNMASK, unmask_config(protocol.plan, 2))
 
 
 def test_contributions_encode_and_pack_exactly():
@@ -258,10 +217,11 @@ def test_fedproin_secure_nia_equals_plain_nia_within_the_quantisation_error():
 
 
 # --- over a Flower Grid: FakeGrid nodes answering with fedmed's ClientApp handlers ---------------------------------
-def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None):
+def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None, tamper_reply=None):
     """A hospital answering with fedmed's ClientApp handlers (``Hospital.answer`` runs the stages: ``secure_train``);
     ``silent_at``: the stage from which it stops answering (as when its SuperNode dies); ``tamper``: changes each
-    message it receives first (a hostile hospital ignoring what the server set)."""
+    message it receives first (a hostile hospital ignoring what the server set); ``tamper_reply``: changes each
+    reply it sends (a hostile hospital's own answers)."""
     from client_app import app as client
 
     context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
@@ -278,7 +238,10 @@ def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None):
             tamper(message)
         handlers = {MessageType.TRAIN: client.train, MessageType.QUERY: client.query,
                     MessageType.EVALUATE: client.evaluate}
-        return handlers[kind](message, context)
+        reply = handlers[kind](message, context)
+        if tamper_reply is not None and not reply.has_error():
+            tamper_reply(stage, reply)
+        return reply
 
     return answer
 
@@ -305,7 +268,7 @@ def config_of(tmp_path, base, name, **extra):
 
 
 def masked_replies(grid: FakeGrid) -> list[Message]:
-    return [m for m in grid.replies if not m.has_error() and stage_of_reply(m) == Stage.COLLECT_MASKED_VECTORS]
+    return [m for m in grid.replies if not m.has_error() and stage_of_reply(m) == COLLECT]
 
 
 def stage_of_reply(message: Message) -> str | None:
@@ -332,7 +295,8 @@ def test_fedavg_over_a_grid_the_server_sees_only_masked_vectors_and_gets_the_mea
     assert record["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"] and "skipped" not in record
     secure = record["secure-aggregation"]
     assert secure["hospitals-in-sum"] == 3 and secure["lost"] == {} and secure["threshold"] == 2
-    assert set(secure["stages"]) == {"setup", "share_keys", "collect_masked_vectors", "unmask"}
+    assert set(secure["stages"]) == {"setup", "share_keys", "collect_masked_vectors", "consistency_check", "unmask"}
+    assert secure["hostile-shares"] == {}
     assert result.train_metrics_clientapp[1]["bytes-up.hospital-00"] > 0
 
     # what the server received: per hospital one masked vector and numbers, no model array; the vector is
@@ -368,7 +332,7 @@ def test_hospitals_that_drop_out_after_sharing_keys_do_not_stop_the_round(tmp_pa
         FakeGrid(plain_hospitals(plain_config, 4, silent={3})), num_rounds=1).arrays)
     config = config_of(tmp_path, SMALL_CLASSIFICATION, "drop")
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
-    grid = FakeGrid(secure_hospitals(config, 4, silent={3: Stage.COLLECT_MASKED_VECTORS}))
+    grid = FakeGrid(secure_hospitals(config, 4, silent={3: COLLECT}))
     final = arrays_of(strategy.start(grid, num_rounds=1).arrays)
     record = strategy.engine.history[0]
     assert record["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"] and "skipped" not in record
@@ -377,7 +341,7 @@ def test_hospitals_that_drop_out_after_sharing_keys_do_not_stop_the_round(tmp_pa
     for name, value in expected.items():
         np.testing.assert_allclose(final[name], value, atol=3 * STEP + 1e-6, err_msg=name)
     # the unmask stage asked the live ones for hospital-03's key shares
-    unmask = [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of(m) == Stage.UNMASK]
+    unmask = [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of(m) == UNMASK]
     assert len(unmask) == 3 and all(m.content["config"]["secagg.dead_nids"] == [104] for m in unmask)
 
 
@@ -386,23 +350,23 @@ def test_below_the_threshold_the_round_is_skipped_with_its_reason(tmp_path, capl
     strategy = with_secure_aggregation(FedAvgStrategy)(
         min_train_nodes=2, run_config=config, secure_aggregation={"reconstruction-threshold": 3})
     before = arrays_of(strategy.initial_arrays())
-    grid = FakeGrid(secure_hospitals(config, 3, silent={2: Stage.COLLECT_MASKED_VECTORS}))
+    grid = FakeGrid(secure_hospitals(config, 3, silent={2: COLLECT}))
     strategy.start(grid, num_rounds=1)
     record = strategy.engine.history[0]
     assert "fewer than 3" in record["skipped"] and "unchanged" in record["skipped"]
     assert "fewer than 3" in caplog.text
     for name, value in arrays_of(strategy.initial_arrays()).items():
         np.testing.assert_array_equal(value, before[name])
-    assert not [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of(m) == Stage.UNMASK]
+    assert not [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of(m) == UNMASK]
 
 
-@pytest.mark.parametrize("key,value,why", [("secagg.weight-bound", 1.0, "weights sum to"),
+@pytest.mark.parametrize("key,value,why", [("secagg.weight-share", 5.0, "weights sum to"),
                                            ("secagg.norm-bound", 0.0, "exceeds the norm bound")])
 def test_a_sum_no_honest_hospitals_could_have_sent_is_refused(tmp_path, key, value, why):
-    """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself above its cap, or
+    """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself above its share, or
     skips the norm bound, gives a sum the server refuses (FedAvg family)."""
     def hostile(message: Message) -> None:
-        if stage_of(message) == Stage.COLLECT_MASKED_VECTORS:
+        if stage_of(message) == COLLECT:
             message.content["config"][key] = value
 
     config = config_of(tmp_path, SMALL_CLASSIFICATION, "hostile")
@@ -421,7 +385,7 @@ def test_a_sum_no_honest_hospitals_could_have_sent_is_refused(tmp_path, key, val
 def test_a_hospital_lost_at_the_unmask_stage_stays_in_the_sum(tmp_path):
     config = config_of(tmp_path, SMALL_CLASSIFICATION, "late")
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
-    grid = FakeGrid(secure_hospitals(config, 3, silent={0: Stage.UNMASK}))
+    grid = FakeGrid(secure_hospitals(config, 3, silent={0: UNMASK}))
     strategy.start(grid, num_rounds=1)
     record = strategy.engine.history[0]
     assert record["secure-aggregation"]["hospitals-in-sum"] == 3 and "skipped" not in record
@@ -525,129 +489,24 @@ def test_methods_it_cannot_sum_are_refused_when_the_strategy_is_built(tmp_path):
 
 
 def test_the_settings_import_without_flower():
-    """``common.config`` imports the settings, and the methods' halves import it on GPU machines without Flower."""
+    """``common.config`` imports the settings, and the methods' halves import it on GPU machines without Flower; each
+    method's package says what it sums (``MethodSpec.secure``), and the list comes from the registry."""
     import subprocess
     import sys
 
     code = ("import sys; sys.modules['flwr'] = None\n"
-            "from common.secure_aggregation import SecureAggregationSettings, Layout, Entry, SECURE_METHODS\n"
-            "print(SecureAggregationSettings(enabled=True).reconstruction_threshold, sorted(SECURE_METHODS))")
+            "from common.secure_aggregation import SecureAggregationSettings, Layout, Entry\n"
+            "from common.secure_aggregation.methods import secure_method_names\n"
+            "print(SecureAggregationSettings(enabled=True).reconstruction_threshold, secure_method_names())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.startswith("0.5 ['fedavg', 'fedbn', 'fedmepd'")
+    assert out.startswith("0.5 ['fedavg', 'fedbn', 'fedmepd', 'fedmepd-fedavg', 'fedmepd-federated-decoder', "
+                          "'fedproin', 'fedprox', 'moon', 'qfedpolyp']")
 
 
 def test_modulus_bits_name_the_wire_width():
     assert modulus_bits(2**32) == 32 and modulus_bits(2**12) == 12
     with pytest.raises(ValueError):
         modulus_bits(12)
-
-
-# --- the cost table of docs/secure-aggregation.md ------------------------------------------------------------------
-def measure(root, rounds: int = 3) -> str:
-    """Seconds per round and bytes per hospital, plain against secure, on FakeGrid (in-process hospitals): the
-    means over rounds 2..``rounds``."""
-    from benchmarks.machine import cpu_name
-
-    rows = []
-    for label, strategy_type, base, count, extra in (
-            ("FedAvg small-cnn", FedAvgStrategy, SMALL_CLASSIFICATION, 5, {}),
-            ("FedProIn small-cnn", FedProInStrategy, SMALL_CLASSIFICATION, 5, {}),
-            ("QFedPolyp U-Net, 8 bits", QFedPolypStrategy, SMALL_POLYP, 5, {"qfedpolyp.bit-widths": "8"})):
-        measured = {}
-        for kind in ("plain", "secure"):
-            config = config_of(root, base, f"{label}-{kind}".replace(" ", "-").replace(",", ""), **extra)
-            config["min-partition-size"] = 2
-            if kind == "plain":
-                strategy, grid = strategy_type(min_train_nodes=2, run_config=config), \
-                    FakeGrid(plain_hospitals(config, count))
-            else:
-                strategy = with_secure_aggregation(strategy_type)(min_train_nodes=2, run_config=config)
-                grid = FakeGrid(secure_hospitals(config, count))
-            strategy.start(grid, num_rounds=rounds)
-            later = strategy.engine.history[1:]
-            reply = (masked_replies(grid) if kind == "secure" else
-                     [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN])[-1]
-            mean = lambda values: float(np.mean(list(values)))  # noqa: E731
-            row = {"seconds": mean(r["seconds"] for r in later), "reply": message_nbytes(reply),
-                   "up": mean(r["bytes_up"] / count for r in later),
-                   "down": mean(r["bytes_down"] / count for r in later)}
-            if kind == "secure":
-                stages = [r["secure-aggregation"]["stages"] for r in later]
-                row["keys"] = " / ".join(f"{mean(s[stage]['seconds'] for s in stages):.2f}"
-                                         for stage in ("setup", "share_keys", "unmask"))
-                row["sum"] = mean(s["unmask"]["sum-seconds"] for s in stages)
-                row["mask"] = mean(max(m["secagg-seconds"] for m in r["hospital_metrics"].values()) for r in later)
-            measured[kind] = row
-        plain, secure = measured["plain"], measured["secure"]
-        rows.append(f"| {label} | {count} | {plain['seconds']:.2f} | {secure['seconds']:.2f} | {secure['keys']} | "
-                    f"{secure['mask']:.3f} | {secure['sum']:.3f} | {plain['reply']:,} | {secure['reply']:,} | "
-                    f"{plain['up']:,.0f} | {secure['up']:,.0f} | {plain['down']:,.0f} | {secure['down']:,.0f} |")
-    header = (f"FakeGrid, hospitals in the server's process, {cpu_name()}, means of rounds 2-{rounds}.\n\n"
-              "| case | hospitals | s/round plain | s/round secure | key stages s (setup / share / unmask) | "
-              "masking s (slowest hospital) | unmask + sums s (server) | training reply B plain | masked reply B | "
-              "up B/hospital plain | up B/hospital secure | down B/hospital plain | down B/hospital secure |\n"
-              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    return "\n".join([header, *rows])
-
-
-def measure_protocol(values: int = 11_200_000, count: int = 5) -> str:
-    """The protocol alone at a ResNet-18's size (11.2 M float values), no training: one hospital's quantisation and
-    masking, and the server's sum and unmasking, in seconds; the masked vector's bytes."""
-    settings = SecureAggregationSettings(enabled=True)
-    layout = Layout((Entry("weight", ()), Entry("model/all", (values,))))
-    rng = np.random.default_rng(0)
-    update = rng.normal(0, 1e-3, values)
-    started = time.perf_counter()
-    vector = encode(layout, {"weight": np.asarray(0.2), "model/all": 0.2 * update}, 8.0, 2**22)
-    quantised = time.perf_counter() - started
-    vectors = dict.fromkeys(range(1, count + 1), vector)
-    plan = plan_round(list(vectors), settings, [0, 1], vector.size)
-    states = {n: SecAggPlusState() for n in vectors}
-    answers = {}
-    for n in vectors:
-        states[n], answer = hospital_stage(states[n], Stage.SETUP, setup_config(plan), n)
-        answers[n] = ours(answer)
-    receive_public_keys(plan, answers)
-    answers = {}
-    for n in vectors:
-        states[n], answer = hospital_stage(states[n], Stage.SHARE_KEYS, share_keys_config(plan, n), n)
-        answers[n] = ours(answer)
-    receive_key_shares(plan, answers)
-    masking = []
-    for n in vectors:
-        started = time.perf_counter()
-        states[n], masked = hospital_stage(states[n], Stage.COLLECT_MASKED_VECTORS, collect_config(plan, n), n, vector)
-        packed = pack_values(masked, 32)
-        masking.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        add_masked_vector(plan, n, unpack_values(packed, 32, vector.size))
-        masking[-1] = (masking[-1], time.perf_counter() - started)
-    answers = {}
-    for n in vectors:
-        states[n], answer = hospital_stage(states[n], Stage.UNMASK, unmask_config(plan, n), n)
-        answers[n] = ours(answer)
-    started = time.perf_counter()
-    total = unmask_sum(plan, answers)
-    sums = decode_sum(layout, total, count, 8.0, 2**22)
-    unmasking = time.perf_counter() - started
-    error = float(np.abs(sums["model/all"] - count * 0.2 * update).max())
-    mask, add = np.mean([m for m, _ in masking]), np.mean([a for _, a in masking])
-    return (f"Protocol alone, {values / 1e6:.1f} M float values (a ResNet-18), {count} hospitals: a hospital "
-            f"quantises in {quantised:.2f} s and masks and packs in {mask:.2f} s; the server unpacks and adds one "
-            f"vector in {add:.2f} s and unmasks and decodes the sum in {unmasking:.2f} s; a masked vector is "
-            f"{packed.size:,} B (float32: {4 * values:,} B); the sum's largest error is {error:.2g}.")
-
-
-if __name__ == "__main__":
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    torch.set_num_threads(1)
-    print(measure_protocol())
-    with tempfile.TemporaryDirectory() as folder:
-        print(measure(Path(folder)))
 
 
 def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_every_reply(tmp_path):
@@ -664,3 +523,10 @@ def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_eve
     assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"]
     trained = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN and not m.has_error()]
     assert trained and not any(len(m.content.array_records.get("arrays", {})) for m in trained)  # never a model
+    # every answer, each key stage's included, carries the hospital's audit head, which the server's log records
+    server_log = tmp_path / "plain" / "results" / "plain" / "audit.jsonl"
+    received = [json.loads(line) for line in server_log.read_text().splitlines()
+                if json.loads(line).get("direction") == "received"]
+    assert len(received) >= 3 * 5 and all(r.get("peer-audit-head") for r in received)  # query + 4 stages each
+    for name in ("hospital-00", "hospital-01", "hospital-02"):
+        assert cross_check(tmp_path / "plain" / "state" / name / "audit.jsonl", server_log, name) == []

@@ -229,3 +229,78 @@ def test_flowers_supernode_still_has_the_waits_the_script_shortens(script, monke
         assert http_retry.MAX_RETRY_DELAY == script.RECONNECT_WAIT < 20
     finally:
         inflatable_utils.pull_objects.__kwdefaults__.update(defaults)
+
+
+def fab_of(content: bytes):
+    import hashlib
+
+    class Fab:
+        pass
+
+    fab = Fab()
+    fab.content, fab.hash_str = content, hashlib.sha256(content).hexdigest()
+    return fab
+
+
+def run_one_task(script, monkeypatch, fab, node_config):
+    """One task of ``fab`` through the executor; (what was installed, the pushed replies)."""
+    import flwr.cli.install as flower_install
+    import flwr.supernode.runtime.run_clientapp as flower_clientapp
+    from flwr.app import Context, Message, RecordDict
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    runtime, installed, pushed = FakeRuntime(), [], []
+    message = Message(RecordDict(), dst_node_id=1, message_type="train")
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    class Run:
+        fab_id, fab_version = "fedmed", "1"
+
+    executor = script.Executor("127.0.0.1:1", node_config=node_config)
+    executor.task_client = lambda token: (runtime, make_simple_http_retry_invoker())
+    monkeypatch.setattr(script, "pull_task_input", lambda client: (message, context, Run, fab))
+    monkeypatch.setattr(flower_install, "install_from_fab", lambda content, **kw: installed.append(content))
+    monkeypatch.setattr(flower_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
+    monkeypatch.setattr("flwr.clientapp.utils.get_load_client_app_fn",
+                        lambda **kw: lambda *a: (lambda message, context: message.create_reply(RecordDict())))
+    executor.run_task("token-1")
+    return installed, pushed
+
+
+@pytest.mark.parametrize("where", ["node config", "policy"])
+def test_an_app_the_hospital_did_not_approve_is_refused_before_it_is_installed(script, monkeypatch, tmp_path,
+                                                                               where):
+    hostile, approved = fab_of(b"a changed app"), fab_of(b"the reviewed app")
+    if where == "node config":
+        node_config = {"approved-apps": f"{'0' * 64}, {approved.hash_str}"}
+    else:
+        (tmp_path / "policy.yaml").write_text(f"apps: ['{approved.hash_str}']\n")
+        node_config = {"policy-file": str(tmp_path / "policy.yaml")}
+    installed, pushed = run_one_task(script, monkeypatch, hostile, node_config)
+    assert installed == [] and len(pushed) == 1 and pushed[0].has_error()
+    assert hostile.hash_str in pushed[0].error.reason and "not among the apps this hospital approved" in \
+        pushed[0].error.reason
+    installed, pushed = run_one_task(script, monkeypatch, approved, node_config)
+    assert installed == [b"the reviewed app"] and not pushed[0].has_error()
+
+
+def test_an_app_whose_content_does_not_match_its_hash_is_refused(script, monkeypatch):
+    forged = fab_of(b"the reviewed app")
+    forged.content = b"something else"
+    installed, pushed = run_one_task(script, monkeypatch, forged, {"approved-apps": forged.hash_str})
+    assert installed == [] and "does not hash to" in pushed[0].error.reason
+
+
+def test_the_approved_list_comes_from_the_node_config_and_the_policy(script, tmp_path):
+    assert script.approved_apps({}) is None  # nothing listed: every app runs, as in Flower
+    (tmp_path / "policy.toml").write_text('methods = ["fedavg"]\n')
+    assert script.approved_apps({"policy-file": str(tmp_path / "policy.toml")}) is None
+    (tmp_path / "listed.toml").write_text(f'apps = ["{"A" * 64}"]\n')
+    assert script.approved_apps({"policy-file": str(tmp_path / "listed.toml"), "approved-apps": "b" * 64}) == \
+        {"a" * 64, "b" * 64}
+    (tmp_path / "broken.toml").write_text("apps = [")
+    assert script.approved_apps({"policy-file": str(tmp_path / "broken.toml")}) == frozenset()  # fails closed
+    args = ["--superlink", "x:1", "--node-config", f"hospital='h' approved-apps='{'c' * 64}'"]
+    assert script.approved_apps(script.node_config_of(args)) == {"c" * 64}

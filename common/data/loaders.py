@@ -20,6 +20,8 @@ from .containers import DataError
 if TYPE_CHECKING:
     from common.config import JobConfig
 
+#: items of a torch Dataset of a consortium's own checked when its loader returns it (the rest batch by batch)
+FIRST_ITEMS_CHECKED = 8
 #: the formats we read, each a loader of the task's (``common.tasks.base.Task.builtin_data``)
 BUILT_IN = ("synthetic", "ham10000", "npz", "image-mask", "brats")
 
@@ -67,16 +69,38 @@ def call_loader(request: DataRequest):
         if not isinstance(answer, (tuple, list)) or len(answer) != 2:
             raise DataError(f"dataset {name!r} returned {type(answer).__name__} for {request.hospital}, not a "
                             "(train, validation) pair")
-        return tuple(wrap(part, f"{request.hospital} {kind}", request.job) for part, kind in
-                     zip(answer, ("train", "validation")))
-    return None if answer is None else wrap(answer, "server test set", request.job)
+        train, validation = (wrap(part, f"dataset {name!r}, {request.hospital} {kind}", request.job)
+                             for part, kind in zip(answer, ("train", "validation")))
+        if len(train) == 0:
+            raise DataError(f"dataset {name!r} returned no training samples for {request.hospital}: it does not "
+                            "train on nothing")
+        return train, validation
+    return None if answer is None else wrap(answer, f"dataset {name!r}, server test set", request.job)
 
 
 def wrap(data: Any, where: str, cfg: "JobConfig"):
-    """Our containers as they are; a torch Dataset as :class:`~common.data.torch_data.TorchData`."""
+    """Our containers as they are; a torch Dataset as :class:`~common.data.torch_data.TorchData`; DataError naming
+    ``where`` for NaN or Inf images, or images of no image's shape (its first items here, the rest as it is read)."""
+    import numpy as np
+    import torch
+
     from .containers import LabelledImages, SegmentationImages
     from .torch_data import TorchData
 
-    if isinstance(data, (LabelledImages, SegmentationImages, TorchData, list)):
+    if isinstance(data, (LabelledImages, SegmentationImages)):
+        if data.images.dtype.kind == "f":
+            finite = np.isfinite(data.images.reshape(len(data.images), -1)).all(axis=1)
+            if not finite.all():
+                raise DataError(f"{where}: image {data.names[np.argmin(finite)]} holds NaN or Inf values")
         return data
-    return TorchData(data, where, workers=cfg.data_workers)
+    if isinstance(data, (TorchData, list)):
+        return data
+    wrapped = TorchData(data, where, workers=cfg.data_workers)
+    for index in range(min(len(wrapped), FIRST_ITEMS_CHECKED)):  # the rest is checked batch by batch
+        image, _ = wrapped.item(index)
+        if image.ndim not in (3, 4):
+            raise DataError(f"{where}: item {index}'s image has shape {tuple(image.shape)}; an image is (channels, "
+                            "height, width), a volume (channels, depth, height, width)")
+        if image.is_floating_point() and not torch.isfinite(image).all():
+            raise DataError(f"{where}: item {index}'s image holds NaN or Inf values")
+    return wrapped

@@ -108,7 +108,20 @@ class TorchData:
         workers = self.workers if self.workers >= 0 else (min(4, os.cpu_count() or 1) if device.type == "cuda" else 0)
         loader = DataLoader(self.dataset, batch_sampler=[[int(i) for i in index] for index in order],
                             num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate)
-        for images, targets in loader:
+        batches = iter(loader)
+        while True:
+            try:
+                images, targets = next(batches)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except (RuntimeError, ValueError, TypeError, IndexError) as error:  # torch says what, we say where
+                raise DataError(f"{self.where}: its items cannot be batched ({type(error).__name__}: "
+                                f"{str(error)[:300]}): every image must be a tensor of one shape") from None
+            if not torch.isfinite(images).all():
+                raise DataError(f"{self.where}: an image of the batch holds NaN or Inf values; a hospital trains only "
+                                "on finite images")
             x = images.to(device, non_blocking=True).float()
             if segmentation:
                 y = targets.to(device, non_blocking=True).float()

@@ -128,6 +128,10 @@ def encode_model(arrays: Mapping[str, np.ndarray], bits: int, content: str = "we
     }
 
 
+#: The most bytes a payload's JSON header may take (ours take a few hundred).
+MAX_HEADER_BYTES = 1 << 16
+
+
 def parse_header(encoded: Mapping[str, np.ndarray], form: str, version: int, what: str) -> dict[str, Any]:
     """A payload's header, read and checked as far as every payload of ``form`` shares: its three arrays, a JSON
     header of that format and version, a bit-width tag the codec has."""
@@ -137,10 +141,14 @@ def parse_header(encoded: Mapping[str, np.ndarray], form: str, version: int, wha
     raw = np.asarray(encoded["header"])
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise PayloadError(f"header must be a 1-D uint8 array, got {raw.dtype} {raw.shape}")
+    if raw.size > MAX_HEADER_BYTES:
+        raise PayloadError(f"header is {raw.size} bytes, more than the {MAX_HEADER_BYTES} a header takes")
     try:
         header = json.loads(raw.tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise PayloadError(f"header is not JSON ({error})") from None
+    except RecursionError:
+        raise PayloadError("header nests lists or objects too deeply to be a header") from None
     if not isinstance(header, dict) or header.get("format") != form or header.get("version") != version:
         raise PayloadError(f"header is not a {form} version {version} header")
     try:

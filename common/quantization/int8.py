@@ -73,6 +73,13 @@ def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str 
                    batch_size: int = 8) -> list[Path]:
     """Write a mask PNG (0/255, the image's own size) for every image under ``images_dir``."""
     model, meta = load_deployment(model_path)
+    normalisation = str(meta.get("normalisation", "imagenet"))
+    if normalisation not in ("imagenet", "0.5/0.5"):
+        raise ValueError(f"{model_path} takes inputs normalised by the run's own {normalisation} (calibrated on "
+                         f"values in {meta.get('calibration-range')}), which segment cannot apply to image files: "
+                         "score it with `fedmed evaluate --run RUN --data FOLDER --model MODEL` (a folder that loader "
+                         "reads), or run it in Python on your loader's tensors: "
+                         "common.quantization.int8.load_deployment(MODEL)")
     size, threshold = int(meta["image-size"]), float(meta.get("threshold", 0.5))
     paths = find_images(images_dir)
     if not paths:
@@ -92,17 +99,26 @@ def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str 
 
 
 # --- from a run's checkpoint to a deployment file --------------------------------------------------
-def model_from_checkpoint(state: dict[str, np.ndarray]) -> tuple[JobConfig, nn.Module, int]:
-    """(run config, float global model, rounds done) from a checkpoint's arrays."""
-    from common.arrays import load_model_arrays
+def run_config_of(state: dict[str, np.ndarray]) -> JobConfig:
+    """The run config of a checkpoint of a polyp run (ValueError otherwise)."""
     from common.methods.base import unpack_json
-    from common.tasks import get_task
 
     if "run/config" not in state or not any(k.startswith("method/global/") for k in state):
         raise ValueError("checkpoint holds no run config or no 'method/global/*' model arrays")
     cfg = JobConfig.model_validate(unpack_json(state["run/config"]))
     if cfg.task != "polyp-segmentation":
         raise ValueError(f"INT8 export is for polyp segmentation; this run's task is {cfg.task!r}")
+    return cfg
+
+
+def model_from_checkpoint(state: dict[str, np.ndarray]) -> tuple[JobConfig, nn.Module, int]:
+    """(run config, float global model, rounds done) from a checkpoint's arrays (the run's own network importable:
+    :func:`common.run_imports.run_modules_importable`)."""
+    from common.arrays import load_model_arrays
+    from common.methods.base import unpack_json
+    from common.tasks import get_task
+
+    cfg = run_config_of(state)
     arrays = {k.removeprefix("method/global/"): v for k, v in state.items() if k.startswith("method/global/")}
     first_kernel = next((v for v in arrays.values() if v.ndim == 4), None)  # any network: its first convolution
     channels = int(first_kernel.shape[1]) if first_kernel is not None else 3
@@ -129,6 +145,38 @@ def calibration_images(cfg: JobConfig, folder: str | Path | None = None, count: 
     return pool.images[np.sort(rng.choice(len(pool), size=min(count, len(pool)), replace=False))]
 
 
+def calibration_batches(cfg: JobConfig, folder: str | Path | None = None, count: int = 64,
+                        seed: int = 0) -> list[torch.Tensor]:
+    """About ``count`` inputs for INT8 calibration, as the network took them in training: a built-in format's images
+    normalised as its task does (:func:`calibration_images`), or the items of the run's own loader (``dataset=
+    'package.module:loader'``, its own normalisation), asked for a hospital's training data in ``folder`` or else in
+    the run's data-dir (never the held-out test set)."""
+    from common.data.loaders import is_custom
+
+    if not is_custom(cfg.dataset):
+        return list(image_batches(calibration_images(cfg, folder, count, seed)))
+    from common.tasks import task_class
+
+    data_dir = str(folder) if folder else cfg.data_dir
+    train, _ = task_class(cfg.task).load_hospital_data(cfg, data_dir=data_dir or None, seed=seed,
+                                                       hospital="calibration")
+    if not len(train):
+        raise DataError(f"dataset {cfg.dataset!r} gave no training items in {data_dir or 'its default place'} to "
+                        "calibrate on; pass --calibration-dir, a folder the loader reads as a hospital's")
+    chosen = np.sort(np.random.default_rng(seed).choice(len(train), size=min(count, len(train)), replace=False))
+    order = [chosen[start:start + 16] for start in range(0, len(chosen), 16)]
+    return [x.cpu() for x, _ in train.batches(order, torch.device("cpu"), segmentation=True)]
+
+
+def input_normalisation(cfg: JobConfig, channels: int) -> str:
+    """How the exported model's inputs are normalised (its metadata; ``segment`` feeds images so)."""
+    from common.data.loaders import is_custom
+
+    if is_custom(cfg.dataset):
+        return f"dataset {cfg.dataset}"  # the loader's own pipeline: segment cannot apply it to image files
+    return "imagenet" if channels == 3 else "0.5/0.5"
+
+
 #: ``export-int8 --engine``: PT2E, PyTorch's maintained quantisation (torchao), or ONNX Runtime's static quantisation
 #: (for sites that run no PyTorch or have no C++ compiler), each of any network; ``auto``: the first installed
 ENGINES = ("auto", "pt2e", "onnxruntime")
@@ -151,14 +199,24 @@ def choose_engine(engine: str) -> str:
 
 
 def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: str | Path | None = None,
-                num_calibration: int = 64, source: str = "", engine: str = "auto") -> tuple[Path, dict[str, Any]]:
-    """A run's final global model as an INT8 model file (:data:`ENGINES`); returns the path and its metadata."""
-    cfg, model, rounds = model_from_checkpoint(state)
+                num_calibration: int = 64, source: str = "", engine: str = "auto",
+                app_dir: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """A run's final global model as an INT8 model file (:data:`ENGINES`), its own network and loader imported from
+    where the run took them (or ``app_dir``), calibrated on inputs as the run trained on them; returns the path and
+    its metadata."""
+    from common.run_imports import run_modules_importable
+
     engine = choose_engine(engine)
-    images = calibration_images(cfg, calibration_dir, num_calibration, cfg.seed)
-    metadata = {"image-size": cfg.image_size, "in-channels": int(images.shape[-1]), "threshold": 0.5,
-                "normalisation": "imagenet" if images.shape[-1] == 3 else "0.5/0.5", "run-name": cfg.run_name,
-                "rounds": rounds, "checkpoint": source, "calibration-images": int(len(images))}
+    with run_modules_importable(run_config_of(state), state, app_dir):
+        cfg, model, rounds = model_from_checkpoint(state)
+        batches = calibration_batches(cfg, calibration_dir, num_calibration, cfg.seed)
+    if not batches:
+        raise DataError("no images to calibrate on; pass --calibration-dir")
+    channels = int(batches[0].shape[1])
+    metadata = {"image-size": cfg.image_size, "in-channels": channels, "threshold": 0.5,
+                "normalisation": input_normalisation(cfg, channels), "run-name": cfg.run_name, "rounds": rounds,
+                "checkpoint": source, "calibration-images": int(sum(len(b) for b in batches)),
+                "calibration-range": [float(min(b.min() for b in batches)), float(max(b.max() for b in batches))]}
     out = Path(out)
     if not out.suffix:  # a default path: the engine's own file type
         out = out.with_suffix(SUFFIXES[engine])
@@ -167,7 +225,7 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
     if engine == "pt2e":
         from .pt2e_int8 import export_int8 as export_pt2e_int8
 
-        return export_pt2e_int8(model, list(image_batches(images)), out, metadata), {"engine": "pt2e", **metadata}
+        return export_pt2e_int8(model, batches, out, metadata), {"engine": "pt2e", **metadata}
     from .onnx_int8 import export_int8 as export_onnx_int8
 
-    return export_onnx_int8(model, list(image_batches(images)), out, metadata), {"engine": "onnxruntime", **metadata}
+    return export_onnx_int8(model, batches, out, metadata), {"engine": "onnxruntime", **metadata}

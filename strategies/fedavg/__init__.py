@@ -10,5 +10,6 @@ METHODS = (
     MethodSpec("fedavg", TWO_D, server="strategies.fedavg.server:FedAvgServer",
                hospital="strategies.fedavg.hospital:FedAvgHospital",
                strategy="strategies.fedavg.strategy:FedAvgStrategy",
-               summary="Federated averaging weighted by sample counts"),
+               summary="Federated averaging weighted by sample counts",
+               secure="strategies.fedavg.secure:SECURE"),
 )

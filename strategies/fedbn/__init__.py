@@ -12,5 +12,8 @@ from strategies.registry import TWO_D, MethodSpec
 METHODS = (
     MethodSpec("fedbn", TWO_D, server="strategies.fedbn.server:FedBNServer",
                hospital="strategies.fedbn.hospital:FedBNHospital", strategy="strategies.fedbn.strategy:FedBNStrategy",
-               summary="FedAvg with every hospital's normalisation layers kept local"),
+               summary="FedAvg with every hospital's normalisation layers kept local",
+               not_for_central_dp="a reply carries the hospital's own normalisation layers beside the shared "
+               "weights, which are not the model the wrapper sent, so it cannot clip the update tensor by tensor",
+               secure="strategies.fedbn.secure:SECURE"),
 )

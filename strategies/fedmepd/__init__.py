@@ -9,24 +9,32 @@ from strategies.registry import BRAIN, MethodSpec
 
 SETTINGS = "strategies.fedmepd.settings:FedMEPDSettings"
 
+#: why Flower's DP wrappers cannot take the replies of the methods with modality-specific encoders
+PARTIAL_ENCODERS = ("a hospital returns only the encoders of its own modalities (and the anchors), not the whole model "
+                    "the wrapper clips its reply against")
+
 METHODS = (
     MethodSpec("fedmepd", BRAIN, server="strategies.fedmepd.server:FedMEPDServer",
                hospital="strategies.fedmepd.hospital:FedMEPDHospital",
                strategy="strategies.fedmepd.strategy:FedMEPDStrategy",
                summary="Modality-specific encoders, per-filter personalised fusion decoder, multi-anchor LACCA",
-               settings=SETTINGS, section="fedmepd", model_needs="multimodal"),
+               settings=SETTINGS, section="fedmepd", model_needs="multimodal", not_for_central_dp=PARTIAL_ENCODERS,
+               secure="strategies.fedmepd.secure:SECURE"),
     MethodSpec("fedmepd-fedavg", BRAIN, server="strategies.fedmepd.baselines:SharedEncoderFedAvgServer",
                hospital="strategies.fedavg.hospital:FedAvgHospital",
                strategy="strategies.fedmepd.strategy:SharedEncoderFedAvgStrategy",
                summary="Baseline: FedAvg of the whole model with one encoder shared by all modalities",
-               model_needs="multimodal"),
+               model_needs="multimodal", secure="strategies.fedmepd.secure:SHARED_ENCODER_FEDAVG"),
     MethodSpec("fedmepd-federated-decoder", BRAIN, server="strategies.fedmepd.baselines:FederatedDecoderServer",
                hospital="strategies.fedmepd.baselines:FederatedDecoderHospital",
                strategy="strategies.fedmepd.strategy:FederatedDecoderStrategy",
                summary="Baseline: modality-specific encoders with a fully federated fusion decoder",
-               model_needs="multimodal"),
+               model_needs="multimodal", not_for_central_dp=PARTIAL_ENCODERS,
+               secure="strategies.fedmepd.secure:SECURE"),
     MethodSpec("fedmepd-local", BRAIN, server="strategies.fedmepd.baselines:LocalServer",
                hospital="strategies.fedmepd.baselines:LocalHospital",
                strategy="strategies.fedmepd.strategy:LocalOnlyStrategy",
-               summary="Baseline: every hospital (and the server) trains alone", model_needs="multimodal"),
+               summary="Baseline: every hospital (and the server) trains alone", model_needs="multimodal",
+               not_for_central_dp="every hospital trains alone: nothing is aggregated for the wrapper to protect",
+               not_secure="its hospitals send nothing to aggregate"),
 )

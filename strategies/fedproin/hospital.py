@@ -56,8 +56,11 @@ def prototype_contrastive_loss(local: torch.Tensor, global_: torch.Tensor, previ
 def influence_counts(model: torch.nn.Module, task: Task, data, device: torch.device) -> np.ndarray:
     """(C, M) int64: I[c, k] = number of class-c samples of ``data`` whose nearest class-c prototype is k.
 
-    Counted once per sample with the trained local model (eval mode, no augmentation), so each row
-    sums to the hospital's number of samples of that class.
+    Counted once per sample (eval mode, no augmentation), so each row sums to the hospital's number of samples
+    of that class. The paper counts with the trained local model; under a policy's local DP the hospital counts
+    with the model it received, which its data did not shape, so one sample replaced by another moves at most two
+    counts by one (L2 sqrt(2), the sensitivity the policy's accounting assumes; with the trained model one
+    replaced image moved them by L2 2).
     """
     classes, per_class = model.prototypes.shape[:2]
     counts = np.zeros((classes, per_class), dtype=np.int64)
@@ -183,7 +186,8 @@ class FedProInHospital(FedAvgHospital):
         reply = self.train_model(rnd, model, term, optimizer)
         if tap is not None:
             tap.remove()
-        counts = influence_counts(model, self.task, self.site.train, device)
+        counted = self.task.model_from_payload(payload) if self.privacy_bounded else model
+        counts = influence_counts(counted, self.task, self.site.train, device)
         reply.metrics[INFLUENCE] = counts.ravel().tolist()
         kept = optimizer_arrays(optimizer) if settings.keep_optimizer_state else {}
         self.site.state.save(rnd, {"prototypes": reply.arrays["model"]["prototypes"], **kept})

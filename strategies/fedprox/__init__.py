@@ -7,5 +7,6 @@ METHODS = (
                hospital="strategies.fedprox.hospital:FedProxHospital",
                strategy="strategies.fedprox.strategy:FedProxStrategy",
                summary="FedAvg with a proximal term on the hospital side",
-               settings="strategies.fedprox.settings:FedProxSettings", section="fedprox"),
+               settings="strategies.fedprox.settings:FedProxSettings", section="fedprox",
+               secure="strategies.fedavg.secure:SECURE"),
 )

@@ -6,5 +6,6 @@ METHODS = (
     MethodSpec("moon", ("classification",), server="strategies.fedavg.server:FedAvgServer",
                hospital="strategies.moon.hospital:MoonHospital", strategy="strategies.moon.strategy:MoonStrategy",
                summary="FedAvg with a model-contrastive term on the representation",
-               settings="strategies.moon.settings:MoonSettings", section="moon", model_needs="features"),
+               settings="strategies.moon.settings:MoonSettings", section="moon", model_needs="features",
+               secure="strategies.fedavg.secure:SECURE"),
 )

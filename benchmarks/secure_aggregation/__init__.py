@@ -1,0 +1,1 @@
+"""Secure aggregation cost benchmark (run.py)."""

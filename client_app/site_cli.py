@@ -1,0 +1,102 @@
+"""A hospital operator's commands: what an app bundle holds before approving it, and what the site's policy allows.
+
+    fedmed app-hash [APP_DIR]                       # the SHA-256 a SuperNode sees for this app, and its files
+    fedmed policy check [--node-config "..."] [POLICY_FILE]   # what the server may and may not make this site do
+
+``app-hash`` builds the bundle (FAB) as ``flwr run`` builds it (Flower's own builder, so the hash is the one the
+SuperLink sends): add the hash to the policy's ``apps`` (or node config ``approved-apps``) once the files were
+reviewed. ``policy check`` reads the policy and node config as the hospital does for every message and prints what
+they allow (as NVIDIA FLARE's ``authz_preview`` does for its site policies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import sys
+import zipfile
+from pathlib import Path
+
+
+def app_hash(app_dir: Path) -> tuple[str, list[tuple[str, str, int]]]:
+    """The FAB's SHA-256 and its files (path, SHA-256, bytes), from Flower's own builder."""
+    from flwr.cli.build import build_fab_from_disk
+
+    fab = build_fab_from_disk(app_dir)
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        files = [(info.filename, hashlib.sha256(archive.read(info)).hexdigest(), info.file_size)
+                 for info in archive.infolist()]
+    return hashlib.sha256(fab).hexdigest(), files
+
+
+def app_hash_command(args: argparse.Namespace) -> int:
+    digest, files = app_hash(args.app)
+    print(f"{digest}  {args.app.resolve()}")
+    for path, file_hash, size in files:
+        print(f"  {file_hash[:16]}  {size:>9}  {path}")
+    print(f"\nto approve it: apps = [\"{digest}\"] in the hospital's policy, or node config approved-apps='{digest}'")
+    return 0
+
+
+def policy_check_command(args: argparse.Namespace) -> int:
+    from flwr.common.config import parse_config_args
+
+    from common.config import server_settable_keys
+
+    from .hospital import code_gate
+    from .node_config import load_node_config
+
+    raw = parse_config_args([args.node_config]) if args.node_config else {"hospital": "site", "data-dir": "."}
+    if args.policy:
+        raw = {**raw, "policy-file": str(args.policy)}
+    node = load_node_config(raw)
+    enforcer = None
+    if node.policy_file:
+        from common.policy import enforcer_for
+
+        from .hospital import hospital_audit
+
+        enforcer = enforcer_for(node.policy_file, None, hospital_audit(node, "state"))
+    policy = enforcer.policy if enforcer is not None else None
+    gate = code_gate(node, enforcer)
+    lines = [f"hospital {node.name}" + (f", policy {node.policy_file} (sha256 {enforcer.policy_sha256})"
+                                        if enforcer else ", no policy file")]
+    if policy is not None:
+        lines += [f"tasks: {', '.join(policy.tasks) or 'any'}", f"methods: {', '.join(policy.methods) or 'any'}",
+                  f"min-samples: {policy.min_samples}", f"release-metrics: {policy.metrics_released}",
+                  f"max-rounds-per-run: {policy.max_rounds_per_run or 'no limit'}",
+                  f"max-trainings-per-day: {policy.max_trainings_per_day or 'no limit'}",
+                  f"local-dp: {policy.local_dp.model_dump(by_alias=True) if policy.local_dp else 'none'}"]
+    apps = sorted(set(filter(None, node.approved_apps.replace(",", " ").split())) | set(policy.apps if policy else []))
+    lines += [f"apps it runs: {', '.join(apps) if apps else 'any (no approved-apps, no apps in the policy)'}",
+              "networks it runs: built in" + (", and the run config's (a simulation's virtual hospital)"
+                                              if gate.trust_run_config else "")
+              + "".join(f", {m}" for m in gate.models),
+              "data loaders it runs: built in" + "".join(f", {d}" for d in gate.datasets),
+              f"set by the hospital only: state-dir{', ' + ', '.join(node.pinned_keys()) if node.dataset else ''}",
+              f"the server may set: {', '.join(k for k in server_settable_keys() if k not in node.pinned_keys())}"]
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``argv``: the words after ``fedmed``, starting with ``app-hash`` or ``policy``."""
+    parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    fab = sub.add_parser("app-hash", help="an app bundle's SHA-256 and files, for a hospital to review and approve")
+    fab.add_argument("app", type=Path, nargs="?", default=Path("."), help="the app's folder (its pyproject.toml)")
+    policy = sub.add_parser("policy", help="a hospital's policy").add_subparsers(dest="action", required=True)
+    check = policy.add_parser("check", help="read a policy and node config as the hospital does; print what they "
+                              "allow")
+    check.add_argument("policy", type=Path, nargs="?", default=None, help="the policy file (TOML, JSON or YAML)")
+    check.add_argument("--node-config", default="", help="the SuperNode's --node-config string")
+    args = parser.parse_args(argv)
+    from common.config import ConfigError
+
+    try:
+        return app_hash_command(args) if args.command == "app-hash" else policy_check_command(args)
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"fedmed {args.command}: {error}", file=sys.stderr)
+        return 2

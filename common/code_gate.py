@@ -1,0 +1,116 @@
+"""Which code a hospital runs by name: its built-in networks and loaders, and the import paths it approved.
+
+The run config and every message name a network and a data loader (``model``, ``dataset``, the brain network's
+``model-args`` encoder and decoder), and a name may be an import path, ``package.module:callable``. Both come from
+the server, so a hospital that imported whatever they name would run whatever the coordinator chose
+(``model='os:system' model-args='{"command": ...}'``). A hospital therefore imports only:
+
+- the built-in networks and data formats (by name, or by the import path they stand for);
+- import paths it approved itself, in its node config (``models``, ``datasets``: comma-separated) or its policy
+  (``models = ["monai.networks.nets:DenseNet121", "my_site.nets:*"]``), where ``*`` matches any run of characters.
+
+:func:`CodeGate.check` names every path that is not approved before anything is imported; while a hospital answers
+a message, :func:`common.models.networks.load_factory` asks :func:`refusal` again before each import, so a path
+that reaches it some other way is refused too. A virtual hospital of Flower's simulation engine (node config of
+only ``partition-id``/``num-partitions``, no policy) takes the run config's paths: there one operator writes the
+run config and runs every hospital on their own machine (docs/privacy.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+#: the kinds of code a job names: networks (and network parts) and data loaders
+MODELS, DATASETS = "models", "datasets"
+
+
+def built_in(kind: str) -> tuple[str, ...]:
+    """The names (and the import paths they stand for) a hospital runs without listing them."""
+    if kind == MODELS:
+        from common.models.networks import BUILT_IN
+
+        return tuple(BUILT_IN) + tuple(BUILT_IN.values())
+    from common.data.loaders import BUILT_IN as FORMATS
+
+    return FORMATS
+
+
+def kind_of(key: str) -> str:
+    """The kind of code a config key names: ``dataset`` a loader, anything else (``model``, ``model-args encoder``)
+    a network."""
+    return DATASETS if key.split(" ")[0] == "dataset" else MODELS
+
+
+def named_code(cfg: Any) -> list[tuple[str, str]]:
+    """Every (key, name) of code the job ``cfg`` names: its network, its loader and, for the brain network, the
+    encoder and decoder factories in ``model-args``."""
+    named = [("model", cfg.model), ("dataset", cfg.dataset)]
+    if cfg.task == "brain-tumour-segmentation" and cfg.model_args:
+        from common.models.networks import parse_arguments
+
+        for part in ("encoder", "decoder"):
+            value = parse_arguments(cfg.model_args, "model-args").get(part)
+            if value is not None:
+                named.append((f"model-args {part}", str(value)))
+    return [(key, name) for key, name in named if name]
+
+
+@dataclass(frozen=True)
+class CodeGate:
+    """A hospital's approved import paths; ``trust_run_config`` for a simulation's virtual hospital."""
+
+    models: tuple[str, ...] = ()
+    datasets: tuple[str, ...] = ()
+    trust_run_config: bool = False
+    source: str = "node config"  #: where the lists come from, for the refusal's reason
+
+    def approved(self, kind: str) -> tuple[str, ...]:
+        return self.models if kind == MODELS else self.datasets
+
+    def allows(self, key: str, name: str) -> bool:
+        kind = kind_of(key)
+        if self.trust_run_config or name in built_in(kind):
+            return True
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.approved(kind))
+
+    def refusal(self, key: str, name: str) -> str | None:
+        """Why ``name`` (named by ``key``) is not run here; None when it is approved."""
+        if self.allows(key, name):
+            return None
+        kind = kind_of(key)
+        listed = ", ".join(self.approved(kind)) or "none"
+        return (f"{key}={name!r} is not code this hospital approved, so it was not imported (built in: "
+                f"{', '.join(built_in(kind)[:6])}...; approved {kind} in its {self.source}: {listed}); a hospital "
+                f"that wants it lists it under '{kind}' in its node config or policy")
+
+    def problems(self, cfg: Any) -> list[str]:
+        """Every refusal for the code ``cfg`` names (empty: all approved)."""
+        return [reason for key, name in named_code(cfg) if (reason := self.refusal(key, name))]
+
+    @contextlib.contextmanager
+    def enforced(self) -> Iterator[None]:
+        """While inside, :func:`load_factory` imports only what this gate allows."""
+        token = _GATE.set(self)
+        try:
+            yield
+        finally:
+            _GATE.reset(token)
+
+
+_GATE: contextvars.ContextVar[CodeGate | None] = contextvars.ContextVar("fedmed_code_gate", default=None)
+
+
+def refusal(key: str, name: str) -> str | None:
+    """The gate in force (a hospital answering a message) refuses ``name``: why; None outside a hospital's answer
+    (the server, benchmarks, in-process runs) or when it is approved."""
+    gate = _GATE.get()
+    return None if gate is None else gate.refusal(key, name)
+
+
+def split_list(text: str) -> tuple[str, ...]:
+    """A node config's list: comma- or whitespace-separated."""
+    return tuple(item for item in text.replace(",", " ").split() if item)

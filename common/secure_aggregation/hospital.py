@@ -1,0 +1,505 @@
+"""A hospital's side of the protocol: what it answers at each stage, and everything it refuses, whatever the server
+asks (docs/secure-aggregation.md, "Threat model").
+
+:func:`hospital_stage` runs one stage on a :class:`HospitalRound` (the hospital's secrets between stages) under its
+:class:`HospitalRules` (its name, identity key, the consortium's registered keys, its policy's minimums, its replay
+memory). Flower's ``_setup`` and ``_share_keys`` make the key pairs and Shamir shares; masks come from the whole
+agreed secret (:mod:`.masks`). Besides Flower's checks a hospital refuses:
+
+- a plan whose threshold is half its shares or fewer (more than ``min-threshold-fraction`` of them, default 0.5), or
+  fewer hospitals than its ``min-hospitals-per-sum``;
+- a second protocol run for a (run, round) it took part in, and training from a model it already revealed shares
+  for (:class:`ReplayMemory`, in its state folder, kept across restarts);
+- with the consortium's keys (``peer-keys``): a neighbour whose public keys are not signed by that hospital's
+  registered key, and an unmask request without at least threshold valid signatures on the survivor set;
+- an unmask request that is not exactly what the survivor set it signed implies: every neighbour's mask-seed share
+  if it survived, key share if it did not, never both, and only once (its secrets are erased when it answers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import numpy as np
+
+from .masks import expand_mask
+from .messages import (
+    COLLECT,
+    COMMITMENT_KEY,
+    CONSISTENCY,
+    KEYS_SIGNATURE_PREFIX,
+    NAME_KEY,
+    NAME_PREFIX,
+    SESSION_KEY,
+    SETUP,
+    SHARE_DIGESTS_KEY,
+    SHARE_HOLDERS_KEY,
+    SHARE_KEYS,
+    SIGNATURE_KEY,
+    STAGES,
+    SURVIVORS_KEY,
+    SURVIVORS_SIGNATURE_PREFIX,
+    UNMASK,
+    commitment_statement,
+    flower_config,
+    keys_statement,
+    next_stage,
+    ours,
+    survivors_statement,
+)
+from .settings import MIN_THRESHOLD_FRACTION
+
+if TYPE_CHECKING:
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+
+MEMORY_FILE = "secure-aggregation.json"  #: in the hospital's state folder: its rounds and revealed models
+
+
+class SecureAggregationRefusal(ValueError):
+    """The hospital will not go on with this protocol run; ``str()`` is the reason the server is given."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"secure aggregation refused: {reason}")
+
+
+# --- what a hospital remembers across rounds and restarts -------------------------------------------------------------
+
+
+class ReplayMemory:
+    """The (run, round)s a hospital took part in and the models it revealed unmask shares for, in
+    ``secure-aggregation.json`` of its state folder (``folder=None``: in memory, for tests and in-process runs).
+
+    Why models: the run name is the server's choice, so a server could run a round again under a new name, leave
+    one hospital out and subtract the two sums. A hospital that helped unmask a sum trained from a model trains from
+    that model no more; one whose round ended before it revealed anything may (so an honest server's skipped round
+    does not stop a run): unmasking needs threshold hospitals' shares, so a second sum from the same model lacks at
+    least those hospitals, and the difference of two sums is a sum of at least threshold updates, never one."""
+
+    def __init__(self, folder: str | Path | None):
+        self.path = Path(folder) / MEMORY_FILE if folder else None
+        self._memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, list[dict[str, Any]]]]:
+        """The memory, read and written back under an exclusive lock (the ClientApp of each message, a worker)."""
+        if self.path is None:
+            yield self._memory
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.with_name(f".{MEMORY_FILE}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            memory = self._read()
+            before = json.dumps(memory, sort_keys=True)
+            yield memory
+            if json.dumps(memory, sort_keys=True) != before:
+                partial = self.path.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
+                partial.write_text(json.dumps(memory, indent=1))
+                with open(partial, "rb") as handle:
+                    os.fsync(handle.fileno())
+                os.replace(partial, self.path)
+        finally:
+            os.close(fd)
+
+    def _read(self) -> dict[str, list[dict[str, Any]]]:
+        if not self.path.exists():
+            return {"rounds": [], "revealed": []}
+        try:
+            memory = json.loads(self.path.read_text())
+            if not all(isinstance(memory.get(key), list) for key in ("rounds", "revealed")):
+                raise ValueError("it lacks the lists 'rounds' and 'revealed'")
+        except (OSError, ValueError, AttributeError) as error:  # never forget its rounds by accident
+            raise SecureAggregationRefusal(f"its memory of past rounds {self.path} cannot be read ({error}); it takes "
+                                           "part in no secure round until an operator repairs it") from None
+        return memory
+
+    def claim_round(self, run: str, rnd: int, session: str) -> None:
+        """Take part in (run, round) once: SecureAggregationRefusal if it did before."""
+        with self._locked() as memory:
+            for entry in memory["rounds"]:
+                if entry.get("run") == run and entry.get("round") == rnd:
+                    raise SecureAggregationRefusal(
+                        f"it already took part in secure aggregation for run {run!r} round {rnd} (session "
+                        f"{entry.get('session')}, {entry.get('time')}); a repeated round could let the server "
+                        "subtract two sums")
+            memory["rounds"].append({"run": run, "round": rnd, "session": session, "time": _now()})
+
+    def check_model(self, digest: str) -> None:
+        """SecureAggregationRefusal if it revealed unmask shares for a sum trained from this model."""
+        with self._locked() as memory:
+            for entry in memory["revealed"]:
+                if entry.get("model") == digest:
+                    raise SecureAggregationRefusal(
+                        f"it already helped unmask a sum trained from this model (run {entry.get('run')!r} round "
+                        f"{entry.get('round')}, model SHA-256 {digest[:16]}...); training from it again would let "
+                        "the server subtract two sums")
+
+    def revealed(self, digest: str, run: str, rnd: int) -> None:
+        with self._locked() as memory:
+            memory["revealed"].append({"model": digest, "run": run, "round": rnd, "time": _now()})
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def model_digest(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> str:
+    """SHA-256 of every array a training message carries (group, name, dtype, shape, bytes): the model trained from."""
+    digest = hashlib.sha256()
+    for group in sorted(arrays):
+        for name in sorted(arrays[group]):
+            value = np.ascontiguousarray(arrays[group][name])
+            digest.update(json.dumps([group, name, value.dtype.str, list(value.shape)]).encode())
+            digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+# --- the rules and the state ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HospitalRules:
+    """What a hospital requires of every protocol run: set by its node config and policy, never by a message."""
+
+    name: str  #: its hospital name, as its identity key and the consortium's key files name it
+    identity_key: str = ""  #: its private key: it signs its public keys, its seed commitment, the survivors it saw
+    peer_keys: str = ""  #: folder of the consortium's <hospital>.pub: every neighbour's signatures must verify
+    min_threshold_fraction: float = MIN_THRESHOLD_FRACTION
+    min_hospitals_per_sum: int = 2
+    memory: ReplayMemory = field(default_factory=lambda: ReplayMemory(None))
+
+    def sign(self, statement: bytes) -> bytes:
+        """Its signature of ``statement`` (empty without an identity key)."""
+        if not self.identity_key:
+            return b""
+        from common.identity import sign_statement
+
+        return sign_statement(self.identity_key, statement)
+
+    def signature_problem(self, name: str, statement: bytes, signature: Any) -> str | None:
+        """Why ``signature`` is not ``name``'s of ``statement`` (None: it is, or there are no peer keys to check)."""
+        if not self.peer_keys:
+            return None
+        from common.identity import statement_problem
+
+        return statement_problem(self.peer_keys, name, statement, signature)
+
+
+@dataclass
+class HospitalRound:
+    """A hospital's part in one protocol run: Flower's ``SecAggPlusState`` (its keys, seed and shares; its
+    ``current_stage`` is the last stage answered) and what the malicious-server checks need besides."""
+
+    flower: "SecAggPlusState"
+    run: str = ""
+    rnd: int = -1
+    session: str = ""
+    names: dict[int, str] = field(default_factory=dict)  #: its neighbours' names (itself included)
+    survivors: list[int] = field(default_factory=list)  #: the survivor set it signed
+    model: str = ""  #: SHA-256 of the model it trained from
+
+    @classmethod
+    def new(cls) -> "HospitalRound":
+        from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+
+        return cls(SecAggPlusState())
+
+    @property
+    def stage(self) -> str:
+        return self.flower.current_stage
+
+    def forget(self) -> None:
+        """End this protocol run here: every secret and share dropped, the next stage a setup."""
+        from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+
+        self.flower = SecAggPlusState()
+        self.flower.current_stage = UNMASK
+        self.names, self.survivors, self.model = {}, [], ""
+
+    def to_records(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Two ConfigRecord-able dicts: Flower's state and ours."""
+        ours_ = {"run": self.run, "round": self.rnd, "session": self.session, "names:K": list(self.names),
+                 "names:V": list(self.names.values()), "survivors": list(self.survivors), "model": self.model}
+        return self.flower.to_dict(), ours_
+
+    @classmethod
+    def from_records(cls, flower: Mapping[str, Any] | None, extra: Mapping[str, Any] | None) -> "HospitalRound":
+        from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+
+        if flower is None or extra is None:
+            return cls.new()
+        names = dict(zip([int(k) for k in extra.get("names:K", [])], extra.get("names:V", [])))
+        return cls(SecAggPlusState(**dict(flower)), str(extra.get("run", "")), int(extra.get("round", -1)),
+                   str(extra.get("session", "")), names, [int(n) for n in extra.get("survivors", [])],
+                   str(extra.get("model", "")))
+
+
+# --- the stages -------------------------------------------------------------------------------------------------------
+
+
+def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], node_id: int, rules: HospitalRules,
+                   vector: np.ndarray | None = None, model: str = "") -> tuple[HospitalRound, dict[str, Any]]:
+    """One stage at a hospital: its new state and its reply's keys (setup: its signed public keys; share keys: its
+    key shares encrypted for each neighbour and its signed seed commitment; collect: ``{"masked": vector masked}``
+    (``model``: the digest of the model it trained from); consistency: its signature of the survivor set; unmask:
+    the shares the survivor set calls for). SecureAggregationRefusal (a ValueError) says why it will not; a refusal
+    or failure past setup ends the hospital's part in the run: ``state`` forgets every secret of it."""
+    run, rnd, session = check_turn(state, stage, config)
+    try:
+        flower = flower_config(stage, config)
+        if stage == SETUP:
+            return setup(rules, run, rnd, session, flower, node_id)
+        if stage == SHARE_KEYS:
+            return share_keys(state, rules, flower, config)
+        if stage == COLLECT:
+            if vector is None:
+                raise ValueError("the collect stage masks a vector: none was given")
+            state.flower.current_stage, state.model = COLLECT, model
+            return state, {"masked": mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY))}
+        if stage == CONSISTENCY:
+            return consistency(state, rules, config)
+        return unmask(state, rules, flower, config)
+    except Exception:
+        if stage != SETUP:
+            state.forget()
+        raise
+
+
+def check_turn(state: HospitalRound, stage: str, config: Mapping[str, Any]) -> tuple[str, int, str]:
+    """The message's (run, round, session) when ``stage`` is this hospital's next step in that protocol run (a setup
+    always is); SecureAggregationRefusal otherwise."""
+    run, rnd, session = str(config.get("run-name", "")), int(config.get("server-round", 0)), config.get(SESSION_KEY)
+    if stage not in STAGES:
+        raise SecureAggregationRefusal(f"unknown stage {stage!r}")
+    if not isinstance(session, str) or not session:
+        raise SecureAggregationRefusal("the message names no protocol session")
+    if stage != SETUP:
+        expected = next_stage(state.stage)
+        if stage != expected or (state.run, state.rnd, state.session) != (run, rnd, session):
+            raise SecureAggregationRefusal(
+                f"stage {stage!r} of run {run!r} round {rnd} session {session}, but this hospital expects stage "
+                f"{expected!r} of run {state.run!r} round {state.rnd} session {state.session or '(none)'}")
+    return run, rnd, session
+
+
+def finished() -> HospitalRound:
+    """The state after a protocol run ended (answered, or refused): no secret kept, the next stage is a setup."""
+    done = HospitalRound.new()
+    done.forget()
+    return done
+
+
+def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_id: int) -> tuple[HospitalRound, dict]:
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import _setup, check_configs
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    check_configs(SETUP, flower)
+    state = HospitalRound.new()
+    state.run, state.rnd, state.session = run, rnd, session
+    state.flower.current_stage, state.flower.nid = SETUP, int(node_id)
+    answer = _setup(state.flower, flower)
+    problem = plan_problem(state.flower, rules)
+    if problem:
+        raise SecureAggregationRefusal(problem)
+    rules.memory.claim_round(run, rnd, session)
+    signature = rules.sign(keys_statement(run, rnd, session, node_id, rules.name, state.flower.pk1,
+                                          state.flower.pk2))
+    return state, {**ours({Key.PUBLIC_KEY_1: answer[Key.PUBLIC_KEY_1], Key.PUBLIC_KEY_2: answer[Key.PUBLIC_KEY_2]}),
+                   NAME_KEY: rules.name, SIGNATURE_KEY: signature}
+
+
+def plan_problem(flower: "SecAggPlusState", rules: HospitalRules) -> str | None:
+    """Why a hospital will not run a round with these parameters (None: it will)."""
+    threshold, shares, hospitals = flower.threshold, flower.share_num, flower.sample_num
+    if not 2 <= threshold <= shares <= hospitals:
+        return (f"threshold {threshold}, shares {shares} and hospitals {hospitals} must satisfy "
+                "2 <= threshold <= shares <= hospitals (a threshold below 2 gives every secret away)")
+    if threshold <= rules.min_threshold_fraction * shares:
+        return (f"the reconstruction threshold {threshold} is not more than {rules.min_threshold_fraction:g} of its "
+                f"{shares} shares (min-threshold-fraction): a server telling two groups different survivor sets "
+                "could rebuild both the mask seed and the key of one hospital")
+    if hospitals < rules.min_hospitals_per_sum:
+        return (f"the round has {hospitals} hospitals, fewer than its policy's min-hospitals-per-sum="
+                f"{rules.min_hospitals_per_sum}")
+    if flower.mod_range < 4 or flower.mod_range & (flower.mod_range - 1) or flower.mod_range > 2**62:
+        return f"modulus {flower.mod_range} is not a power of 2 up to 2^62"
+    if not 2 <= flower.target_range < flower.mod_range or not flower.clipping_range > 0:
+        return (f"quantisation range {flower.target_range} and clipping range {flower.clipping_range} do not fit the "
+                f"modulus {flower.mod_range}")
+    return None
+
+
+def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[str, Any]) -> tuple[
+        HospitalRound, dict]:
+    """Every neighbour's keys checked (its name, its signature with the consortium's keys), then Flower's
+    ``_share_keys``; the reply adds the signed SHA-256 of the mask seed (what the server checks rebuilt seeds
+    against)."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import _share_keys, check_configs
+
+    check_configs(SHARE_KEYS, flower)
+    own, keys = state.flower, {int(nid): tuple(value) for nid, value in flower.items()}
+    if keys.get(own.nid) != (own.pk1, own.pk2):
+        raise SecureAggregationRefusal("the server's key list leaves out this hospital's keys or changes them")
+    if len(keys) > own.share_num:
+        raise SecureAggregationRefusal(f"the server lists {len(keys)} neighbours for {own.share_num} shares")
+    names = {nid: config.get(f"{NAME_PREFIX}{nid}") for nid in keys}
+    if names[own.nid] != rules.name or not all(isinstance(n, str) and n for n in names.values()) \
+            or len(set(names.values())) != len(names):
+        raise SecureAggregationRefusal(f"the neighbours' names {sorted(map(str, names.values()))} are not one "
+                                       f"distinct name each, with {rules.name!r} for this hospital")
+    for nid, (pk1, pk2) in sorted(keys.items()):
+        if nid != own.nid:
+            problem = rules.signature_problem(
+                names[nid], keys_statement(state.run, state.rnd, state.session, nid, names[nid], pk1, pk2),
+                config.get(f"{KEYS_SIGNATURE_PREFIX}{nid}"))
+            if problem:
+                raise SecureAggregationRefusal(f"the public keys of neighbour {names[nid]!r} (node {nid}) are not "
+                                               f"signed by its registered key: {problem}")
+    own.current_stage = SHARE_KEYS
+    answer = _share_keys(own, flower)
+    state.names = names
+    commitment = hashlib.sha256(own.rd_seed).digest()
+    holders, digests = share_digests(own, answer)
+    signature = rules.sign(commitment_statement(state.run, state.rnd, state.session, own.nid, commitment, holders,
+                                                digests))
+    return state, {**ours(answer), COMMITMENT_KEY: commitment, SHARE_HOLDERS_KEY: holders,
+                   SHARE_DIGESTS_KEY: digests, SIGNATURE_KEY: signature}
+
+
+def share_digests(own: "SecAggPlusState", answer: Mapping[str, Any]) -> tuple[list[int], list[bytes]]:
+    """Who holds each of its shares and the SHA-256 of each (mask-seed share, key share), read back from the
+    ciphertexts ``_share_keys`` made: the server checks every share returned at unmasking against them, and each
+    holder checks its own on receipt, so a share changed later is its sender's, named."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+
+    holders, digests = [own.nid], [share_digest(own.rd_seed_share_dict[own.nid], own.sk1_share_dict[own.nid])]
+    for destination, ciphertext in zip(answer[Key.DESTINATION_LIST], answer[Key.CIPHERTEXT_LIST], strict=True):
+        _, _, seed_share, key_share = share_keys_plaintext_separate(decrypt(own.ss2_dict[destination], ciphertext))
+        holders.append(int(destination))
+        digests.append(share_digest(seed_share, key_share))
+    return holders, digests
+
+
+def share_digest(seed_share: bytes, key_share: bytes) -> bytes:
+    return hashlib.sha256(seed_share).digest() + hashlib.sha256(key_share).digest()
+
+
+def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: Any) -> np.ndarray:
+    """Flower's ``_collect_masked_vectors`` for an integer vector of ours: decrypt and check the neighbours' key
+    shares (each against the digest its sender committed to, ``digests`` in the order of the sources), then add the
+    private mask and one pairwise mask per neighbour, each expanded from its whole secret."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+    check_configs(COLLECT, flower)
+    ciphertexts, sources = list(flower[Key.CIPHERTEXT_LIST]), [int(s) for s in flower[Key.SOURCE_LIST]]
+    if len(ciphertexts) + 1 < state.threshold:
+        raise SecureAggregationRefusal("fewer neighbours sent key shares than the reconstruction threshold")
+    if len(set(sources)) != len(sources) or len(sources) != len(ciphertexts):
+        raise SecureAggregationRefusal("the server forwarded key shares twice from one hospital, or shares without "
+                                       "a source")
+    if not isinstance(digests, list) or len(digests) != len(sources):
+        raise SecureAggregationRefusal("the server did not forward the digest of each key share")
+    available = []
+    for source, ciphertext, digest in zip(sources, ciphertexts, digests, strict=True):
+        if source not in state.ss2_dict:
+            raise SecureAggregationRefusal(f"key shares from node {source}, which is not its neighbour")
+        actual, destination, seed_share, key_share = share_keys_plaintext_separate(
+            decrypt(state.ss2_dict[source], ciphertext))
+        if actual != source or destination != state.nid:
+            raise SecureAggregationRefusal(f"key shares said to be from node {source} for it are from node {actual} "
+                                           f"for node {destination}")
+        if share_digest(seed_share, key_share) != digest:
+            raise SecureAggregationRefusal(f"the key shares from node {source} are not the ones it committed to "
+                                           "(their digests differ): its shares could not be told from a holder's "
+                                           "changed ones at unmasking")
+        state.rd_seed_share_dict[source] = seed_share
+        state.sk1_share_dict[source] = key_share
+        available.append(source)
+    vector = np.asarray(vector, dtype=np.int64).ravel()
+    if vector.size and (vector.min() < 0 or vector.max() >= state.mod_range):
+        raise ValueError(f"the vector to mask leaves [0, {state.mod_range})")
+    masked = vector + expand_mask(state.rd_seed, state.mod_range, vector.size)
+    own_key = bytes_to_private_key(state.sk1)
+    for node in available:
+        shared = generate_shared_key(own_key, bytes_to_public_key(state.public_keys_dict[node][0]))
+        pairwise = expand_mask(shared, state.mod_range, vector.size)
+        masked = masked + pairwise if state.nid > node else masked - pairwise
+    return np.mod(masked, state.mod_range)
+
+
+def consistency(state: HospitalRound, rules: HospitalRules, config: Mapping[str, Any]) -> tuple[HospitalRound, dict]:
+    """The survivor set the server tells it: it must hold this hospital, at least min-hospitals-per-sum hospitals and
+    threshold of its neighbours; it signs it and will reveal shares only for exactly this set."""
+    survivors = survivor_list(config)
+    own = state.flower
+    known = set(own.rd_seed_share_dict)  # itself and the neighbours whose key shares it holds
+    if own.nid not in survivors:
+        raise SecureAggregationRefusal("the survivor set leaves out this hospital, whose masked vector was sent")
+    if len(survivors) < rules.min_hospitals_per_sum:
+        raise SecureAggregationRefusal(f"the sum would hold {len(survivors)} hospitals, fewer than its policy's "
+                                       f"min-hospitals-per-sum={rules.min_hospitals_per_sum}")
+    if len(set(survivors) & known) < own.threshold:
+        raise SecureAggregationRefusal(f"{len(set(survivors) & known)} of its neighbours survived, fewer than the "
+                                       f"threshold {own.threshold}")
+    own.current_stage, state.survivors = CONSISTENCY, survivors
+    return state, {SIGNATURE_KEY: rules.sign(survivors_statement(state.run, state.rnd, state.session, survivors))}
+
+
+def survivor_list(config: Mapping[str, Any]) -> list[int]:
+    survivors = config.get(SURVIVORS_KEY)
+    if not isinstance(survivors, list) or not all(type(n) is int for n in survivors) \
+            or len(set(survivors)) != len(survivors):
+        raise SecureAggregationRefusal("the survivor set is not a list of distinct node ids")
+    return sorted(survivors)
+
+
+def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[str, Any]) -> tuple[HospitalRound, dict]:
+    """The shares the signed survivor set calls for, and no others: each surviving neighbour's mask-seed share,
+    each other neighbour's key share; with the consortium's keys, only once threshold of its surviving neighbours
+    signed the same set. The model it trained from is remembered, and every secret of the run forgotten."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import _unmask, check_configs
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    check_configs(UNMASK, flower)
+    survivors = survivor_list(config)
+    if survivors != state.survivors:
+        raise SecureAggregationRefusal(f"the unmask request's survivor set {survivors} is not the one it signed "
+                                       f"{state.survivors}: the server told hospitals different stories")
+    own = state.flower
+    known = set(own.rd_seed_share_dict)
+    active, dead = list(flower[Key.ACTIVE_NODE_ID_LIST]), list(flower[Key.DEAD_NODE_ID_LIST])
+    if sorted(active) != sorted(known & set(survivors)) or sorted(dead) != sorted(known - set(survivors)):
+        raise SecureAggregationRefusal(
+            f"asked for the mask-seed shares of {sorted(active)} and the key shares of {sorted(dead)}, but the "
+            f"survivor set it signed calls for seeds of {sorted(known & set(survivors))} and keys of "
+            f"{sorted(known - set(survivors))} (never both for one hospital)")
+    if rules.peer_keys:  # the set is vouched for by registered hospitals, enough of them to be the only one
+        statement = survivors_statement(state.run, state.rnd, state.session, survivors)
+        signed = [nid for nid in sorted(known & set(survivors))
+                  if rules.signature_problem(state.names[nid], statement,
+                                             config.get(f"{SURVIVORS_SIGNATURE_PREFIX}{nid}")) is None]
+        needed = max(own.threshold, rules.min_hospitals_per_sum)
+        if len(signed) < needed:
+            raise SecureAggregationRefusal(
+                f"only {len(signed)} of its surviving neighbours signed the survivor set (registered keys), fewer "
+                f"than {needed} (the threshold {own.threshold}, min-hospitals-per-sum "
+                f"{rules.min_hospitals_per_sum}): the server may have told others a different set")
+    answer = _unmask(own, flower)
+    if state.model:
+        rules.memory.revealed(state.model, state.run, state.rnd)
+    return finished(), ours(answer)

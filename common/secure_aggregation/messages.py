@@ -1,0 +1,105 @@
+"""What the protocol's messages carry: the stages in order, the keys of their ConfigRecords (Flower's SecAgg+ keys
+prefixed ``secagg.``, and ours), and the statements hospitals sign. No Flower at import."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+#: The stages, in order: Flower's four names, and the consistency check of the malicious-server protocol (Bonawitz
+#: et al. 2017, round 3) between collecting the masked vectors and unmasking.
+SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK = (
+    "setup", "share_keys", "collect_masked_vectors", "consistency_check", "unmask")
+STAGES = (SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK)
+
+PREFIX = "secagg."
+STAGE_KEY = PREFIX + "stage"  #: the stage a TRAIN message (and its reply) belongs to
+SESSION_KEY = PREFIX + "session"  #: the server's random name for one protocol run, in every signed statement
+NAME_KEY = PREFIX + "name"  #: setup reply: the hospital's name
+SIGNATURE_KEY = PREFIX + "signature"  #: a reply's signature of its statement (empty without an identity key)
+COMMITMENT_KEY = PREFIX + "commitment"  #: share-keys reply: SHA-256 of the hospital's mask seed
+SHARE_HOLDERS_KEY = PREFIX + "share-holders"  #: share-keys reply: who holds each of its shares (itself included)
+#: share-keys reply: per holder, SHA-256 of its mask-seed share + SHA-256 of its key share (64 bytes); collect
+#: stage: the same for each share forwarded, which the holder checks when it decrypts them
+SHARE_DIGESTS_KEY = PREFIX + "share-digests"
+SURVIVORS_KEY = PREFIX + "survivors"  #: consistency and unmask: the nodes whose masked vectors are in the sum
+PUBLIC_KEYS_PREFIX = PREFIX + "pk."  #: share-keys stage: + a node id -> [pk1, pk2] of that neighbour
+NAME_PREFIX = PREFIX + "name."  #: share-keys stage: + a node id -> that neighbour's hospital name
+KEYS_SIGNATURE_PREFIX = PREFIX + "keys-sig."  #: share-keys stage: + a node id -> its signature of its keys
+SURVIVORS_SIGNATURE_PREFIX = PREFIX + "survivors-sig."  #: unmask stage: + a node id -> its signature of survivors
+MASKED_GROUP = "secagg.masked"  #: the reply's array group holding the packed masked vector
+MASKED_ARRAY = "vector"
+
+# what the server sets per hospital for its method's contribution (the methods' own keys live in their packages)
+LAYOUT_KEY = PREFIX + "layout"
+NORM_BOUND_KEY = PREFIX + "norm-bound"
+WEIGHT_SHARE_KEY = PREFIX + "weight-share"  #: the hospital's share of the mean (from the declared counts)
+WEIGHT_COUNT_KEY = PREFIX + "weight-count"  #: the count it declared: fewer samples scale its share down
+
+
+def next_stage(stage: str | None) -> str:
+    """The stage that follows ``stage`` (None or the last: setup)."""
+    if stage not in STAGES or stage == UNMASK:
+        return SETUP
+    return STAGES[STAGES.index(stage) + 1]
+
+
+def flower_keys(stage: str) -> tuple[str, ...]:
+    """The keys of Flower's ConfigRecord for ``stage`` (share keys: none fixed, its keys are node ids)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    keys = {SETUP: (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
+                    Key.MOD_RANGE, Key.MAX_WEIGHT),
+            SHARE_KEYS: (),
+            COLLECT: (Key.CIPHERTEXT_LIST, Key.SOURCE_LIST),
+            CONSISTENCY: (),
+            UNMASK: (Key.ACTIVE_NODE_ID_LIST, Key.DEAD_NODE_ID_LIST)}
+    if stage not in keys:
+        raise ValueError(f"unknown secure-aggregation stage {stage!r}")
+    return keys[stage]
+
+
+def ours(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Flower's SecAgg+ keys as they travel in our ConfigRecord (``secagg.`` + Flower's key)."""
+    return {PREFIX + key: value for key, value in values.items()}
+
+
+def flower_config(stage: str, config: Mapping[str, Any]):
+    """The ConfigRecord Flower's stage functions read, from a message's config (KeyError names a missing key); the
+    share-keys stage's public keys in node-id order, so the server knows which share index each neighbour holds."""
+    from flwr.app import ConfigRecord
+
+    if stage == SHARE_KEYS:
+        keys = {key.removeprefix(PUBLIC_KEYS_PREFIX): value for key, value in config.items()
+                if key.startswith(PUBLIC_KEYS_PREFIX)}
+        try:
+            order = sorted(keys, key=int)
+        except ValueError:
+            raise ValueError("the share-keys stage names a neighbour that is not a node id") from None
+        return ConfigRecord({nid: keys[nid] for nid in order})
+    missing = [PREFIX + key for key in flower_keys(stage) if PREFIX + key not in config]
+    if missing:
+        raise KeyError(f"secure-aggregation stage {stage!r}: the message lacks {', '.join(missing)}")
+    return ConfigRecord({key: config[PREFIX + key] for key in flower_keys(stage)})
+
+
+def statement(kind: str, run: str, rnd: int, session: str, *parts: Any) -> bytes:
+    """What a hospital signs: one canonical JSON list naming the statement, the run, round and protocol session (so
+    no signature serves another run, round or session), and its parts (bytes as hex)."""
+    items = [f"fedmed-secagg-{kind}", str(run), int(rnd), str(session)]
+    items += [part.hex() if isinstance(part, bytes) else part for part in parts]
+    return json.dumps(items, separators=(",", ":")).encode()
+
+
+def keys_statement(run: str, rnd: int, session: str, node: int, name: str, pk1: bytes, pk2: bytes) -> bytes:
+    return statement("keys", run, rnd, session, int(node), str(name), pk1, pk2)
+
+
+def commitment_statement(run: str, rnd: int, session: str, node: int, commitment: bytes, holders: list[int],
+                         digests: list[bytes]) -> bytes:
+    return statement("commitments", run, rnd, session, int(node), commitment,
+                     [[int(h), d.hex()] for h, d in zip(holders, digests)])
+
+
+def survivors_statement(run: str, rnd: int, session: str, survivors: list[int]) -> bytes:
+    return statement("survivors", run, rnd, session, sorted(int(n) for n in survivors))

@@ -1,0 +1,32 @@
+"""FedBN under secure aggregation: the FedAvg sums over the shared part only; the normalisation layers never leave
+the hospitals (not even for the server's per-hospital scoring, as they do without it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.secure_aggregation.methods import (
+    MethodPlan,
+    SecureMethod,
+    check_bounds,
+    mean_update,
+    weighted_plan,
+    weighted_update_contribution,
+)
+from strategies.fedavg.secure import fedavg_refuse
+
+
+def fedbn_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
+    return weighted_plan(method, hospitals, settings, norm_bound, method.shared())
+
+
+def fedbn_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
+    """The shared part moves by the mean update; the server scores the shared weights with the initial
+    normalisation layers (a new site's model)."""
+    check_bounds(sums, plan, updates)
+    shared = mean_update(sums, method.shared())
+    method.global_arrays = {k: shared.get(k, v) for k, v in method.global_arrays.items()}
+    return {}
+
+
+SECURE = SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=fedavg_refuse)
