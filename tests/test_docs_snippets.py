@@ -77,7 +77,7 @@ def all_blocks() -> tuple[Block, ...]:
             if token.type in ("fence", "code_block"):
                 language = token.info.strip().split()[0] if token.info.strip() else guess_language(token.content)
                 blocks.append(Block(document, token.map[0] + 1, language, token.content, marker))
-            if token.type not in ("fence", "code_block") and token.nesting >= 0:
+            if token.nesting >= 0:
                 marker = ""  # a marker names only the block right after it
     return tuple(blocks)
 
