@@ -82,7 +82,7 @@ def image(docker_engine):
 
 @pytest.fixture
 def consortium(tmp_path, image):
-    """The README's compose steps in a fresh folder: certificates, keys, sites, .env, `docker-compose up -d`."""
+    """docs/deployment.md's compose steps in a fresh folder: certificates, keys, sites, .env, `docker-compose up -d`."""
     project = tmp_path / "consortium"
     (project / "deploy").mkdir(parents=True)
     shutil.copy(ROOT / "docker-compose.yml", project / "docker-compose.yml")
