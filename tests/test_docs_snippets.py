@@ -465,6 +465,7 @@ def test_the_readme_starts_with_the_two_commands_and_ci_runs_the_second():
     assert setup_demo.endswith(".venv/bin/fedmed demo") and setup_demo.startswith("python3 -m venv .venv")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert setup_tests in ci, "the README's test command is not what .ci/run runs"
+    assert ".venv/bin/python -m pytest -m slow" in ci[ci.index(setup_tests):], "CI runs the long tier after it"
     assert len(lines) <= 210, f"the README is an entry page: {len(lines)} lines (move detail to docs/)"
 
 

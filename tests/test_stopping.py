@@ -365,6 +365,7 @@ def metrics_size(run_dir: Path) -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_ctrl_c_stops_the_simulation_and_every_process_it_started(tmp_path):
     def after_round_one(run_dir, seen):
         return metrics_size(run_dir) > 0
@@ -402,6 +403,7 @@ def command_line(pid: int) -> str:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_serverapp_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
     """SIGKILL of the ServerApp's process (flwr-simulation, which started Ray): Ray's raylet, GCS and agents lose
     their parent; the CLI still ends with every process the launch started gone, Ray's agents included."""
