@@ -6,6 +6,7 @@ method, codec and checkpoint speaks the same language and nothing depends on pos
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -39,7 +40,9 @@ def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) 
     (the local-only counters may be given, and are otherwise left as they are)."""
     expected = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if is_exchanged(k)}
     check_like({k: v for k, v in arrays.items() if is_exchanged(k)}, expected, "model arrays")
-    state = {name: torch.from_numpy(np.require(value, requirements="C")) for name, value in arrays.items()}
+    with warnings.catch_warnings():  # a read-only view (a server's global model shares a message's bytes) is only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state = {name: torch.from_numpy(np.require(value, requirements="C")) for name, value in arrays.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(is_exchanged(name) for name in missing):
         raise ArraysMismatch(f"model arrays: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -68,25 +71,41 @@ def is_float(array: np.ndarray) -> bool:
     return array.dtype.kind == "f"
 
 
+#: Values of a tensor :func:`weighted_average` sums at once (in float64): a slice, not the whole of a large tensor,
+#: so the sum holds a few MB besides its result whatever the tensor's size.
+AVERAGE_SLICE = 2**20
+
+
 def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterable[float]) -> NamedArrays:
     """FedAvg of named arrays, in float64, cast back to each array's dtype.
 
     Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not weights: they take the
-    largest value instead of an average.
+    largest value instead of an average. Each tensor is summed a slice of its values at a time, each hospital's
+    slice read alone where its arrays are on disk (``common.reply_store``): every value is the same sum, in the same
+    order, as over whole tensors.
     """
+    from common.reply_store import flat_values
+
     arrays, weights = list(arrays), np.asarray([float(w) for w in weights], dtype=np.float64)
     if not arrays or weights.sum() <= 0:
         raise ValueError("weighted_average needs at least one array set with positive weight")
     weights = weights / weights.sum()
     result: NamedArrays = {}
-    for name, first in arrays[0].items():
-        if is_float(first):
-            total = np.zeros(first.shape, dtype=np.float64)
+    for name in arrays[0]:
+        first = np.asarray(arrays[0][name])
+        shape, dtype = first.shape, first.dtype
+        del first
+        if dtype.kind != "f":
+            result[name] = np.asarray(np.max(np.stack([item[name] for item in arrays]), axis=0), dtype=dtype)
+            continue
+        average = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=dtype)
+        for start in range(0, average.size, AVERAGE_SLICE):
+            stop = min(start + AVERAGE_SLICE, average.size)
+            total = np.zeros(stop - start, dtype=np.float64)
             for item, w in zip(arrays, weights):
-                total += w * item[name]
-            result[name] = total.astype(first.dtype)
-        else:
-            result[name] = np.asarray(np.max(np.stack([item[name] for item in arrays]), axis=0), dtype=first.dtype)
+                total += w * flat_values(item, name, start, stop)
+            average[start:stop] = total
+        result[name] = average.reshape(shape)
     return result
 
 

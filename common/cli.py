@@ -1,6 +1,6 @@
 """``fedmed``: the demo, simulations on one machine, and per-hospital data folders for deployments.
 
-    fedmed demo                               # the main job on generated data, printed as a table
+    fedmed demo                               # local training, FedAvg and FedProIn on generated non-IID data
     fedmed simulate --hospitals 5 --run-config "task='polyp-segmentation' num-server-rounds=10"
     fedmed partition --run-config "dataset='ham10000' data-dir='../shared/data/ham10000'" --hospitals 5 --out sites
     fedmed export-int8 --run results/<run-name> --out polyp-int8.pt2   # QFedPolyp's INT8 deployment model
@@ -171,8 +171,9 @@ def run_problem(history: list[dict[str, Any]], num_rounds: int) -> str | None:
 
 
 def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], home: Path,
-             timeout: float) -> int:
-    """Run the app in Flower's simulation engine on a private local SuperLink; print the results.
+             timeout: float, label: str = "", summary: bool = True) -> int:
+    """Run the app in Flower's simulation engine on a private local SuperLink; print the results (``summary``:
+    the run's table; each round's progress line always, after ``label`` if one is given).
 
     Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
     130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
@@ -225,7 +226,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             for record in history[printed:]:
                 from common.round_engine import describe
 
-                print(f"round {record['round']}: {describe(record)}", flush=True)
+                print(f"{label}round {record['round']}: {describe(record)}", flush=True)
             printed = len(history)
 
     try:
@@ -233,7 +234,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
             try:
                 start_superlink(flower_home, free_port(), simulation=True)
                 run_id = submit_run(flower_home, "local", run_config, simulation_resources(hospitals, engine))
-                print(f"run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
+                print(f"{label}run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
                 left = max(1.0, deadline - time.monotonic())
                 status = wait_for_run(flower_home, "local", run_id, left, on_poll=progress)
             except RunStopped as stopped:
@@ -268,10 +269,11 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
                 print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
                 print(f"fedmed: run {run_id} failed: {problem}; see {run_dir / 'metrics.jsonl'}", file=sys.stderr)
                 return 1
-            print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
-            if (run_dir / "cross_site.md").exists():
-                print((run_dir / "cross_site.md").read_text())
-            print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
+            if summary:
+                print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
+                if (run_dir / "cross_site.md").exists():
+                    print((run_dir / "cross_site.md").read_text())
+                print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
             return 0
     finally:
         with signals(_still_stopping):
@@ -417,22 +419,20 @@ def partition_command(args: argparse.Namespace) -> int:
 PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_dir", "results", "app_dir")
 
 
-def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
-        from server_app.audit_cli import main as audit_main
-
-        return audit_main(sys.argv[1:] if argv is None else list(argv))
-    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
-        from client_app.site_cli import main as site_main
-
-        return site_main(sys.argv[1:] if argv is None else list(argv))
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (server_app/audit_cli.py,
+    client_app/site_cli.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
     parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="federated classification on generated data (3 hospitals, simulation)")
+    demo = sub.add_parser("demo", help="local training, FedAvg and FedProIn side by side on generated non-IID "
+                          "hospitals (Flower simulation; a few minutes on a CPU)")
     demo.add_argument("--hospitals", type=int, default=3)
-    demo.add_argument("--rounds", type=int, default=5)
+    demo.add_argument("--rounds", type=int, default=10)
+    demo.add_argument("--seed", type=int, default=42, help="the data, its split and the training's random draws")
+    demo.add_argument("--results", type=Path, default=Path("results"),
+                      help="folder for the demo's folder, demo-<time>/ (default: results)")
 
     sim = sub.add_parser("simulate", help="a run in Flower's simulation engine on this machine")
     sim.add_argument("--hospitals", type=int, default=3, help="number of simulated hospitals (SuperNodes)")
@@ -500,7 +500,19 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
         p.add_argument("--timeout", type=float, default=6 * 3600,
                        help="seconds the whole run may take; then it is stopped (exit code 124)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
+        from server_app.audit_cli import main as audit_main
+
+        return audit_main(sys.argv[1:] if argv is None else list(argv))
+    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
+        from client_app.site_cli import main as site_main
+
+        return site_main(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "export-int8" and args.out is None and not args.best:
         parser.error("export-int8: the following arguments are required: --out (or --best)")
@@ -515,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, option, None) is not None:
                 usable_path(f"--{option.replace('_', '-')}", getattr(args, option))
         if args.command == "demo":
-            return simulate(args.hospitals, {"num-server-rounds": args.rounds}, {}, args.home, args.timeout)
+            from common.demo import demo
+
+            return demo(args.hospitals, args.rounds, args.seed, args.home, args.timeout, args.results)
         if args.command == "simulate":
             overrides = parse_overrides(args.run_config)
             if args.overwrite:

@@ -143,6 +143,11 @@ class CoreConfig(Section):
         "Most messages pending at once; the next goes out as a reply comes in. 0: all at once in a deployment, "
         "one per CPU (at least 4) in Flower's simulation engine, whose state slows with every pending message "
         "(strategies/base.py)."))
+    reply_store: Literal["disk", "memory"] = Field("disk", description=(
+        "Where the server keeps a round's accepted replies until the round closes, in its own round loop: 'disk', "
+        "files in <run>/.round-<n> (removed then), each reply screened and released as it arrives, so the ServerApp "
+        "holds about 3 model sizes whatever the number of hospitals (docs/memory.md); 'memory': every reply in "
+        "memory at once, as under Flower's own loop. The same aggregate bit for bit either way."))
     seed: int = Field(42, ge=0, le=2**32 - 1)
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(1e-3, gt=0.0)
@@ -375,7 +380,7 @@ JobConfig = _job_config_type()
 SERVER_ONLY_KEYS = frozenset({"results-dir", "resume-from", "overwrite-run", "keep-checkpoints", "test-dir",
                               "hospital-keys", "cross-site-evaluation", "evaluate-every", "messages-in-flight",
                               "round-timeout", "min-available-hospitals", "min-train-hospitals", "fraction-train",
-                              "tracking", "tracking-uri", "select-by", "audit-log"})
+                              "tracking", "tracking-uri", "select-by", "audit-log", "reply-store"})
 #: Keys a hospital never takes from a message: where it keeps its own memory (a server must not choose where a
 #: hospital writes files).
 HOSPITAL_OWN_KEYS = frozenset({"state-dir"})

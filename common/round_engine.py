@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,7 @@ from common.methods.base import (
     unpack_json,
 )
 from common.models.requirements import check_network
+from common.reply_store import ReplyStore
 from common.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.screening import (
     batchnorm_problem,
@@ -55,6 +58,19 @@ class RoundReply:
     payload: Payload | None
     error: str | None = None
     bytes_up: int = 0
+
+
+@dataclass
+class RoundInbox:
+    """One round's replies as they come in (:meth:`RoundEngine.receive`): the screened ones with what the method
+    aggregates of each (on disk with a ``store``) and their update distance, the refused ones' reasons, and the
+    bytes each hospital sent."""
+
+    rnd: int
+    store: ReplyStore | None = None
+    screened: list[tuple[HospitalUpdate, float | None]] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)  #: every hospital that answered, errors included
 
 
 def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: int, seed: int,
@@ -122,21 +138,63 @@ class RoundEngine:
             raise ValueError(str(error)) from None
         self.method.global_arrays = {k: np.asarray(arrays[k], dtype=v.dtype) for k, v in current.items()}
 
-    def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: list[RoundReply], started: float,
-                       bytes_down: dict[str, int] | None = None, evaluate: bool = True) -> dict[str, Any]:
+    def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: Iterable[RoundReply], started: float,
+                       bytes_down: dict[str, int] | None = None, evaluate: bool = True,
+                       reply_folder: Path | None = None) -> dict[str, Any]:
         """Check every reply, aggregate the accepted ones, let the server work, evaluate, record.
 
-        ``bytes_down`` is what was sent to each chosen hospital (measured by the transport). ``evaluate=False``
-        leaves the test-set scores to :meth:`evaluate_round`, once the round's model is released (a Flower
-        strategy's ``configure_evaluate``: a DP wrapper adds its noise in between).
+        ``replies`` are taken one at a time as they come (a generator's as they arrive): each is screened and
+        released (:meth:`receive`), what the method aggregates kept in memory, or with ``reply_folder`` on disk in
+        ``<reply_folder>/.round-<rnd>`` (removed when the round closes), so that the server holds one reply at a
+        time whatever the number of hospitals; the result is the same bit for bit. ``bytes_down`` is what was sent
+        to each chosen hospital (measured by the transport). ``evaluate=False`` leaves the test-set scores to
+        :meth:`evaluate_round`, once the round's model is released (a Flower strategy's ``configure_evaluate``: a
+        DP wrapper adds its noise in between).
         """
-        refused: dict[str, str] = {}
-        replies = sorted(replies, key=lambda r: r.hospital.name)  # the same result whatever order replies arrive in
-        accepted = self.screen(replies, refused, rnd)
+        inbox = RoundInbox(rnd, ReplyStore(reply_folder / f".round-{rnd}") if reply_folder is not None else None)
+        try:
+            for reply in replies:
+                self.receive(inbox, reply)
+                del reply  # not held while the next one is pulled and decoded
+            return self.close_round(inbox, chosen, started, bytes_down, evaluate)
+        finally:
+            if inbox.store is not None:
+                inbox.store.remove()
+
+    def receive(self, inbox: RoundInbox, reply: RoundReply) -> None:
+        """Take one reply of ``inbox``'s round as it arrives: screen it (:meth:`screen_one`), keep what the method
+        aggregates of it (``ServerMethod.reply_arrays``; on disk when the round has a store) and release the rest,
+        the reply's payload included. A refused reply leaves only its reason. Nothing a reply holds can raise here."""
+        name, payload = reply.hospital.name, reply.payload
+        inbox.bytes_up[name] = reply.bytes_up
+        if payload is None:
+            inbox.refused[name] = f"hospital reported an error: {cut(str(reply.error))}"
+            return
+        update = HospitalUpdate(reply.hospital, payload, weight_key=self.weight_key)
+        try:
+            reason, distance = self.screen_one(update, inbox.rnd)
+            kept = self.method.reply_arrays(update)
+        except Exception as error:  # a reply no check foresaw: refused, never the round's end
+            log.exception("unexpected error while checking the update of %s", name)
+            reason, distance = f"could not be checked ({type(error).__name__}: {error})", None
+        if reason:
+            inbox.refused[name] = cut(reason)
+            return
+        if inbox.store is not None:  # the server's disk, not the reply: a full disk ends the round, loudly
+            kept = {group: inbox.store.keep(arrays) for group, arrays in kept.items()}
+        update.payload = Payload(arrays=kept, config=payload.config, metrics=payload.metrics)
+        inbox.screened.append((update, distance))
+
+    def close_round(self, inbox: RoundInbox, chosen: list[HospitalInfo], started: float,
+                    bytes_down: dict[str, int] | None = None, evaluate: bool = True) -> dict[str, Any]:
+        """The round of ``inbox`` once its replies are in: the rules that weigh each reply against the others
+        (:meth:`round_rules`, on the numbers screening kept), the method's aggregation and server step, the record."""
+        rnd = inbox.rnd
+        accepted = self.round_rules(inbox)
+        refused = inbox.refused
         for name, reason in refused.items():
             log.warning("round %d: refused the update of %s: %s", rnd, name, reason)
-        answered = {r.hospital.name for r in replies}
-        missing = [h.name for h in chosen if h.name not in answered]
+        missing = [h.name for h in chosen if h.name not in inbox.bytes_up]
         if missing:
             log.warning("round %d: no reply from %s before the timeout", rnd, ", ".join(missing))
 
@@ -154,8 +212,7 @@ class RoundEngine:
                                  f"{self.cfg.min_train_hospitals}; the global model is unchanged")
             log.warning("round %d: %s", rnd, record["skipped"])
         bytes_down = bytes_down or {}
-        bytes_up = {r.hospital.name: r.bytes_up for r in replies}
-        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": int(bytes_up.get(h.name, 0))}
+        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": int(inbox.bytes_up.get(h.name, 0))}
                              for h in chosen}
         record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
         record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
@@ -205,33 +262,21 @@ class RoundEngine:
             record["seconds"] = round(record["seconds"] + time.time() - started, 3)
         log.info("round %d/%d: %s", rnd, self.cfg.num_server_rounds, describe(record))
 
-    def screen(self, replies: list[RoundReply], refused: dict[str, str],
-               rnd: int | None = None) -> list[HospitalUpdate]:
-        """The replies that pass every check (the method's and ``common.screening``'s), each with its share of
-        the aggregate; the others go into ``refused`` with their reason (a hospital's own text in it cut to a few
-        hundred characters). Nothing a reply holds can raise here."""
-        screened: list[tuple[HospitalUpdate, float | None]] = []
-        for reply in replies:
-            name = reply.hospital.name
-            if reply.payload is None:
-                refused[name] = f"hospital reported an error: {cut(str(reply.error))}"
-                continue
-            update = HospitalUpdate(reply.hospital, reply.payload, weight_key=self.weight_key)
-            try:
-                reason, distance = self.screen_one(update, rnd)
-            except Exception as error:  # a reply no check foresaw: refused, never the round's end
-                log.exception("unexpected error while checking the update of %s", name)
-                reason, distance = f"could not be checked ({type(error).__name__}: {error})", None
-            if reason:
-                refused[name] = cut(reason)
-            else:
-                screened.append((update, distance))
+    def round_rules(self, inbox: RoundInbox) -> list[HospitalUpdate]:
+        """The screened replies of ``inbox`` that the rules weighing each against the others accept (the update-norm
+        rule against the others' median, refuse-unchanged), each with its share of the aggregate (sample counts
+        cut at sample-ratio-limit x the others' median, capped at max-hospital-weight), in hospital-name order: the
+        same result whatever order the replies arrived in. The others go into ``inbox.refused``, after the replies
+        refused on their own, each set in name order."""
+        screened = sorted(inbox.screened, key=lambda item: item[0].hospital.name)
+        refused = {name: inbox.refused[name] for name in sorted(inbox.refused)}
         distances = {u.hospital.name: d for u, d in screened if d is not None}
         self.update_norms = distances  # recorded with the round: what the norm rule judged by
         refused.update(norm_outliers(distances, self.cfg.screening.update_norm_limit))
         if self.cfg.screening.refuse_unchanged:
             refused.update({name: "its update is zero: it returned the model it received unchanged "
                                   "(screening.refuse-unchanged)" for name, d in distances.items() if d == 0.0})
+        inbox.refused = refused
         accepted = [u for u, _ in screened if u.hospital.name not in refused]
         self.weight_cuts = {}
         if accepted:

@@ -151,7 +151,8 @@ def update_distance(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np
         ref = reference.get(name)
         if ref is None or value.dtype.kind != "f" or ref.shape != value.shape:
             continue
-        difference = value.astype(np.float64) - ref.astype(np.float64)
+        difference = value.astype(np.float64)
+        difference -= ref  # (as ref.astype(np.float64) would, without that copy)
         total += float(np.dot(difference.ravel(), difference.ravel()))
         shared = True
     return math.sqrt(total) if shared else None
@@ -196,17 +197,34 @@ def capped_shares(weights: list[float], cap: float) -> np.ndarray:
         shares = np.where(capped, cap, shares * free / rest.sum() if rest.sum() > 0 else 0.0)
 
 
+#: Values of each hospital's tensor a coordinate-wise rule takes at once (float64): the rule holds hospitals x this
+#: many values, not every hospital's whole tensor.
+ROBUST_CHUNK_BYTES = 64 * 2**20
+
+
 def robust_average(arrays: list[Mapping[str, np.ndarray]], rule: str, trim_fraction: float = 0.2) -> NamedArrays:
     """Coordinate-wise median (Flower's FedMedian) or trimmed mean (Flower's FedTrimmedAvg, its ``trim_mean``)
-    of named arrays, unweighted; integer arrays take the median."""
-    result: NamedArrays = {}
-    for name, first in arrays[0].items():
-        stacked = np.stack([np.asarray(item[name]) for item in arrays])
-        if rule == "trimmed-mean" and first.dtype.kind == "f":
-            from flwr.serverapp.strategy.fedtrimmedavg import trim_mean  # Flower's own rule, where Flower is
+    of named arrays, unweighted; integer arrays take the median. Each tensor goes a slice of coordinates at a time,
+    the same slice of every hospital's (read from disk alone where the arrays are there: ``common.reply_store``);
+    every coordinate's value is what the rule gives over the whole tensor at once."""
+    from common.reply_store import flat_values
 
-            value = trim_mean(stacked.astype(np.float64), trim_fraction)
-        else:
-            value = np.median(stacked, axis=0)
-        result[name] = np.asarray(value).astype(first.dtype)
+    result: NamedArrays = {}
+    per_slice = max(2, ROBUST_CHUNK_BYTES // (8 * len(arrays)))
+    for name in arrays[0]:
+        first = np.asarray(arrays[0][name])
+        size = first.size
+        slices = max(1, -(-size // per_slice))
+        step = -(-size // slices)  # slices of (nearly) equal length, none of a single value but a 1-value tensor's
+        value = np.empty(size, dtype=first.dtype)
+        for start in range(0, size, step):
+            stacked = np.stack([flat_values(item, name, start, start + step) for item in arrays])
+            if rule == "trimmed-mean" and first.dtype.kind == "f":
+                from flwr.serverapp.strategy.fedtrimmedavg import trim_mean  # Flower's own rule, where Flower is
+
+                part = trim_mean(stacked.astype(np.float64), trim_fraction)
+            else:
+                part = np.median(stacked, axis=0)
+            value[start:start + step] = np.asarray(part).astype(first.dtype)
+        result[name] = value.reshape(first.shape)
     return result

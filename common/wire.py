@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import SType
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size
@@ -148,14 +149,35 @@ def flatten_arrays(arrays: NamedArrays) -> tuple[ArrayRecord, str]:
     return flat, json.dumps(layout, separators=(",", ":"))
 
 
-def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str, max_tensors: int | None = None) -> NamedArrays:
-    """The named tensors of a flat record (views into its Arrays); MalformedPayload unless ``layout_json``
-    lists tensors that use every value of every Array exactly once."""
+def array_view(array: Array) -> np.ndarray:
+    """An Array's values without a copy: a read-only view into the message's own bytes (the ``.npy`` header read
+    by NumPy's reader); a copy, as ``Array.numpy()`` makes, where the bytes are in a form only ``np.load`` reads
+    (Fortran order, a version 3 header)."""
+    if array.stype != SType.NUMPY:
+        return array.numpy()  # Flower's error for another serialisation
+    stream = io.BytesIO(array.data)  # shares the bytes
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+        return array.numpy()
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(stream)
+    if fortran_order or dtype.hasobject:
+        return array.numpy()
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(array.data, dtype=dtype, count=count, offset=stream.tell()).reshape(shape)
+
+
+def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str, max_tensors: int | None = None,
+                     copy: bool = True) -> NamedArrays:
+    """The named tensors of a flat record (views into its Arrays, read-only views into the message's bytes without
+    ``copy``); MalformedPayload unless ``layout_json`` lists tensors that use every value of every Array exactly
+    once."""
     if not isinstance(layout_json, str):
         raise MalformedPayload(f"record {name!r} is flat but the config has no {FLAT_LAYOUT + name!r} text")
     try:
         entries = [(str(n), str(key), tuple(int(x) for x in shape)) for n, key, shape in json.loads(layout_json)]
-        vectors = {key.removeprefix(FLAT_ARRAY): array.numpy() for key, array in record.items()}
+        vectors = {key.removeprefix(FLAT_ARRAY): array.numpy() if copy else array_view(array)
+                   for key, array in record.items()}
     except Exception as error:
         raise MalformedPayload(f"record {name!r}: flat layout cannot be read: {type(error).__name__}: {error}") \
             from None
@@ -181,24 +203,39 @@ def unflatten_arrays(record: ArrayRecord, layout_json: Any, name: str, max_tenso
     return arrays
 
 
-def to_recorddict(payload: Payload, layout: str = "per-tensor", keys: RecordKeys = DEFAULT_KEYS) -> RecordDict:
+def to_recorddict(payload: Payload, layout: str = "per-tensor", keys: RecordKeys = DEFAULT_KEYS,
+                  shared: dict | None = None) -> RecordDict:
     """``payload`` as Flower records, its arrays in ``layout`` (one of :data:`LAYOUTS`), the model and config
-    records named by ``keys``."""
+    records named by ``keys``. ``shared``: a dict kept across calls (one round's messages): an array group of the
+    very same arrays as one encoded before gets that ArrayRecord again, not a copy of its own, so that a round's
+    messages to every hospital hold one copy of the global model, not one each."""
     if layout not in LAYOUTS:
         raise ValueError(f"message layout {layout!r} is not one of {LAYOUTS}")
     content = RecordDict()
     config = dict(payload.config)
     for group, arrays in payload.arrays.items():
         name = keys.record_name(group)
-        if layout == "packed":
-            content[name] = ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)})
-        elif layout == "flat":
-            content[name], config[FLAT_LAYOUT + name] = flatten_arrays(arrays)
+        same = (name, layout, tuple((k, id(v)) for k, v in arrays.items()))
+        if shared is not None and same in shared:
+            content[name], flat_layout = shared[same][1:]
         else:
-            content[name] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()})
+            content[name], flat_layout = encode_group(arrays, layout)
+            if shared is not None:  # the arrays are kept with it, so their ids stay theirs while ``shared`` lives
+                shared[same] = (tuple(arrays.values()), content[name], flat_layout)
+        if flat_layout is not None:
+            config[FLAT_LAYOUT + name] = flat_layout
     content[keys.config] = ConfigRecord(config)
     content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
     return content
+
+
+def encode_group(arrays: NamedArrays, layout: str) -> tuple[ArrayRecord, str | None]:
+    """One array group as an ArrayRecord in ``layout``, and its flat layout's text (None unless flat)."""
+    if layout == "packed":
+        return ArrayRecord({PACKED_ARRAY: pack_arrays(arrays)}), None
+    if layout == "flat":
+        return flatten_arrays(arrays)
+    return ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()}), None
 
 
 def declared_nbytes(array: Array) -> int:
@@ -241,10 +278,12 @@ def tensor_count_problem(content: RecordDict, config: Any, max_tensors: int) -> 
 
 
 def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordKeys | None = None,
-                    max_tensors: int | None = None) -> Payload:
+                    max_tensors: int | None = None, copy: bool = True) -> Payload:
     """The payload in a message's content (any layout); MalformedPayload for records of the wrong kind or
     content, for arrays that would take more than ``limit`` bytes or for more than ``max_tensors`` tensors (both
-    checked before any is decoded). ``keys``: the record names (default: those the message's own config names)."""
+    checked before any is decoded). ``keys``: the record names (default: those the message's own config names).
+    Without ``copy`` the arrays are read-only views into the message's bytes (but a packed group's), so a reply
+    decoded costs no second copy of itself."""
     keys = keys or RecordKeys.of(content)
     config = content.get(keys.config)
     if max_tensors is not None:
@@ -267,10 +306,11 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
                 continue
             if record and all(key.startswith(FLAT_ARRAY) for key in record):
                 payload.arrays[group] = unflatten_arrays(record, flat_layouts.pop(FLAT_LAYOUT + name, None), name,
-                                                         max_tensors)
+                                                         max_tensors, copy)
                 continue
             try:
-                payload.arrays[group] = {key: array.numpy() for key, array in record.items()}
+                payload.arrays[group] = {key: array.numpy() if copy else array_view(array)
+                                         for key, array in record.items()}
             except Exception as error:  # an Array whose bytes are not an array
                 raise MalformedPayload(f"record {name!r} cannot be decoded: {type(error).__name__}: {error}") from None
         elif isinstance(record, ConfigRecord) and name == keys.config:

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -38,7 +39,7 @@ from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
 from strategies.registry import method_spec, method_tasks, methods
 
-from .records import arrays_of, as_arrayrecord, round_metricrecord
+from .records import arrays_of, into_arrayrecord, round_metricrecord
 
 log = logging.getLogger("fedmed")
 
@@ -47,32 +48,50 @@ EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
 MetricsAggregation = Callable[[list[RecordDict], str], "MetricRecord | None"]
 
 
-def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None,
-                    queued: list[Message] | None = None, in_flight: int = 0) -> list[Message]:
-    """Replies to the ``pending`` message ids until all (or ``enough``) are in or ``timeout`` passes.
+def replies_as_they_arrive(grid: Grid, pending: set[str], timeout: float, enough: int | None = None,
+                           queued: list[Message] | None = None, in_flight: int = 0,
+                           pull_at_once: int = 0) -> Iterator[Message]:
+    """Replies to the ``pending`` message ids, each handed out as soon as it is pulled, until all (or ``enough``)
+    are in or ``timeout`` passes.
 
     Flower's ``Grid.send_and_receive`` sleeps 3 s between polls, which adds 1.5 s on average to
     every round trip; here the first polls come every 0.25 s, slowing to 2 s for long trainings.
     ``queued`` messages are pushed as room frees up, at most ``in_flight`` pending at once (0: all
     at once), see :func:`messages_in_flight`. ``pending`` loses the ids that were answered and
-    ``queued`` the messages that were pushed.
+    ``queued`` the messages that were pushed. ``pull_at_once`` (0: all): most replies asked of the SuperLink in
+    one pull, each of which Flower holds whole in memory until the pull returns.
     """
     queued = queued if queued is not None else []
-    replies: list[Message] = []
+    handed_out = 0
     started = time.time()
-    while (pending or queued) and time.time() - started < timeout and (enough is None or len(replies) < enough):
+    while (pending or queued) and time.time() - started < timeout and (enough is None or handed_out < enough):
         room = len(queued) if in_flight <= 0 else in_flight - len(pending)
         if queued and room > 0:
             pending |= {mid for mid in grid.push_messages(queued[:room]) if mid}
             del queued[:room]
-        arrived = list(grid.pull_messages(set(pending))) if pending else []
-        replies.extend(arrived)
-        pending -= {m.metadata.reply_to_message_id for m in arrived}
+        if pull_at_once > 0:
+            asked = sorted(pending)
+            pulls = [asked[first:first + pull_at_once] for first in range(0, len(asked), pull_at_once)]
+        else:
+            pulls = [set(pending)] if pending else []
+        for ids in pulls:
+            arrived = list(grid.pull_messages(ids))
+            pending -= {m.metadata.reply_to_message_id for m in arrived}
+            while arrived:
+                message = arrived.pop(0)
+                handed_out += 1
+                yield message
+                del message  # not held while the next one is pulled
         if queued and len(pending) < in_flight:
             continue  # room for more at once
         if pending:
             time.sleep(0.1 if queued else min(2.0, 0.25 + (time.time() - started) / 60))
-    return replies
+
+
+def collect_replies(grid: Grid, pending: set[str], timeout: float, enough: int | None = None,
+                    queued: list[Message] | None = None, in_flight: int = 0) -> list[Message]:
+    """:func:`replies_as_they_arrive`, all of them at once."""
+    return list(replies_as_they_arrive(grid, pending, timeout, enough, queued, in_flight))
 
 
 def retry_unavailable_objects_sooner() -> None:
@@ -89,10 +108,15 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float, in_fli
     ``timeout`` passes. ``messages`` is emptied as they are sent, so that a large model's copies in them are
     freed while the replies come in."""
     replies = collect_replies(grid, set(), timeout, queued=messages, in_flight=in_flight)
+    warn_unsent(messages, timeout, in_flight)
+    return replies
+
+
+def warn_unsent(messages: list[Message], timeout: float, in_flight: int) -> None:
+    """Say so when ``messages`` (what a round could not push) is not empty."""
     if messages:
         log.warning("%d message(s) were not sent within %.0f s (messages-in-flight=%d)", len(messages), timeout,
                     in_flight)
-    return replies
 
 
 #: Messages pending at once in Flower's simulation engine. Its in-memory SuperLink state looks through every
@@ -107,6 +131,8 @@ SIMULATION_IN_FLIGHT = max(4, os.cpu_count() or 1)
 #: 21 s with 32 (2-core AMD EPYC, benchmarks/results/overhead.md). A wider window lengthens every sweep as
 #: much as it adds queries to it, so it gains little more.
 SIMULATION_QUERIES_IN_FLIGHT = 32
+#: Bytes of replies a streamed round pulls from the SuperLink at once (:meth:`HospitalStrategy.pull_at_once`).
+PULL_BYTES = 64 * 2**20
 
 
 def messages_in_flight(job: JobConfig, grid: Grid, queries: bool = False) -> int:
@@ -313,7 +339,7 @@ class HospitalStrategy(Strategy):
 
     def initial_arrays(self) -> ArrayRecord:
         """The method's initial global model (seeded by the run config's seed), for ``start``."""
-        return as_arrayrecord(self.engine.method.global_arrays)
+        return into_arrayrecord(self.engine.method.global_arrays)
 
     def resume(self, checkpoint: Mapping[str, Any]) -> None:
         """Continue after the checkpoint's last round (``server_app.checkpoint.load_checkpoint``)."""
@@ -351,7 +377,8 @@ class HospitalStrategy(Strategy):
         if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
             head = head_in_reason(str(message.error.reason))
         elif received:
-            heads = [record.get("audit-head") for record in message.content.config_records.values()]
+            heads = [record.get("audit-head") for record in message.content.values()  # not .config_records, whose
+                     if isinstance(record, ConfigRecord)]  # view holds the message in a cycle until Python's collector
             head = next((h for h in heads if isinstance(h, str)), None)
         audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],
                      run=self.job.run_name, round=server_round, method=self.job.strategy, peer=hospital,
@@ -494,11 +521,12 @@ class HospitalStrategy(Strategy):
         node_of = {info.name: node for node, info in self.hospitals.items()}
         layout = self.message_layout()
         messages = []
+        shared: dict = {}  # one record of the global model for every hospital that receives it, not a copy each
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
             payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {}),
                               "message-arrays": layout}  # the hospital replies in the same layout
-            content = to_recorddict(payload, layout, self.records)
+            content = to_recorddict(payload, layout, self.records, shared)
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
@@ -573,7 +601,8 @@ class HospitalStrategy(Strategy):
         DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
         self.refuse_unfit_wrappers()
         if len(arrays):
-            self.engine.adopt_global_arrays(arrays_of(arrays), f"arrays given for round {server_round}")
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
+                                            f"arrays given for round {server_round}")
         self._grid = grid
         asked_from = time.time()
         self.discover(grid)
@@ -591,32 +620,59 @@ class HospitalStrategy(Strategy):
             messages = self.secure_aggregation.prepare(server_round, messages, grid)
         return messages
 
-    def round_replies(self, server_round: int, replies: Iterable[Message]) -> list[RoundReply]:
-        """Replies by hospital: from unknown nodes ignored, errors and undecodable ones kept with their reason."""
-        round_replies = []
+    def round_replies(self, server_round: int, replies: Iterable[Message],
+                      keep_arrays: bool = True) -> Iterator[RoundReply]:
+        """Replies by hospital, each decoded when asked for (so the round engine screens one while the next is on its
+        way, and none is held here after): from unknown nodes ignored, errors and undecodable ones with their
+        reason. The replies' contents are kept for ``train_metrics_aggr_fn``, without their arrays unless
+        ``keep_arrays``."""
         chosen, limit, tensors = {h.name for h in self._chosen}, self.reply_limit(), self.reply_tensor_limit()
         for message in replies:
-            hospital = self.hospitals.get(message.metadata.src_node_id)
-            self.audit_message("received", message, server_round, hospital.name if hospital else None)
-            if hospital is None and message.has_error():  # the SuperLink's own: the message never reached a reply
-                log.warning("round %d: a training message was not answered: %s", server_round,
-                            message.error.reason)
-                continue
-            if hospital is None or hospital.name not in chosen:
-                log.warning("round %d: reply from node %d, which was not asked to train, ignored", server_round,
-                            message.metadata.src_node_id)
-                continue
-            if message.has_error():
-                round_replies.append(RoundReply(hospital, None, cut(message.error.reason), 0))
-                continue
-            up = message_nbytes(message)
-            try:
-                payload = from_recorddict(message.content, limit, self.records, tensors)
-                round_replies.append(RoundReply(hospital, payload, None, up))
-                self._replies[hospital.name] = message.content
-            except MalformedPayload as error:
-                round_replies.append(RoundReply(hospital, None, f"malformed reply: {error}", up))
-        return round_replies
+            reply = self.round_reply(server_round, message, chosen, limit, tensors, keep_arrays)
+            del message
+            if reply is not None:
+                yield reply
+                del reply  # not held while the next one is pulled and decoded
+
+    def round_reply(self, server_round: int, message: Message, chosen: set[str], limit: int, tensors: int,
+                    keep_arrays: bool) -> RoundReply | None:
+        """One reply of :meth:`round_replies`, decoded (None: not from a chosen hospital)."""
+        hospital = self.hospitals.get(message.metadata.src_node_id)
+        self.audit_message("received", message, server_round, hospital.name if hospital else None)
+        if hospital is None and message.has_error():  # the SuperLink's own: the message never reached a reply
+            log.warning("round %d: a training message was not answered: %s", server_round, message.error.reason)
+            return None
+        if hospital is None or hospital.name not in chosen:
+            log.warning("round %d: reply from node %d, which was not asked to train, ignored", server_round,
+                        message.metadata.src_node_id)
+            return None
+        if message.has_error():
+            return RoundReply(hospital, None, cut(message.error.reason), 0)
+        up = message_nbytes(message)
+        try:  # streamed (not keep_arrays): views into the message, which is released once the reply is screened
+            payload = from_recorddict(message.content, limit, self.records, tensors, copy=keep_arrays)
+        except MalformedPayload as error:
+            return RoundReply(hospital, None, f"malformed reply: {error}", up)
+        self._replies[hospital.name] = message.content if keep_arrays else RecordDict(
+            {name: record for name, record in message.content.items() if not isinstance(record, ArrayRecord)})
+        return RoundReply(hospital, payload, None, up)
+
+    def reply_folder(self) -> Path | None:
+        """Where a round's accepted replies wait, on disk, for the round to close (``<run>/.round-<n>``, removed
+        then): the run folder in our own round loop (:meth:`start`) with ``reply-store='disk'``, so the ServerApp
+        holds one reply at a time whatever the number of hospitals. None (every reply in memory) under Flower's
+        own loop, whose ``Grid.send_and_receive`` has every reply in memory already, and with secure aggregation,
+        whose masked vectors are summed as they come."""
+        if not self._in_own_loop or self.job.reply_store != "disk" or self.secure_aggregation is not None:
+            return None
+        return self.job.run_dir
+
+    def pull_at_once(self) -> int:
+        """Most replies pulled from the SuperLink at once in a streamed round: as many as fit in
+        :data:`PULL_BYTES` at the size of this round's largest message to a hospital (at least one), since Flower
+        holds every reply of a pull whole in memory until the pull returns."""
+        largest = max(self._bytes_down.values(), default=0)
+        return max(1, PULL_BYTES // largest) if largest else 0
 
     def reply_limit(self) -> int:
         """The most bytes a reply's arrays may take once decoded: ``screening.max-reply-mb``, or 4x the method's
@@ -642,8 +698,14 @@ class HospitalStrategy(Strategy):
         self._replies = {}
         if self._aggregating > 1:  # called by an override, which may still decline the round: keep what to go back to
             self._state_before = {k: np.array(v, copy=True) for k, v in self.engine.method.state_dict().items()}
-        record = self.engine.complete_round(server_round, self._chosen, self.round_replies(server_round, replies),
-                                            self._round_started, self._bytes_down, evaluate=False)
+        folder = self.reply_folder()
+        round_replies = self.round_replies(server_round, replies, keep_arrays=folder is None)
+        if folder is not None:  # each reply screened as it arrives, what the method aggregates kept on disk
+            record = self.engine.complete_round(server_round, self._chosen, round_replies, self._round_started,
+                                                self._bytes_down, evaluate=False, reply_folder=folder)
+        else:
+            record = self.engine.complete_round(server_round, self._chosen, list(round_replies), self._round_started,
+                                                self._bytes_down, evaluate=False)
         record["identity-seconds"] = round(self._identity_seconds, 3)  # finding new hospitals, before the round
         if self._refusals:  # nodes that would not join (a hospital's gate or policy refused the job): metrics.jsonl
             record["not-joined"] = {f"node {node}": reason for node, reason in sorted(self._refusals.items())}
@@ -658,7 +720,7 @@ class HospitalStrategy(Strategy):
             metrics = MetricRecord({**metrics, **dict(own or {})})
         if "skipped" in record:
             return None, metrics
-        return as_arrayrecord(self.engine.method.global_arrays), metrics
+        return into_arrayrecord(self.engine.method.global_arrays), metrics
 
     def warn_of_idle_gpus(self, record: dict[str, Any]) -> None:
         """Once: the server sees GPUs but hospitals with ``device='auto'`` trained on the CPU (in Flower's simulation:
@@ -716,7 +778,8 @@ class HospitalStrategy(Strategy):
         if record is None:
             return
         if len(arrays) and "skipped" not in record:
-            self.engine.adopt_global_arrays(arrays_of(arrays), f"global model released after round {server_round}")
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
+                                            f"global model released after round {server_round}")
         self.engine.evaluate_round(record)
 
     def test_metrics(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -724,7 +787,7 @@ class HospitalStrategy(Strategy):
         own loop (a DP wrapper's ``start``): the round's recorded scores (``arrays`` were released to the method in
         ``configure_evaluate``); round 0 scores ``arrays`` as given."""
         if server_round == 0:
-            self.engine.adopt_global_arrays(arrays_of(arrays), "initial arrays")
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), "initial arrays")
             return MetricRecord(numbers(self.engine.method.evaluate(self.engine.test_data)))
         for record in reversed(self.engine.history):
             if record["round"] == server_round:
@@ -856,7 +919,7 @@ class HospitalStrategy(Strategy):
             if self._engine is not None:  # built already (initial_arrays()): the server's schedules follow too
                 self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
         if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
-            self.engine.adopt_global_arrays(arrays_of(initial_arrays), "initial_arrays")
+            self.engine.adopt_global_arrays(arrays_of(initial_arrays, copy=False), "initial_arrays")
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
         self.summary()
@@ -872,9 +935,18 @@ class HospitalStrategy(Strategy):
         retry_unavailable_objects_sooner()
         try:
             for rnd in range(first, num_rounds + 1):
-                replies = send_and_receive(grid, list(self.configure_train(rnd, arrays, train_config, grid)),
-                                           timeout, in_flight)
-                aggregated, metrics = self.aggregate_train(rnd, drain(replies))
+                messages = list(self.configure_train(rnd, arrays, train_config, grid))
+                streamed = self.reply_folder() is not None
+                if streamed:  # handed to aggregate_train as they arrive
+                    replies = replies_as_they_arrive(grid, set(), timeout, queued=messages, in_flight=in_flight,
+                                                     pull_at_once=self.pull_at_once())
+                else:  # every reply at once, as Flower's loop hands them
+                    replies = drain(send_and_receive(grid, messages, timeout, in_flight))
+                aggregated, metrics = self.aggregate_train(rnd, replies)
+                for _ in replies:  # an override that took only some: the round waits for all, as Flower's loop does
+                    pass
+                if streamed:
+                    warn_unsent(messages, timeout, in_flight)
                 if aggregated is not None:
                     arrays = aggregated
                 if metrics is not None:

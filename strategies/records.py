@@ -8,15 +8,24 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 
 from common.payload import NamedArrays
+from common.wire import array_view
 
 
-def as_arrayrecord(arrays: NamedArrays) -> ArrayRecord:
-    """Named NumPy arrays as an ArrayRecord, in their order (``to_torch_state_dict()`` loads it)."""
-    return ArrayRecord({name: Array(np.require(value, requirements="C")) for name, value in arrays.items()})
+def into_arrayrecord(arrays: NamedArrays) -> ArrayRecord:
+    """``arrays`` as an ArrayRecord, each entry of ``arrays`` replaced, as soon as it is copied into the record, by a
+    read-only view of that copy (the same values): a large model is never held twice over, and ``arrays`` (the
+    method's global model) then shares the record's memory."""
+    record = ArrayRecord()
+    for name in list(arrays):
+        record[name] = Array(np.require(arrays[name], requirements="C"))
+        arrays[name] = array_view(record[name])
+    return record
 
 
-def arrays_of(record: ArrayRecord) -> NamedArrays:
-    return {name: array.numpy() for name, array in record.items()}
+def arrays_of(record: ArrayRecord, copy: bool = True) -> NamedArrays:
+    """The record's arrays, copies of their own, or without ``copy`` read-only views into the record's bytes (the
+    method's global model then shares its memory with the ArrayRecord Flower's loop holds)."""
+    return {name: array.numpy() if copy else array_view(array) for name, array in record.items()}
 
 
 def flat_metrics(value: Any, prefix: str = "") -> dict[str, int | float | list]:

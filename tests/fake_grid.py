@@ -12,31 +12,19 @@ from typing import Any
 from uuid import uuid4
 
 from flwr.app import Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
+
+from benchmarks.memory.grid import LocalGrid
 
 NodeHandler = Callable[[Message], "Message | None"]
 
 
-class FakeGrid(Grid):
+class FakeGrid(LocalGrid):
     def __init__(self, nodes: Mapping[int, NodeHandler]):
-        TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as inside a ServerApp
+        super().__init__()
         self.nodes: dict[int, NodeHandler] = dict(nodes)
         self.sent: list[Message] = []
         self.replies: list[Message] = []  # every reply the nodes gave, in order
         self._replies: dict[str, Message] = {}
-        self._run = None
-
-    def set_run(self, run) -> None:
-        self._run = run
-
-    @property
-    def run(self):
-        return self._run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
@@ -56,9 +44,6 @@ class FakeGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return [self._replies.pop(mid) for mid in list(message_ids) if mid in self._replies]
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
 
     def sent_of_type(self, message_type: str) -> list[Message]:
         return [m for m in self.sent if m.metadata.message_type == message_type]

@@ -24,6 +24,7 @@ ROUNDS = 4
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", [True, False], ids=["fedmed-supernode", "flower-superexec-warm-worker"])
 def test_deployment_completes_resumes_exactly_and_names_a_corrupt_hospital(tmp_path, executor):
     """As deploy/ starts hospitals (fedmed-supernode: one long-lived ClientApp process each), and on stock

@@ -82,7 +82,7 @@ def image(docker_engine):
 
 @pytest.fixture
 def consortium(tmp_path, image):
-    """The README's compose steps in a fresh folder: certificates, keys, sites, .env, `docker-compose up -d`."""
+    """docs/deployment.md's compose steps in a fresh folder: certificates, keys, sites, .env, `docker-compose up -d`."""
     project = tmp_path / "consortium"
     (project / "deploy").mkdir(parents=True)
     shutil.copy(ROOT / "docker-compose.yml", project / "docker-compose.yml")
@@ -164,6 +164,7 @@ def test_the_docker_engine_is_stopped_after_the_test_only_when_the_test_started_
 
 @pytest.mark.docker
 @pytest.mark.integration
+@pytest.mark.slow
 def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     project, compose, home = consortium
     no_crash_loops = sh(*compose, "ps", cwd=project).stdout

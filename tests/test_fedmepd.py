@@ -368,6 +368,7 @@ def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     assert all(np.all(w == 1.0) for w in weights.values())
 
 
+@pytest.mark.slow  # minutes of training: the long tier
 def test_fedmepd_hospitals_that_miss_modalities_gain_from_federation():
     """Three hospitals with one modality each (T1c, T2, FLAIR), two cases each, on volumes where each tumour
     region shows in only some modalities: FedMEPD's hospitals, with their own encoders, personal decoder filters

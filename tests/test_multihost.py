@@ -27,7 +27,7 @@ from server_app.results import read_history
 from .flower_processes import stopped_at_exit
 from .netns import VirtualNetwork, require_netns
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # the long tier (.ci/run)
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSPITALS = ["hospital-00", "hospital-01", "hospital-02"]

@@ -118,6 +118,7 @@ def not_a_pair(request):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_consortiums_own_serverapp_and_clientapp_run_monai_networks_in_simulation(tmp_path):
     from common.launch import run_log, submit_run, wait_for_run
 

@@ -12,7 +12,7 @@ from common.launch import run_log, submit_run, wait_for_run
 
 from .flower_processes import simulation_superlink
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # the long tier (.ci/run)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_serverapp"
 

@@ -15,7 +15,7 @@ from server_app.results import read_history
 
 from .flower_processes import TINY_JOB, run_to_completion, simulation_superlink
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # the long tier (.ci/run)
 
 
 def test_two_round_simulation_with_mixed_bit_widths(tmp_path):

@@ -748,6 +748,7 @@ def test_delta_downlink_traffic_with_sparse_updates_is_15_times_below_32_bits(qu
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_three_flower_simulation_rounds_with_sparse_updates_and_a_delta_downlink(tmp_path):
     from server_app.checkpoint import load_checkpoint
     from server_app.results import read_history

@@ -120,9 +120,10 @@ def test_a_masked_vector_says_nothing_of_its_vector():
     protocol.keys()
     masked, other = protocol.mask(1, vectors[1]), protocol.mask(2, vectors[2])
     # ...sends values spread evenly over [0, 2^32): mean 2^31, a quarter in each quarter, not correlated with others'
+    # (the keys are fresh each run: bounds at 5 standard errors of 20,000 uniform draws, so a chance failure is ~1e-6)
     assert abs(masked.mean() / 2**32 - 0.5) < 0.01
-    assert np.allclose(np.histogram(masked, bins=4, range=(0, 2**32))[0] / masked.size, 0.25, atol=0.01)
-    assert abs(np.corrcoef(other, vectors[2])[0, 1]) < 0.03
+    assert np.allclose(np.histogram(masked, bins=4, range=(0, 2**32))[0] / masked.size, 0.25, atol=0.016)
+    assert abs(np.corrcoef(other, vectors[2])[0, 1]) < 0.036
 
 
 def test_a_hospital_refuses_what_would_unmask_it():

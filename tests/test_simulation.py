@@ -11,7 +11,7 @@ from server_app.results import read_history
 
 from .flower_processes import TINY_JOB, run_to_completion, simulation_superlink
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # the long tier (.ci/run)
 
 
 def test_two_round_simulation_completes_and_resumes_exactly(tmp_path):

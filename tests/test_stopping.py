@@ -326,7 +326,7 @@ def stop_a_running_simulation(tmp_path: Path, signum: int, ready, act=None,
     seen = Seen()
     run_dir = results / LONG_RUN["run-name"]
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 900  # a wait, not a speed claim: a loaded machine takes longer to round one
         while not ready(run_dir, seen):
             assert cli_process.poll() is None, cli_process.communicate()
             assert time.monotonic() < deadline, f"not ready in time; seen {sorted(seen.names)}"
@@ -351,6 +351,12 @@ def stop_a_running_simulation(tmp_path: Path, signum: int, ready, act=None,
                 pass
 
 
+def stop_bound(seconds: float = 30.0) -> float:
+    """How long a stop may take: ``seconds`` on an idle machine, longer in proportion to the load on a busy one (the
+    claim is that it stops, and soon; not how fast a starved machine tears Ray down)."""
+    return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def metrics_size(run_dir: Path) -> int:
     try:
         return (run_dir / "metrics.jsonl").stat().st_size
@@ -359,13 +365,14 @@ def metrics_size(run_dir: Path) -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_ctrl_c_stops_the_simulation_and_every_process_it_started(tmp_path):
     def after_round_one(run_dir, seen):
         return metrics_size(run_dir) > 0
 
     code, seconds, seen, err = stop_a_running_simulation(tmp_path, signal.SIGINT, after_round_one)
     assert code == 130, err[-3000:]
-    assert seconds < 30
+    assert seconds < stop_bound()
     assert {"flower-superlink", "flower-superexec", "flwr-simulation", "raylet", "ClientAppActor"} <= seen.names
     assert alive(seen) == {}
     run_dir = tmp_path / "results" / LONG_RUN["run-name"]
@@ -382,7 +389,7 @@ def test_sigterm_stops_the_simulation_once_ray_runs(tmp_path):
 
     code, seconds, seen, err = stop_a_running_simulation(tmp_path, signal.SIGTERM, ray_started)
     assert code == 143, err[-3000:]
-    assert seconds < 30
+    assert seconds < stop_bound()
     assert {"flower-superlink", "flower-superexec", "flwr-simulation", "raylet"} <= seen.names
     assert alive(seen) == {}
     assert "stopped (SIGTERM)" in err
@@ -396,6 +403,7 @@ def command_line(pid: int) -> str:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_serverapp_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
     """SIGKILL of the ServerApp's process (flwr-simulation, which started Ray): Ray's raylet, GCS and agents lose
     their parent; the CLI still ends with every process the launch started gone, Ray's agents included."""

@@ -132,15 +132,17 @@ def run_deployment(app: str, hospitals: int, rounds: int, work: Path) -> list[di
     return json.loads(timings.read_text())
 
 
-def run_simulation(hospitals: int, rounds: int, work: Path, profile: Path | None = None) -> dict:
+def run_simulation(hospitals: int, rounds: int, work: Path, profile: Path | None = None,
+                   extra: dict | None = None) -> dict:
     """A simulation of ``hospitals`` virtual hospitals: its rounds, the seconds spent finding the hospitals, the
-    peak memory of its processes and, with ``profile``, py-spy's samples of round 2 onwards written there."""
+    peak memory of its processes and, with ``profile``, py-spy's samples of round 2 onwards written there.
+    ``extra``: run-config keys over the benchmark's."""
     home = FlowerHome(work / "home")
     link = start_superlink(home, free_port(), simulation=True)
     results = work / "results" / "overhead"
     try:
         job = fedmed_job(hospitals, rounds, work / "results", **{"synthetic-samples": SAMPLES_PER_HOSPITAL * hospitals,
-                                                                 "state-dir": str(work / "state")})
+                                                                 "state-dir": str(work / "state"), **(extra or {})})
         with PeakMemory([link]) as peak:
             run_id = submit_run(home, "local", job, {"num-supernodes": hospitals})
             if profile is not None:
@@ -171,9 +173,10 @@ def record_profile(link, results: Path, out: Path, after_round: int, seconds: fl
                    check=False, capture_output=True)
 
 
-def run_large_model(width: float, rounds: int, work: Path, hospitals: int = 2) -> dict:
+def run_large_model(width: float, rounds: int, work: Path, hospitals: int = 2, extra: dict | None = None) -> dict:
     """A loopback deployment training a ResNet-18 of ``width`` (1.0: the standard 11 M parameters, 45 MB; 1.5:
-    100 MB) on 32x32 generated images: round seconds and the peak memory of each process kind."""
+    100 MB) on 32x32 generated images: round seconds and the peak memory of each process kind. ``extra``: run-config
+    keys over the benchmark's."""
     home = FlowerHome(work / "home")
     port = free_port()
     link = start_superlink(home, port, simulation=False, connection="bench")
@@ -186,7 +189,8 @@ def run_large_model(width: float, rounds: int, work: Path, hospitals: int = 2) -
                               "state-dir": str(work / "state" / f"h{i}"), "device": "cpu"})
              for i in range(hospitals)]
     job = fedmed_job(hospitals, rounds, work / "results", dataset="npz", model="resnet18",
-                     **{"resnet-width": width, "image-size": 32, "batch-size": 16, "test-dir": str(sites / "test")})
+                     **{"resnet-width": width, "image-size": 32, "batch-size": 16, "test-dir": str(sites / "test"),
+                        **(extra or {})})
     try:
         with PeakMemory([link, *nodes]) as peak:
             until_finished(home, "bench", submit_run(home, "bench", job, app_dir=HERE.parent.parent), "large-model run")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -121,9 +122,20 @@ class ServerMethod(ABC):
         Default: the reply's model against the global model."""
         return update.payload.arrays.get("model", {}), self.expected_model(update)
 
+    def reply_arrays(self, update: HospitalUpdate) -> dict[str, Mapping[str, np.ndarray]]:
+        """The array groups of a screened reply that :meth:`aggregate` reads (default: all the reply's own), called
+        once per reply right after its checks, refused or not. The round engine keeps them, on disk in a streamed
+        round, and hands them to :meth:`aggregate` as ``update.payload.arrays``; everything else of the reply is
+        released as soon as it is screened."""
+        return update.payload.arrays
+
     @abstractmethod
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
-        """Fold the accepted updates into the global state; return round metrics worth recording."""
+        """Fold the accepted updates into the global state; return round metrics worth recording.
+
+        Each update's arrays may be on disk (``common.reply_store.StoredArrays``: each tensor read from its file
+        when asked for): go tensor by tensor, or hospital by hospital, never holding every reply's whole arrays at
+        once, and copy what is kept beyond the round (``common.reply_store.materialized``)."""
 
     def server_step(self, rnd: int) -> dict[str, Any]:
         """Work the server does on its own after aggregation (e.g. training on its data)."""

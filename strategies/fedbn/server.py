@@ -14,6 +14,7 @@ import torch
 
 from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, weighted_average
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate, ServerMethod
+from common.reply_store import materialized
 from common.round_engine import weighted_mean_metrics
 from common.screening import batchnorm_problem, robust_average
 
@@ -58,8 +59,8 @@ class FedBNServer(ServerMethod):
         shared = (weighted_average(models, [u.weight for u in updates]) if rule == "mean"
                   else robust_average(models, rule, self.cfg.screening.trim_fraction))
         self.global_arrays = {k: shared.get(k, v) for k, v in self.global_arrays.items()}
-        for update in updates:
-            self.local_norms[update.hospital.name] = update.payload.arrays[NORM_GROUP]
+        for update in updates:  # kept beyond the round: copies of their own
+            self.local_norms[update.hospital.name] = materialized(update.payload.arrays[NORM_GROUP])
         return {}
 
     def evaluation_model(self, hospital: str | None = None) -> torch.nn.Module:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
+
 from common.arrays import NamedArrays
+from common.reply_store import selected
 
 from .filter_personalisation import subtract
 
@@ -11,8 +16,9 @@ MASK_KEY = "personal-mask"
 STATE_PREFIX = "fedmepd/"
 
 
-def decoder_part(arrays: NamedArrays) -> NamedArrays:
-    return {k: v for k, v in arrays.items() if k.startswith(DECODER)}
+def decoder_part(arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """The decoder's arrays (of a reply on disk: still on disk, none read)."""
+    return selected(arrays, DECODER)
 
 
 def server_decoder_change(trained: NamedArrays, sent: NamedArrays, aggregated: NamedArrays,

@@ -19,6 +19,8 @@ to hospitals bit-packed, one bit per filter, in the decoder's parameter-name ord
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from common.arrays import NamedArrays
@@ -91,11 +93,15 @@ def unpack_mask(data: bytes, sizes: dict[str, int]) -> dict[str, np.ndarray]:
     return masks
 
 
-def aggregate_filters(server: NamedArrays, uploads: list[NamedArrays], weights: list[dict[str, np.ndarray]],
-                      layers: dict[str, list[str]],
+def aggregate_filters(server: NamedArrays, uploads: list[Mapping[str, np.ndarray]],
+                      weights: list[dict[str, np.ndarray]], layers: dict[str, list[str]],
                       server_momentum: float) -> tuple[NamedArrays, dict[str, np.ndarray]]:
     """Per-filter weighted mean of the uploads, EMA'd into the server's filters where any hospital
-    contributes; returns the new arrays and, per layer, which filters had contributors."""
+    contributes; returns the new arrays and, per layer, which filters had contributors.
+
+    Each parameter's weighted sum goes upload by upload (an upload on disk is read one tensor at a time), the first
+    term copied and the others added in order, as NumPy's sum over the stacked uploads adds them: the same values
+    bit for bit, without every hospital's decoder in memory at once."""
     result, contributed = dict(server), {}
     for layer, names in layers.items():
         w = np.stack([weight[layer] for weight in weights]) if weights else np.zeros((0, server[names[0]].shape[0]))
@@ -103,9 +109,10 @@ def aggregate_filters(server: NamedArrays, uploads: list[NamedArrays], weights: 
         contributed[layer] = total > 0
         for name in names:
             shape = (-1,) + (1,) * (server[name].ndim - 1)
-            stacked = (np.stack([u[name].astype(np.float64) for u in uploads]) if uploads
-                       else np.zeros((0,) + server[name].shape))
-            mean = (w.reshape(w.shape + (1,) * (server[name].ndim - 1)) * stacked).sum(axis=0)
+            mean = np.zeros(server[name].shape, dtype=np.float64)
+            for h, upload in enumerate(uploads):
+                term = w[h].reshape(shape) * upload[name].astype(np.float64)
+                mean = term if h == 0 else np.add(mean, term, out=mean)
             mean = mean / np.where(total > 0, total, 1.0).reshape(shape)
             blended = server_momentum * server[name].astype(np.float64) + (1.0 - server_momentum) * mean
             result[name] = np.where(contributed[layer].reshape(shape), blended, server[name]).astype(server[name].dtype)

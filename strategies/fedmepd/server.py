@@ -23,6 +23,7 @@ import numpy as np
 from common.arrays import NamedArrays, model_arrays, weighted_average
 from common.data.brats import MODALITIES
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
+from common.reply_store import selected
 
 from .anchors import MultiAnchors, collect_class_vectors
 from .decoder import DECODER, MASK_KEY, STATE_PREFIX, decoder_part, server_decoder_change
@@ -85,7 +86,7 @@ class FedMEPDServer(ServerTraining):
             contributors[modality] = len(having)
             if having:
                 prefix = f"encoders.{modality}."
-                encoder = [{k: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in having]
+                encoder = [selected(arrays, prefix) for arrays in having]
                 self.global_arrays.update(weighted_average(encoder, [1.0] * len(encoder)))
         for name, share in shares.items():  # weights start at 1 (the public code's) or at the sample share;
             # the federated-decoder baseline keeps FedAvg's sample shares

@@ -5,6 +5,7 @@ Normalised Influence Aggregation; a prototype nobody used keeps its previous glo
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -33,12 +34,18 @@ def split_busiest(prototypes: np.ndarray, usage: np.ndarray, dead: np.ndarray, s
     return result
 
 
-def normalised_influence_aggregation(prototypes: list[np.ndarray], influences: list[np.ndarray],
+def normalised_influence_aggregation(prototypes: Iterable[np.ndarray], influences: list[np.ndarray],
                                      previous: np.ndarray) -> np.ndarray:
-    """NIA: P[c, k] = sum_i I_i[c, k] P_i[c, k] / sum_i I_i[c, k]; ``previous[c, k]`` where that sum is 0."""
-    weights = np.stack(influences).astype(np.float64)  # (H, C, M)
+    """NIA: P[c, k] = sum_i I_i[c, k] P_i[c, k] / sum_i I_i[c, k]; ``previous[c, k]`` where that sum is 0.
+
+    The sum goes hospital by hospital (``prototypes`` may read each from disk), in float64 from zero, as
+    ``np.einsum("hcm,hcmd->cmd")`` over the stacked replies adds them: the same values bit for bit (influences are
+    whole counts, so each product is exact), without every hospital's prototypes in memory at once."""
+    weights = np.stack(influences).astype(np.float64)  # (H, C, M): counts, small
     total = weights.sum(axis=0)
-    weighted = np.einsum("hcm,hcmd->cmd", weights, np.stack(prototypes).astype(np.float64))
+    weighted = np.zeros(previous.shape, dtype=np.float64)
+    for weight, hospital_prototypes in zip(weights, prototypes, strict=True):
+        weighted += weight[..., None] * np.asarray(hospital_prototypes, dtype=np.float64)
     result = previous.astype(np.float64)
     used = total > 0
     result[used] = weighted[used] / total[used][:, None]
@@ -109,7 +116,7 @@ class FedProInServer(ServerMethod):
         arrays = weighted_average(models, [u.weight for u in updates])
         if self.cfg.fedproin.aggregation == "nia":
             arrays["prototypes"] = normalised_influence_aggregation(
-                [m["prototypes"] for m in models], influences, self.global_arrays["prototypes"])
+                (m["prototypes"] for m in models), influences, self.global_arrays["prototypes"])
         self.global_arrays = arrays
         usage = np.sum(influences, axis=0)
         unused = self.prototype_names(usage == 0)

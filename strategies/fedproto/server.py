@@ -21,6 +21,7 @@ from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_ar
 from common.methods.base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod
 from common.models.prototype_net import squared_distances
 from common.models.representations import ClassifierFeatures, classifier_head, frozen_copy
+from common.reply_store import materialized
 from common.round_engine import weighted_mean_metrics
 
 PROTOTYPES = "prototypes"  # array group: "mean" (C, d); downlink "present" (C,), reply "count" (C,)
@@ -84,8 +85,8 @@ class FedProtoServer(ServerMethod):
         self.prototypes[seen] = (np.einsum("hc,hcd->cd", holders, means)[seen]
                                  / reported[seen, None]).astype(np.float32)
         self.present |= seen
-        for update in updates:
-            self.local_models[update.hospital.name] = update.payload.arrays["model"]
+        for update in updates:  # kept beyond the round (each hospital's own model): copies of their own
+            self.local_models[update.hospital.name] = materialized(update.payload.arrays["model"])
         return {"hospitals-per-class": reported.tolist()}
 
     def evaluation_model(self, hospital: str | None = None) -> torch.nn.Module:

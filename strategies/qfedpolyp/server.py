@@ -53,7 +53,7 @@ class QFedPolypServer(ServerMethod):
         super().__init__(cfg, task)
         self.roster: list[str] = []
         self.assigned: dict[str, int] = {}  # this round's uplink bit-width per hospital
-        self._decoded: dict[str, NamedArrays] = {}  # accepted replies as whole models, rebuilt by check()
+        self._decoded: dict[str, NamedArrays] = {}  # the reply being screened as a whole model, rebuilt by check()
         self._downlink: tuple[int, NamedArrays, NamedArrays] | None = None  # round, encoded, what hospitals decode
         # downlink='delta': the model the hospitals hold, as they rebuild it, and the round whose downlink made it
         self.held: NamedArrays = {}
@@ -189,11 +189,17 @@ class QFedPolypServer(ServerMethod):
         what the hospital received."""
         return self._decoded[update.hospital.name], self.received_by_hospitals()
 
+    def reply_arrays(self, update: HospitalUpdate) -> dict[str, NamedArrays]:
+        """The model rebuilt from the reply's codes, as ``model``: what is aggregated (the codes are released with
+        the reply, so the server rebuilds one reply at a time and keeps no hospital's model in memory)."""
+        decoded = self._decoded.pop(update.hospital.name, None)
+        return {"model": decoded} if decoded is not None else {}
+
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         """FedAvg (paper eq. 9) of the rebuilt models, weighted by sample count. With updates, the weighted mean
         update is added to the server's own global model, so the downlink's quantisation error is not lost
         but sent again next round."""
-        models = [self._decoded.pop(u.hospital.name) for u in updates]
+        models = [u.payload.arrays["model"] for u in updates]
         self._decoded.clear()
         average = weighted_average(models, [u.weight for u in updates])
         if self.cfg.qfedpolyp.quantise == "update":
