@@ -23,7 +23,8 @@ from common.reply_store import StoredArrays
 from common.round_engine import RoundEngine, RoundReply
 from strategies import FedAvgStrategy
 from strategies.fedproto.server import PROTOTYPES
-from strategies.qfedpolyp.messages import BIT_WIDTH_KEY, PACKED, STATISTICS, split_statistics
+from strategies.qfedpolyp.messages import (BIT_WIDTH_KEY, PACKED, STATISTICS, pack_statistics, split_statistics,
+                                           unpack_statistics)
 from strategies.records import arrays_of
 from strategies.registry import hospital_class
 
@@ -54,6 +55,10 @@ CASES = {
     "qfedpolyp-update": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update"}),
     "qfedpolyp-delta": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update", "qfedpolyp.downlink": "delta"}),
     "qfedpolyp-sparse": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update", "qfedpolyp.sparsity": 0.25}),
+    "qfedpolyp-signs": ("qfedpolyp", {**POLYP, "qfedpolyp.bit-widths": "1", "qfedpolyp.quantise": "update",
+                                      "qfedpolyp.sparsity": 0.3, "qfedpolyp.sparse-block": 8,
+                                      "qfedpolyp.downlink": "delta", "qfedpolyp.downlink-bit-width": 2,
+                                      "qfedpolyp.statistics-bit-width": 8}),
     "fedmepd": ("fedmepd", BRAIN),
     "fedmepd-fedavg": ("fedmepd-fedavg", BRAIN),
     "fedmepd-federated-decoder": ("fedmepd-federated-decoder", BRAIN),
@@ -116,11 +121,13 @@ def hostile_qfedpolyp(engine: RoundEngine, name: str, down: Payload, reply: Payl
     change = (decode_sparse(packed, reference=weights) if sparse else decode_model(packed, reference=weights))
     change = {k: (np.zeros_like(v) if name == UNCHANGED else v * np.float32(1e4)).astype(weights[k].dtype)
               for k, v in change.items()}
+    stats_bits = settings.statistics_bit_width
     if name == UNCHANGED:
-        reply.arrays[STATISTICS] = {k: v.copy() for k, v in statistics.items()}
+        reply.arrays[STATISTICS] = pack_statistics(statistics, stats_bits)
     if name == OUTLIER:  # BatchNorm's statistics move most here: they grow too (variances stay positive)
-        reply.arrays[STATISTICS] = {k: v * v.dtype.type(1e4) if v.dtype.kind == "f" else v
-                                    for k, v in reply.arrays[STATISTICS].items()}
+        sent = unpack_statistics(reply.arrays, statistics, stats_bits, name)
+        reply.arrays[STATISTICS] = pack_statistics({k: v * v.dtype.type(1e4) if v.dtype.kind == "f" else v
+                                                    for k, v in sent.items()}, stats_bits)
     reply.arrays[PACKED] = (encode_sparse(change, bits, settings.sparsity, settings.sparsify, seed=(1, 2),
                                           content="update", block=settings.sparse_block) if sparse
                             else encode_model(change, bits, content="update"))
