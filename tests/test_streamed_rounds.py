@@ -23,8 +23,14 @@ from common.reply_store import StoredArrays
 from common.round_engine import RoundEngine, RoundReply
 from strategies import FedAvgStrategy
 from strategies.fedproto.server import PROTOTYPES
-from strategies.qfedpolyp.messages import (BIT_WIDTH_KEY, PACKED, STATISTICS, pack_statistics, split_statistics,
-                                           unpack_statistics)
+from strategies.qfedpolyp.messages import (
+    BIT_WIDTH_KEY,
+    PACKED,
+    STATISTICS,
+    pack_statistics,
+    split_statistics,
+    unpack_statistics,
+)
 from strategies.records import arrays_of
 from strategies.registry import hospital_class
 
