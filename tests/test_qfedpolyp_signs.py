@@ -242,11 +242,14 @@ def test_seeds_table_judges_a_sign_row_over_three_seeds_against_the_64x_goal(tmp
         folder = tmp_path / str(seed)
         (folder / "runs" / "32-32-32-32-32").mkdir(parents=True)
         (folder / "runs" / "32-32-32-32-32" / "config.json").write_text(json.dumps({"seed": seed}))
+        (folder / "runs" / "32-32-32-32-32" / "checkpoints").mkdir()  # 320 floats: 6400 B from 5 hospitals = 32 bits
+        np.savez(folder / "runs" / "32-32-32-32-32" / "checkpoints" / "round-00020.npz",
+                 **{"method/global/w": np.zeros(320, np.float32)})
         rows = [table_row("32,32,32,32,32", 6400, 6400, dice32), table_row(SIGN_ROW, 98, 6400, dice)]
         (folder / "table1.json").write_text(json.dumps(rows))
         folders.append(str(folder))
     table = tmp_path / "seeds.md"
     seeds.main([*folders, "--table", str(table)])
     line = next(line for line in table.read_text().splitlines() if line.startswith("| (1,"))
-    assert line.split(" | ")[1:7] == ["65.31x", "1.97x", "+0.010", "+0.020", "+0.010", "+0.013"]
+    assert line.split(" | ")[1:9] == ["0.490", "65.31x", "32.490", "1.97x", "+0.010", "+0.020", "+0.010", "+0.013"]
     assert "uplink >= 64x, mean gap <= 0.015" in line and line.endswith("| yes |")

@@ -438,6 +438,10 @@ def test_seeds_table_judges_a_row_on_its_mean_gap_over_seeds(tmp_path):
         folder = tmp_path / f"seed{seed}"
         (folder / "runs" / "32-32-32-32-32").mkdir(parents=True)
         (folder / "runs" / "32-32-32-32-32" / "config.json").write_text(json.dumps({"seed": seed}))
+        (folder / "runs" / "32-32-32-32-32" / "checkpoints").mkdir()  # 160 floats: 3200 B from 5 hospitals = 32 bits
+        np.savez(folder / "runs" / "32-32-32-32-32" / "checkpoints" / "round-00001.npz",
+                 **{"method/global/w": np.zeros(150, np.float32), "method/global/b": np.zeros(10, np.float32),
+                    "method/global/n": np.zeros(1, np.int64), "run/other": np.zeros(99, np.float32)})
         rows = [{"config": c, "uplink_bytes": up, "downlink_bytes": down, "dice_last5": dice}
                 for c, (up, down, dice) in dice_by_config.items()]
         (folder / "table1.json").write_text(json.dumps(rows))
@@ -454,10 +458,13 @@ def test_seeds_table_judges_a_row_on_its_mean_gap_over_seeds(tmp_path):
     rows = {line.split(")")[0].lstrip("| ("): line.split(" | ") for line in table.read_text().splitlines()
             if line.startswith("| (")}
     assert set(rows) == {block, delta, entries}  # dense rows are not past-32x rows
-    assert rows[block][3:6] == ["+0.010", "+0.005", "+0.008"] and rows[block][-1] == "yes |"
+    # bits per parameter: 95 B x 8 / (5 hospitals x 160 floats); both ways the larger over seeds (95 + 305 B)
+    assert rows[block][1:3] == ["0.950", "33.68x"] and rows[delta][3] == "4.000"
+    assert rows[block][5:8] == ["+0.010", "+0.005", "+0.008"] and rows[block][-1] == "yes |"
     # 0.020 below on one seed, 0.008 on the other: the mean (0.014) is within 0.015; both ways the smaller ratio
-    assert rows[delta][2:6] == ["16.00x", "+0.020", "+0.008", "+0.014"] and rows[delta][-1] == "yes |"
-    assert rows[entries][3:6] == ["+0.020", "+0.012", "+0.016"] and rows[entries][-1] == "no |"
+    assert rows[delta][4:8] == ["16.00x", "+0.020", "+0.008", "+0.014"] and rows[delta][-1] == "yes |"
+    assert rows[entries][5:8] == ["+0.020", "+0.012", "+0.016"] and rows[entries][-1] == "no |"
+    assert "32 bits: 32.000 uplink" in table.read_text()
     with pytest.raises(SystemExit, match="seed 42 is already given"):
         seeds.main([str(first), str(first), "--table", str(table)])
     (first / "table1.json").write_text(json.dumps([{"config": block, "dice_last5": 0.69}]))

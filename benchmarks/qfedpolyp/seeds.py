@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.qfedpolyp.table1 import sparse_targets
+from benchmarks.qfedpolyp.table1 import NUM_HOSPITALS, sparse_targets
 
 BASELINE = "32,32,32,32,32"
 DICE_TOLERANCE = 0.015
@@ -35,17 +35,34 @@ def load_seed(folder: Path) -> tuple[int, dict[str, dict]]:
     return int(config["seed"]), rows
 
 
+def model_parameters(folder: Path) -> int:
+    """How many float values the global model holds (weights, biases, BatchNorm statistics), read from the 32-bit
+    run's latest checkpoint: the denominator of bits per parameter."""
+    checkpoints = sorted((folder / "runs" / BASELINE.replace(",", "-") / "checkpoints").glob("round-*.npz"))
+    if not checkpoints:
+        raise ValueError(f"{folder}: the 32-bit run has no checkpoint to count the model's parameters in")
+    with np.load(checkpoints[-1], allow_pickle=False) as archive:
+        return sum(archive[k].size for k in archive.files if k.startswith("method/global/")
+                   and archive[k].dtype.kind == "f")
+
+
+def bits_per_parameter(nbytes: int, parameters: int) -> float:
+    """Bits on the wire per model parameter per hospital in one round (``nbytes``: all hospitals' messages)."""
+    return nbytes * 8 / (parameters * NUM_HOSPITALS)
+
+
 def both_ways(row: dict) -> int:
     return row["uplink_bytes"] + row["downlink_bytes"]
 
 
-def render(seeds: dict[int, dict[str, dict]], command: str) -> str:
+def render(seeds: dict[int, dict[str, dict]], command: str, parameters: int) -> str:
     ordered = sorted(seeds)
     shared = [c for c in seeds[ordered[0]] if sparse_targets(c) and all(c in seeds[s] for s in ordered)]
     head = " | ".join(f"gap, seed {s}" for s in ordered)
     lines = ["# QFedPolyp past 32x and 64x over seeds", "", f"Command: `{command}`", "",
-             f"| configuration | uplink vs 32-bit | both ways vs 32-bit | {head} | mean gap | goal | met |",
-             "|---|---:|---:|" + "---:|" * len(ordered) + "---:|---|---|"]
+             f"| configuration | uplink bits/parameter | uplink vs 32-bit | both ways bits/parameter | both ways vs 32-bit "
+             f"| {head} | mean gap | goal | met |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(ordered) + "---:|---|---|"]
     for config in shared:
         ratios = [(seeds[s][BASELINE]["uplink_bytes"] / seeds[s][config]["uplink_bytes"],
                    both_ways(seeds[s][BASELINE]) / both_ways(seeds[s][config])) for s in ordered]
@@ -55,11 +72,17 @@ def render(seeds: dict[int, dict[str, dict]], command: str) -> str:
         mean = float(np.mean(gaps))
         met = uplink >= uplink_goal and (both_goal is None or both >= both_goal) and mean <= DICE_TOLERANCE
         goal = f"uplink >= {uplink_goal:g}x" + (f", both ways >= {both_goal:g}x" if both_goal else "")
-        lines.append(f"| ({config}) | {uplink:.2f}x | {both:.2f}x | " + " | ".join(f"{g:+.3f}" for g in gaps)
+        up_bits = max(bits_per_parameter(seeds[s][config]["uplink_bytes"], parameters) for s in ordered)
+        both_bits = max(bits_per_parameter(both_ways(seeds[s][config]), parameters) for s in ordered)
+        lines.append(f"| ({config}) | {up_bits:.3f} | {uplink:.2f}x | {both_bits:.3f} | {both:.2f}x | "
+                     + " | ".join(f"{g:+.3f}" for g in gaps)
                      + f" | {mean:+.3f} | {goal}, mean gap <= {DICE_TOLERANCE} | {'yes' if met else 'no'} |")
     baselines = ", ".join(f"seed {s}: {seeds[s][BASELINE]['dice_last5']:.3f}" for s in ordered)
+    base_bits = bits_per_parameter(seeds[ordered[0]][BASELINE]["uplink_bytes"], parameters)
     lines += ["", f"32-bit mean test Dice of the last 5 rounds: {baselines}. Gap: 32-bit minus the row, same seed "
-              "(positive: below 32 bits)."]
+              "(positive: below 32 bits). Bits per parameter: the serialised Flower messages of one round (replies; "
+              f"both ways: with the model sent down) x 8 / ({NUM_HOSPITALS} hospitals x {parameters:,} float values of "
+              f"the model), the larger over seeds; 32 bits: {base_bits:.3f} uplink (Flower's framing included)."]
     return "\n".join(lines) + "\n"
 
 
@@ -69,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, required=True, help="where to write the markdown table")
     args = parser.parse_args(argv)
     seeds: dict[int, dict[str, dict]] = {}
+    parameters = model_parameters(args.folders[0])
     for folder in args.folders:
         seed, rows = load_seed(folder)
         if seed in seeds:
@@ -76,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds[seed] = rows
     command = " ".join(["python -m benchmarks.qfedpolyp.seeds", *(argv if argv is not None else sys.argv[1:])])
     args.table.parent.mkdir(parents=True, exist_ok=True)
-    args.table.write_text(render(seeds, command))
+    args.table.write_text(render(seeds, command, parameters))
     print(args.table.read_text())
     return 0
 
