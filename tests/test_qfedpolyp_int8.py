@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -280,3 +281,26 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
     assert choice["median-ms-batch-1-and-8"] == {k: [v[0] * 1e3, v[1] * 1e3] for k, v in fake.items()}
     assert written["image-size"] == 16 and written["format"] == "qdq"
 
+
+
+def test_latencies_time_each_path_in_runs_of_consecutive_calls_after_one_untimed_call():
+    """Side-by-side timing: paths take turns block by block (never call by call: an engine whose threads spin after a
+    call would slow the next path), each block starts with an untimed call, and the medians are each path's own."""
+    from common.quantization.timing import latencies
+
+    calls: list[str] = []
+
+    def path(name: str, seconds: float):
+        def run(_x):
+            calls.append(name)
+            time.sleep(seconds)
+        return run
+
+    result = latencies({"fast": path("fast", 0.001), "slow": path("slow", 0.006)}, torch.zeros(1), warmup=2,
+                       repeats=6, blocks=3)
+    assert calls[:4] == ["fast", "fast", "slow", "slow"]  # warm-up
+    timed = calls[4:]  # 3 blocks x 2 paths, each 1 untimed + 2 timed calls of one path
+    assert len(timed) == 18 and all(len(set(timed[i:i + 3])) == 1 for i in range(0, 18, 3)), timed
+    blocks = [timed[i:i + 6:3] for i in range(0, 18, 6)]
+    assert all(sorted(block) == ["fast", "slow"] for block in blocks), blocks  # every path once per block
+    assert 0.001 <= result["fast"] < result["slow"] and result["slow"] >= 0.006

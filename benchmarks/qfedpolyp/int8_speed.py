@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             cells += [f"{value * 1e3:.2f}", f"{fastest[batch][0] / value:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Repetitions: {args.repeats} at batch 1, {max(10, args.repeats // 4)} at batch 8, after "
-              f"{args.warmup} warm-up calls per path; paths interleaved in a shuffled order. INT8 models are the "
+              f"{args.warmup} warm-up calls per path; the paths take turns in 5 blocks of consecutive calls, in a "
+              "shuffled order each block, every block after one untimed call (never call by call: ONNX Runtime's "
+              "threads spin after a call and slowed the next path). INT8 models are the "
               "files `fedmed export-int8` writes for each engine (calibrated on the same 64 training images), run as "
               "`fedmed segment` runs them; the eager INT8 path (deprecated) is the reference.", "",
               f"## Dice on the same {len(test)} test images ({cfg.image_size}x{cfg.image_size})", "",

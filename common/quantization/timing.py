@@ -12,20 +12,26 @@ import torch
 
 
 def latencies(paths: dict[str, Callable], x: torch.Tensor, warmup: int, repeats: int,
-              seed: int = 0) -> dict[str, float]:
-    """Median seconds per call of each path, the paths interleaved in a shuffled order every repetition (so that a
-    busy machine slows them alike)."""
+              seed: int = 0, blocks: int = 5) -> dict[str, float]:
+    """Median seconds per call of each path. The ``repeats`` timed calls of a path are made in ``blocks`` runs of
+    consecutive calls, the paths taking turns in a shuffled order every block (so that a machine that gets busier
+    slows them alike), each run after one untimed call. Paths are not interleaved call by call: ONNX Runtime's
+    threads spin for a while after each call, and a PyTorch call made then ran up to 4x slower on 2 cores (PT2E
+    36 ms at batch 1 interleaved, 8.5 ms on its own), which made the engine that ran after ONNX Runtime look slow."""
     rng = random.Random(seed)
     times: dict[str, list[float]] = {name: [] for name in paths}
+    per_block = [len(chunk) for chunk in np.array_split(np.arange(repeats), max(1, min(blocks, repeats)))]
     with torch.inference_mode():
         for name, run in paths.items():
             for _ in range(warmup):
                 run(x)
-        for _ in range(repeats):
+        for count in per_block:
             order = list(paths)
             rng.shuffle(order)
             for name in order:
-                started = time.perf_counter()
-                paths[name](x)
-                times[name].append(time.perf_counter() - started)
+                paths[name](x)  # the previous path's threads settle
+                for _ in range(count):
+                    started = time.perf_counter()
+                    paths[name](x)
+                    times[name].append(time.perf_counter() - started)
     return {name: float(np.median(values)) for name, values in times.items()}
