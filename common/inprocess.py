@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import JobConfig
+from common.methods.base import Payload
 from common.round_engine import RoundEngine, RoundReply
 from common.site import Site, build_site
 from strategies.registry import hospital_class
@@ -38,8 +39,10 @@ def simulated_sites(cfg: JobConfig, num_hospitals: int, state_root: str | Path |
 
 def run_rounds(cfg: JobConfig, sites: list[Site], engine: RoundEngine | None = None,
                on_round_end: Callable[[RoundEngine, dict], None] | None = None,
-               last_round: int | None = None) -> RoundEngine:
-    """Run rounds ``engine.next_round .. last_round`` (default: the config's last)."""
+               last_round: int | None = None,
+               on_reply: Callable[[int, str, Payload, Payload], None] | None = None) -> RoundEngine:
+    """Run rounds ``engine.next_round .. last_round`` (default: the config's last). ``on_reply(round, hospital,
+    downlink, reply)`` sees every hospital's reply before the server does (benchmarks study what hospitals send)."""
     engine = engine or RoundEngine(cfg)
     by_name = {site.name: site for site in sites}
     infos = [hospital_class(cfg.strategy)(cfg, site).info() for site in sites]
@@ -56,6 +59,8 @@ def run_rounds(cfg: JobConfig, sites: list[Site], engine: RoundEngine | None = N
                 log.exception("hospital %s failed in round %d", info.name, rnd)
                 replies.append(RoundReply(info, None, f"{type(error).__name__}: {error}"))
                 continue
+            if on_reply is not None:
+                on_reply(rnd, info.name, payload, reply)
             replies.append(RoundReply(info, reply, None, reply.nbytes()))
         record = engine.complete_round(rnd, chosen, replies, started, bytes_down)
         if on_round_end is not None:

@@ -253,3 +253,31 @@ def test_seeds_table_judges_a_sign_row_over_three_seeds_against_the_64x_goal(tmp
     line = next(line for line in table.read_text().splitlines() if line.startswith("| (1,"))
     assert line.split(" | ")[1:9] == ["0.490", "65.31x", "32.490", "1.97x", "+0.010", "+0.020", "+0.010", "+0.013"]
     assert "uplink >= 64x, mean gap <= 0.015" in line and line.endswith("| yes |")
+
+
+def test_codec_frontier_measures_bits_and_the_share_of_an_update_each_code_keeps():
+    """benchmarks.qfedpolyp.frontier: dense signs keep all of a +-c update and cost 1 bit; floats of the top half of
+    the blocks cost 16 bits and 1/8 for the positions and keep the larger half exactly; what hospitals share and how
+    alike consecutive updates are comes out of the updates."""
+    from benchmarks.qfedpolyp.frontier import measure, parse, structure
+
+    rng = np.random.default_rng(0)
+    signs = rng.choice([-0.01, 0.01], size=65536).astype(np.float32)  # large enough for the header not to count
+    scaled = (signs * np.repeat(rng.uniform(0.5, 2.0, 8192), 8)).astype(np.float32)
+    updates = {1: {h: {"w": -scaled} for h in ("a", "b")},
+               2: {"a": {"w": scaled}, "b": {"w": scaled}},
+               3: {"a": {"w": signs}, "b": {"w": -signs}}}
+    assert parse("1/top0.3/block8") == (1, 0.3, 8) and parse("2") == (2, 1.0, 1)
+    equal = {1: updates[1], 2: {h: {"w": signs} for h in "ab"}}
+    rows = {r["config"]: r for r in measure(equal, ["1", "32/top0.5/block8"])}
+    assert rows["1"]["kept-own"] == pytest.approx(1.0)
+    assert rows["1"]["bits-per-parameter"] == pytest.approx(1.0, abs=0.02)
+    floats = rows["32/top0.5/block8"]
+    assert floats["bits-per-parameter"] == pytest.approx(16 + 1 / 8, abs=0.02)
+    assert floats["kept-own"] == pytest.approx(0.5) and floats["kept-mean"] == pytest.approx(0.5)  # equal blocks
+    sparse = measure({1: updates[1], 2: updates[2]}, ["32/top0.5/block8"])[0]
+    top_half = np.sort(np.square(scaled.reshape(-1, 8)).sum(1))[4096:].sum() / np.square(scaled).sum()
+    assert sparse["kept-own"] == pytest.approx(top_half, rel=1e-4) and top_half > 0.6
+    shape = structure(updates)
+    assert [r["shared"] for r in shape] == pytest.approx([1.0, 1.0, 0.0])
+    assert shape[1]["cosine-with-last"] == pytest.approx(-1.0) and "cosine-with-last" not in shape[0]
