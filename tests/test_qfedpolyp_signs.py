@@ -267,7 +267,7 @@ def test_codec_frontier_measures_bits_and_the_share_of_an_update_each_code_keeps
     updates = {1: {h: {"w": -scaled} for h in ("a", "b")},
                2: {"a": {"w": scaled}, "b": {"w": scaled}},
                3: {"a": {"w": signs}, "b": {"w": -signs}}}
-    assert parse("1/top0.3/block8") == (1, 0.3, 8) and parse("2") == (2, 1.0, 1)
+    assert parse("1/top0.3/block8") == (1, 0.3, 8, 0.0) and parse("8/rank0.4") == (8, 1.0, 1, 0.4)
     equal = {1: updates[1], 2: {h: {"w": signs} for h in "ab"}}
     rows = {r["config"]: r for r in measure(equal, ["1", "32/top0.5/block8"])}
     assert rows["1"]["kept-own"] == pytest.approx(1.0)

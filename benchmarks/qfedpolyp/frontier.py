@@ -34,31 +34,36 @@ import torch
 from benchmarks.qfedpolyp.table1 import NUM_HOSPITALS, PRESETS, PROTOCOL, job_config
 from common.inprocess import run_rounds, simulated_sites
 from common.quantization.codec import decode_model, encode_model
+from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
 from strategies.qfedpolyp.messages import PACKED
 
 ROOT = Path(__file__).resolve().parents[2]
 #: bit-width[/top<p>[/block<B>]]: signs at the 64x rows' sparsity and a few neighbours at about the same bits, the
-#: 32x rows (2 bits, and dense signs), and floats of the same blocks (what the positions alone keep)
+#: 32x rows (2 bits, and dense signs), floats of the same blocks (what the positions alone keep), and low-rank factors
+#: at the 64x and 32x budgets
 CONFIGS = ("1/top0.3/block8", "1/top0.4/block16", "1/top0.25/block4", "1/top0.35/block8", "2/top0.2/block8",
-           "2/top0.35/block8", "1", "32/top0.3/block8")
+           "2/top0.35/block8", "1", "32/top0.3/block8", "8/rank0.45", "6/rank0.45", "4/rank0.45", "8/rank0.9")
 log = logging.getLogger("fedmed")
 
 Updates = dict[int, dict[str, dict[str, np.ndarray]]]  # round -> hospital -> tensor -> change
 
 
-def parse(config: str) -> tuple[int, float, int]:
-    """``'1/top0.3/block8'`` -> (bits 1, sparsity 0.3, block 8); ``'2'`` -> (2, 1.0, 1)."""
+def parse(config: str) -> tuple[int, float, int, float]:
+    """``'1/top0.3/block8'`` -> (bits 1, sparsity 0.3, block 8, no low rank); ``'2'`` -> (2, 1.0, 1, 0.0);
+    ``'8/rank0.45'`` -> (8, 1.0, 1, 0.45): low-rank factors at 8 bits taking at most 0.45 bits per entry."""
     bits, *options = config.split("/")
-    sparsity, block = 1.0, 1
+    sparsity, block, rank_bits = 1.0, 1, 0.0
     for option in options:
         if option.startswith("top"):
             sparsity = float(option[3:])
         elif option.startswith("block"):
             block = int(option[5:])
+        elif option.startswith("rank"):
+            rank_bits = float(option[4:])
         else:
-            raise SystemExit(f"configuration {config!r}: unknown option {option!r} (top<p>, block<B>)")
-    return int(bits), sparsity, block
+            raise SystemExit(f"configuration {config!r}: unknown option {option!r} (top<p>, block<B>, rank<x>)")
+    return int(bits), sparsity, block, rank_bits
 
 
 def record_updates(seed: int, rounds: int, data_dir: str, out: Path) -> tuple[Updates, list[float]]:
@@ -75,9 +80,13 @@ def record_updates(seed: int, rounds: int, data_dir: str, out: Path) -> tuple[Up
     return updates, [float(h["test"].get("dice", float("nan"))) for h in engine.history]
 
 
-def coded(update: dict[str, np.ndarray], bits: int, sparsity: float, block: int) -> tuple[dict[str, np.ndarray], int]:
+def coded(update: dict[str, np.ndarray], bits: int, sparsity: float, block: int,
+          rank_bits: float) -> tuple[dict[str, np.ndarray], int]:
     """(what the receiver decodes, bytes of the encoded arrays) of one update."""
-    if sparsity < 1.0:
+    if rank_bits:
+        encoded = encode_low_rank(update, bits, rank_bits)
+        decoded = decode_low_rank(encoded, update, bits, rank_bits)
+    elif sparsity < 1.0:
         encoded = encode_sparse(update, bits, sparsity, "top-k", content="update", block=block)
         decoded = decode_sparse(encoded, reference=update)
     else:
@@ -100,12 +109,12 @@ def measure(updates: Updates, configs: list[str]) -> list[dict[str, Any]]:
     rounds = sorted(updates)[1:]
     rows = []
     for config in configs:
-        bits, sparsity, block = parse(config)
+        bits, sparsity, block, rank_bits = parse(config)
         per_round = []
         for rnd in rounds:
             hospitals = sorted(updates[rnd])
             originals = [flat(updates[rnd][h]) for h in hospitals]
-            results = [coded(updates[rnd][h], bits, sparsity, block) for h in hospitals]
+            results = [coded(updates[rnd][h], bits, sparsity, block, rank_bits) for h in hospitals]
             decodeds = [flat(d) for d, _ in results]
             per_round.append((np.mean([8 * n / o.size for (_, n), o in zip(results, originals)]),
                               np.mean([kept(o, d) for o, d in zip(originals, decodeds)]),

@@ -97,7 +97,8 @@ def parse_config(config: str) -> dict[str, Any]:
     model at b bits) or ``delta<b>`` (the change of the model hospitals hold, at b bits) with ``+top<p>`` or
     ``+rand<p>`` (its sparsity; one way of choosing entries for both directions); ``block<B>``: sparse positions
     are of blocks of B entries (both directions; p is then the fraction of blocks); ``stats<b>``: the BatchNorm
-    statistics beside an update or delta at b bits. Bit-width 1: signs with a scale (updates and deltas only)."""
+    statistics beside an update or delta at b bits; ``rank<x>``: the update as low-rank factors taking at most x bits
+    per entry. Bit-width 1: signs with a scale (updates and deltas only)."""
     if config in OTHER_METHODS:
         return {}
     widths, *options = config.split("/")
@@ -105,7 +106,8 @@ def parse_config(config: str) -> dict[str, Any]:
 
     def fail(option: str, why: str = "") -> SystemExit:
         return SystemExit(f"configuration {config!r}: {why or f'unknown option {option!r}'} (update, update+ef, "
-                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>; 0 < p <= 1)")
+                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>, rank<x>; "
+                          "0 < p <= 1)")
 
     def fraction(option: str) -> float | None:
         """``top0.1`` -> 0.1 (and the way of choosing entries noted), None if it is not a sparsity option."""
@@ -127,6 +129,11 @@ def parse_config(config: str) -> dict[str, Any]:
             settings.update(quantise="update", error_feedback=option.endswith("+ef"))
         elif option.startswith("block") and option[5:].isdigit():
             settings["sparse_block"] = int(option[5:])
+        elif option.startswith("rank"):
+            try:
+                settings["low_rank_bits"] = float(option[4:])
+            except ValueError:
+                raise fail(option) from None
         elif option.startswith("stats") and option[5:].isdigit():
             settings["statistics_bit_width"] = int(option[5:])
         elif option.startswith("down") and option[4:].isdigit():
@@ -223,7 +230,7 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     statistics = pack_statistics(statistics, settings.statistics_bit_width)  # as they travel
     sizes = {}
     for hospital, bits in last["method"]["bit-widths"].items():
-        if settings.quantise == "update" and settings.sparsity < 1.0:
+        if settings.quantise == "update" and (settings.sparsity < 1.0 or settings.low_rank_bits):
             # a sparse update's size depends on its positions: the arrays of the run's own reply, as the server
             # recorded them (header bytes, range rows, data bytes), with the BatchNorm statistics
             arrays = {PACKED: recorded_arrays(last["method"]["uplink-arrays"][hospital]), STATISTICS: statistics}
@@ -328,7 +335,7 @@ def sparse_targets(config: str, uplink: float = 0.0, both: float = 0.0) -> tuple
     ``both`` ways) reach, else the lowest; the both-ways goal is None without a delta downlink; None for a dense
     row."""
     settings = parse_config(config)
-    if settings.get("sparsity", 1.0) >= 1.0:
+    if settings.get("sparsity", 1.0) >= 1.0 and not settings.get("low_rank_bits"):
         return None
     delta = settings.get("downlink") == "delta"
     reached = [(up, down if delta else None) for up, down in SPARSE_GOALS

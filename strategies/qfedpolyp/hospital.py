@@ -13,6 +13,7 @@ from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_ar
 from common.methods.base import HospitalMethod, Payload
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 from common.quantization.fake_quant import quantization_aware
+from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
 
 from .messages import (
@@ -121,7 +122,8 @@ class QFedPolypHospital(HospitalMethod):
 
     def encoded_update(self, rnd: int, start: NamedArrays, trained: NamedArrays, bits: int,
                        memory: dict[str, np.ndarray]) -> tuple[dict[str, NamedArrays], NamedArrays]:
-        """The round's update at ``bits`` bits (``sparsity < 1``: only that fraction of each tensor's entries) and
+        """The round's update at ``bits`` bits (``sparsity < 1``: only that fraction of each tensor's entries;
+        ``low-rank-bits``: low-rank factors) and
         the BatchNorm statistics as floats; with error feedback also the new residual. What quantisation and
         sparsification lost last time (``memory``, the state folder) is added first and what they lose now is
         returned to be kept, so a restarted SuperNode or a resumed run carries on with exactly the same residual."""
@@ -133,7 +135,10 @@ class QFedPolypHospital(HospitalMethod):
             if name in change and value.shape == change[name].shape:
                 change[name] += value
         change = {k: v.astype(weights[k].dtype) for k, v in change.items()}
-        if settings.sparsity < 1.0:
+        if settings.low_rank_bits:
+            encoded = encode_low_rank(change, bits, settings.low_rank_bits)
+            sent = decode_low_rank(encoded, change, bits, settings.low_rank_bits) if feedback else {}
+        elif settings.sparsity < 1.0:
             encoded = encode_sparse(change, bits, settings.sparsity, settings.sparsify,
                                     seed=self.site.round_seed(rnd), content="update", block=settings.sparse_block)
             sent = decode_sparse(encoded, reference=change) if feedback else {}

@@ -27,6 +27,7 @@ from common.methods.base import (
     unpack_json,
 )
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
+from common.quantization.low_rank import decode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
 
 from .messages import (
@@ -64,7 +65,8 @@ class QFedPolypServer(ServerMethod):
         self._statistics: NamedArrays = {}  # the held model's BatchNorm statistics, encoded as they travel
         self._digest = ""
         self._sent: dict[str, int] = {}  # this round: the base each hospital's downlink applied to (0: full model)
-        self._uplink_arrays: dict[str, list[int]] = {}  # sparse updates: bytes of header, rows of ranges, bytes of data
+        # sparse and low-rank updates: bytes of header, rows of ranges, bytes of data
+        self._uplink_arrays: dict[str, list[int]] = {}
 
     def check_hospital(self, hospital: HospitalInfo) -> None:
         """A declared bit-width must be one the codec has for what hospitals send (a hostile 33 would fail the
@@ -165,10 +167,13 @@ class QFedPolypServer(ServerMethod):
         received = self.received_by_hospitals()
         weights, statistics = split_statistics(received)
         packed, bits = update.payload.arrays[PACKED], self.assigned.get(update.hospital.name)
-        sparsity = self.cfg.qfedpolyp.sparsity
-        if sparsity < 1.0:
-            change = decode_sparse(packed, reference=weights, expected_bits=bits, expected_content="update",
-                                   expected_sparsity=sparsity, expected_block=self.cfg.qfedpolyp.sparse_block)
+        sparsity, budget = self.cfg.qfedpolyp.sparsity, self.cfg.qfedpolyp.low_rank_bits
+        if sparsity < 1.0 or budget:
+            if budget:
+                change = decode_low_rank(packed, weights, check_bit_width(bits, content="update"), budget)
+            else:
+                change = decode_sparse(packed, reference=weights, expected_bits=bits, expected_content="update",
+                                       expected_sparsity=sparsity, expected_block=self.cfg.qfedpolyp.sparse_block)
             self._uplink_arrays[update.hospital.name] = [int(packed["header"].size), int(packed["ranges"].shape[0]),
                                                          int(packed["data"].size)]
         else:
@@ -208,7 +213,7 @@ class QFedPolypServer(ServerMethod):
                        if not is_statistic(k) else average[k] for k, v in self.global_arrays.items()}
         self.global_arrays = average
         record: dict[str, Any] = {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
-        if self._uplink_arrays:  # what each sparse update's arrays held (the benchmark rebuilds its messages)
+        if self._uplink_arrays:  # each sparse or low-rank update's arrays' sizes (the benchmark rebuilds its messages)
             record["uplink-arrays"] = {u.hospital.name: self._uplink_arrays[u.hospital.name] for u in updates
                                        if u.hospital.name in self._uplink_arrays}
             self._uplink_arrays = {}

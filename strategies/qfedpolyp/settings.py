@@ -41,6 +41,10 @@ class QFedPolypSettings(Section):
     statistics_bit_width: int = Field(32, description=(
         "quantise='update' and downlink='delta': the bit-width of the BatchNorm running statistics that travel "
         "beside the update or delta (32: the floats; 2..16: per tensor min-max, the minimum exact)."))
+    low_rank_bits: float = Field(0.0, ge=0.0, description=(
+        "quantise='update', dense: send each matrix-shaped tensor of the update as its best rank-r factors at the "
+        "hospital's bit-width, r chosen so the factors take at most this many bits per entry of the tensor "
+        "(e.g. 0.4); 0: off."))
     sparse_block: int = Field(1, ge=1, le=4096, description=(
         "Sparse updates and deltas: send whole blocks of this many consecutive entries (of each flattened tensor), "
         "the blocks of largest norm, so a position costs 1/block of its bits and more entries fit in the same "
@@ -66,12 +70,19 @@ class QFedPolypSettings(Section):
         if self.downlink_bit_width == 1 and self.downlink != "delta":
             raise ValueError("qfedpolyp.downlink-bit-width=1 (signs with a scale) needs qfedpolyp.downlink='delta' "
                              "(the model's change; the model itself needs 2 bits or more)")
+        if self.low_rank_bits:
+            if self.quantise != "update" or self.sparsity < 1.0:
+                raise ValueError(f"qfedpolyp.low-rank-bits={self.low_rank_bits:g} needs qfedpolyp.quantise='update' "
+                                 "and sparsity=1 (low-rank factors of the whole update)")
+            if not all(2 <= bits < 32 and self.low_rank_bits < bits for bits in self.bit_width_list):
+                raise ValueError(f"qfedpolyp.low-rank-bits={self.low_rank_bits:g}: the factors travel at the "
+                                 f"hospitals' bit-widths ({self.bit_widths}), which must be 2..16 and above it")
         if self.downlink_sparsity < 1.0 and self.downlink != "delta":
             raise ValueError(f"qfedpolyp.downlink-sparsity={self.downlink_sparsity:g} needs "
                              "qfedpolyp.downlink='delta' (the global model cannot be sent in part)")
         return self
 
-    @field_validator("sparsity", "downlink_sparsity", mode="before")
+    @field_validator("sparsity", "downlink_sparsity", "low_rank_bits", mode="before")
     @classmethod
     def _number(cls, value):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value  # sparsity=1

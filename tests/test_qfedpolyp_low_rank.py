@@ -1,0 +1,150 @@
+"""QFedPolyp's low-rank updates (``qfedpolyp.low-rank-bits``): each matrix-shaped tensor of a hospital's update as its
+best rank-r factors at the hospital's bit-width, r fixed by the shape, the bit-width and the budget on both sides;
+anything else refused; error feedback carries what the factors leave out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from common.arrays import model_arrays
+from common.config import ConfigError, load_job_config
+from common.inprocess import run_rounds, simulated_sites
+from common.methods.base import Payload
+from common.models.unet2d import PolypUNet
+from common.quantization.codec import PayloadError, encode_model, encoded_nbytes
+from common.quantization.low_rank import LEFT, RIGHT, decode_low_rank, encode_low_rank, rank_for
+from common.round_engine import RoundEngine, RoundReply
+from strategies.qfedpolyp.hospital import QFedPolypHospital
+from strategies.qfedpolyp.messages import PACKED, split_statistics
+
+from .test_qfedpolyp_sparse import BASE, quick_training, sample_change, tampered  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def low_rank(rows: int, columns: int, rank: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.normal(0, 1e-3, (rows, rank)) @ rng.normal(0, 1, (rank, columns))).astype(np.float32)
+
+
+def test_rank_follows_shape_bits_and_budget_and_small_or_flat_tensors_go_whole():
+    assert rank_for((64, 32, 3, 3), 8, 0.45) == int(0.45 * 64 * 288 / (8 * (64 + 288)))  # 2
+    assert rank_for((64, 32, 3, 3), 4, 0.45) == int(0.45 * 64 * 288 / (4 * (64 + 288)))  # 4: cheaper factors
+    assert rank_for((64,), 8, 0.45) == 0 and rank_for((8, 8), 8, 0.45) == 0  # a vector; below 1024 entries
+    assert rank_for((1, 4096), 8, 0.45) == 0  # rank 1 would take more entries than the tensor
+    assert rank_for((64, 32, 3, 3), 8, 0.01) == 1  # at least rank 1
+
+
+def test_a_tensor_of_low_rank_comes_back_within_the_factors_quantisation_and_the_rest_whole():
+    change = {"conv.weight": low_rank(64, 288, 2).reshape(64, 32, 3, 3),
+              "bias": np.linspace(-1e-3, 1e-3, 64, dtype=np.float32)}
+    assert rank_for((64, 32, 3, 3), 8, 0.45) == 2
+    encoded = encode_low_rank(change, 8, 0.45)
+    decoded = decode_low_rank(encoded, change, 8, 0.45)
+    assert list(decoded) == list(change) and all(decoded[k].shape == v.shape for k, v in change.items())
+    error = np.abs(decoded["conv.weight"] - change["conv.weight"]).max()
+    assert error < 0.02 * np.abs(change["conv.weight"]).max()  # rank 2 of a rank-2 matrix: 8-bit factors' error
+    assert np.abs(decoded["bias"] - change["bias"]).max() <= 1.01e-3 / 255  # whole, within half a step
+    noisy = {"conv.weight": np.random.default_rng(1).normal(0, 1, (64, 288)).astype(np.float32)}
+    best = np.linalg.svd(noisy["conv.weight"], compute_uv=False)
+    kept = 1 - np.square(decode_low_rank(encode_low_rank(noisy, 8, 0.45), noisy, 8, 0.45)["conv.weight"]
+                         - noisy["conv.weight"]).sum() / np.square(noisy["conv.weight"]).sum()
+    assert kept == pytest.approx(np.square(best[:2]).sum() / np.square(best).sum(), abs=2e-3)  # Eckart-Young
+
+
+def test_a_unet_update_as_4_bit_factors_at_045_bits_is_over_64_times_smaller_than_its_floats():
+    weights, _ = split_statistics(model_arrays(PolypUNet()))
+    rng = np.random.default_rng(0)
+    change = {k: rng.normal(0, 1e-3, v.shape).astype(v.dtype) for k, v in weights.items()}
+    floats = sum(v.nbytes for v in change.values())
+    assert 64 < floats / encoded_nbytes(encode_low_rank(change, 4, 0.45)) < 80
+
+
+def test_payloads_of_another_rank_bit_width_or_content_are_refused():
+    change = sample_change()
+    encoded = encode_low_rank(change, 8, 0.45)
+    names = {entry[0] for entry in json.loads(encoded["header"].tobytes())["tensors"]}
+    assert names == {"conv.weight" + LEFT, "conv.weight" + RIGHT, "bias", "wide"}
+    with pytest.raises(PayloadError, match="conv.weight\\|left.*shape"):
+        decode_low_rank(encode_low_rank(change, 8, 0.9), change, 8, 0.45)  # a higher rank than assigned
+    with pytest.raises(PayloadError, match="bit-width tag is 8, but 4 was assigned"):
+        decode_low_rank(encoded, change, 4, 0.45)
+    with pytest.raises(PayloadError, match="tagged 'weights', expected 'update'"):
+        decode_low_rank(tampered(encoded, content="weights"), change, 8, 0.45)
+    with pytest.raises(PayloadError, match="truncated"):
+        decode_low_rank({**encoded, "data": encoded["data"][:-1]}, change, 8, 0.45)
+    with pytest.raises(PayloadError, match="low-rank budget 8: use bits per entry above 0 and below the bit-width 8"):
+        encode_low_rank(change, 8, 8)
+    with pytest.raises(PayloadError, match="conv.weight: holds NaN"):
+        encode_low_rank({**change, "conv.weight": np.full((64, 32, 3, 3), np.nan, np.float32)}, 8, 0.45)
+    dense = encode_model(change, 8, content="update")  # a whole update where factors were assigned
+    with pytest.raises(PayloadError, match="conv.weight"):
+        decode_low_rank(dense, change, 8, 0.45)
+
+
+def test_error_feedback_makes_low_rank_factors_track_the_sum_of_full_rank_updates():
+    rng = np.random.default_rng(1)
+    drift = low_rank(64, 288, 1, seed=2) + 0.3 * low_rank(64, 288, 6, seed=3)  # rank 7, every round; rank 2 sent
+    updates = [{"w": drift + rng.normal(0, 1e-4, (64, 288)).astype(np.float32)} for _ in range(40)]
+
+    def sent_total(feedback: bool) -> np.ndarray:
+        residual, total = np.zeros((64, 288), np.float32), np.zeros((64, 288))
+        for update in updates:
+            change = {"w": update["w"] + (residual if feedback else 0)}
+            sent = decode_low_rank(encode_low_rank(change, 8, 0.45), change, 8, 0.45)["w"]
+            residual = change["w"] - sent
+            total += sent
+        return total
+
+    truth = sum(u["w"].astype(np.float64) for u in updates)
+    with_feedback = np.abs(sent_total(True) - truth).mean()
+    assert with_feedback < 0.1 * np.abs(truth).mean()
+    assert np.abs(sent_total(False) - truth).mean() > 5 * with_feedback  # lost every round
+
+
+def test_settings_refuse_low_rank_with_weights_sparsity_or_bit_widths_that_cannot_carry_it():
+    assert load_job_config({**BASE, "qfedpolyp.bit-widths": "4", "qfedpolyp.low-rank-bits": 0.45}
+                           ).qfedpolyp.low_rank_bits == 0.45
+    with pytest.raises(ConfigError, match="low-rank-bits=0.45 needs qfedpolyp.quantise='update' and sparsity=1"):
+        load_job_config({**BASE, "qfedpolyp.quantise": "weights", "qfedpolyp.error-feedback": False,
+                         "qfedpolyp.low-rank-bits": 0.45})
+    with pytest.raises(ConfigError, match="needs qfedpolyp.quantise='update' and sparsity=1"):
+        load_job_config({**BASE, "qfedpolyp.sparsity": 0.3, "qfedpolyp.low-rank-bits": 0.45})
+    for widths in ("1", "4,4,32", "2"):
+        budget = 2 if widths == "2" else 0.45
+        with pytest.raises(ConfigError, match=f"low-rank-bits={budget:g}: the factors travel at the hospitals' "
+                                              f"bit-widths \\({widths}\\)"):
+            load_job_config({**BASE, "qfedpolyp.bit-widths": widths, "qfedpolyp.low-rank-bits": budget})
+
+
+@pytest.mark.usefixtures("quick_training")
+def test_low_rank_rounds_are_over_64_times_below_32_bits_and_a_forged_rank_is_refused_while_the_round_goes_on():
+    job = {**BASE, "qfedpolyp.bit-widths": "4", "qfedpolyp.error-feedback": True, "qfedpolyp.low-rank-bits": 0.45,
+           "qfedpolyp.statistics-bit-width": 8, "num-server-rounds": 2, "evaluate-every": 100}
+    cfg = load_job_config(job)
+    engine = run_rounds(cfg, simulated_sites(cfg, 2))
+    plain = load_job_config({**BASE, "qfedpolyp.bit-widths": "32", "num-server-rounds": 1, "evaluate-every": 100})
+    baseline = run_rounds(plain, simulated_sites(plain, 2))
+    for name, traffic in engine.history[-1]["traffic"].items():
+        assert baseline.history[-1]["traffic"][name]["up"] / traffic["up"] > 64
+    assert set(engine.history[-1]["method"]["uplink-arrays"]) == {"hospital-00", "hospital-01"}
+
+    cfg = load_job_config({**job, "num-server-rounds": 1})
+    sites = simulated_sites(cfg, 3)
+    engine = RoundEngine(cfg)
+    infos = [QFedPolypHospital(cfg, site).info() for site in sites]
+    chosen = engine.select(1, infos)
+    replies = []
+    for info, site in zip(chosen, sites):
+        reply = QFedPolypHospital(cfg, site).timed_train(1, engine.downlink(1, info))
+        if info.name == "hospital-01":  # factors of twice the assigned rank
+            weights, _ = split_statistics(model_arrays(PolypUNet()))
+            change = {k: np.full(v.shape, 1e-3, v.dtype) for k, v in weights.items()}
+            reply = Payload(arrays={**reply.arrays, PACKED: encode_low_rank(change, 4, 0.9)}, metrics=reply.metrics)
+        replies.append(RoundReply(info, reply))
+    record = engine.complete_round(1, chosen, replies, 0.0, evaluate=False)
+    assert record["aggregated"] == ["hospital-00", "hospital-02"]
+    assert "hospital-01" in record["refused"] and "left" in str(record["refused"]["hospital-01"])
