@@ -18,6 +18,7 @@ from common.config import load_job_config
 from common.inprocess import simulated_sites
 from common.methods.base import HospitalInfo, Payload
 from common.quantization.codec import decode_model, encode_model
+from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
 from common.reply_store import StoredArrays
 from common.round_engine import RoundEngine, RoundReply
@@ -65,6 +66,8 @@ CASES = {
                                       "qfedpolyp.sparsity": 0.3, "qfedpolyp.sparse-block": 8,
                                       "qfedpolyp.downlink": "delta", "qfedpolyp.downlink-bit-width": 2,
                                       "qfedpolyp.statistics-bit-width": 8}),
+    "qfedpolyp-low-rank": ("qfedpolyp", {**POLYP, "qfedpolyp.bit-widths": "4", "qfedpolyp.quantise": "update",
+                                         "qfedpolyp.error-feedback": True, "qfedpolyp.low-rank-bits": 0.45}),
     "fedmepd": ("fedmepd", BRAIN),
     "fedmepd-fedavg": ("fedmepd-fedavg", BRAIN),
     "fedmepd-federated-decoder": ("fedmepd-federated-decoder", BRAIN),
@@ -123,8 +126,9 @@ def hostile_qfedpolyp(engine: RoundEngine, name: str, down: Payload, reply: Payl
         elif name == OUTLIER:
             reply.arrays[PACKED] = encode_model(scaled(received, decode_model(packed, reference=received), 1e4), bits)
         return reply
-    sparse = settings.sparsity < 1.0
-    change = (decode_sparse(packed, reference=weights) if sparse else decode_model(packed, reference=weights))
+    sparse, budget = settings.sparsity < 1.0, settings.low_rank_bits
+    change = (decode_low_rank(packed, weights, bits, budget) if budget else
+              decode_sparse(packed, reference=weights) if sparse else decode_model(packed, reference=weights))
     change = {k: (np.zeros_like(v) if name == UNCHANGED else v * np.float32(1e4)).astype(weights[k].dtype)
               for k, v in change.items()}
     stats_bits = settings.statistics_bit_width
@@ -134,7 +138,8 @@ def hostile_qfedpolyp(engine: RoundEngine, name: str, down: Payload, reply: Payl
         sent = unpack_statistics(reply.arrays, statistics, stats_bits, name)
         reply.arrays[STATISTICS] = pack_statistics({k: v * v.dtype.type(1e4) if v.dtype.kind == "f" else v
                                                     for k, v in sent.items()}, stats_bits)
-    reply.arrays[PACKED] = (encode_sparse(change, bits, settings.sparsity, settings.sparsify, seed=(1, 2),
+    reply.arrays[PACKED] = (encode_low_rank(change, bits, budget) if budget else
+                            encode_sparse(change, bits, settings.sparsity, settings.sparsify, seed=(1, 2),
                                           content="update", block=settings.sparse_block) if sparse
                             else encode_model(change, bits, content="update"))
     return reply

@@ -325,15 +325,15 @@ def render(rows: list[dict[str, Any]], title: str, command: str, setting: str) -
     return "\n".join(lines) + "\n"
 
 
-#: A sparse row's goals, highest first: (uplink, traffic both ways with a delta downlink) at least this many times
-#: smaller than 32 bits; issue 44: 64x and 32x, issue 33: 32x and 15x
+#: A sparse (or low-rank) row's goals, highest first: (uplink, traffic both ways with a delta downlink) at least
+#: this many times smaller than 32 bits; issue 44: 64x and 32x, issue 33: 32x and 15x
 SPARSE_GOALS = ((64.0, 32.0), (32.0, 15.0))
 
 
 def sparse_targets(config: str, uplink: float = 0.0, both: float = 0.0) -> tuple[float, float | None] | None:
-    """The goals a sparse row is held to: the highest of :data:`SPARSE_GOALS` its measured ratios (``uplink``,
-    ``both`` ways) reach, else the lowest; the both-ways goal is None without a delta downlink; None for a dense
-    row."""
+    """The goals a sparse or low-rank row is held to: the highest of :data:`SPARSE_GOALS` its measured ratios
+    (``uplink``, ``both`` ways) reach, else the lowest; the both-ways goal is None without a delta downlink; None for
+    a dense row."""
     settings = parse_config(config)
     if settings.get("sparsity", 1.0) >= 1.0 and not settings.get("low_rank_bits"):
         return None
