@@ -35,8 +35,9 @@ def one_round(cfg, sites, engine, rnd=1):
     return replies
 
 
-def test_the_server_adds_the_weighted_mean_update_to_its_global_model():
-    cfg = job(**{"qfedpolyp.bit-widths": "4"})
+@pytest.mark.parametrize("rate", [1.0, 2.5])
+def test_the_server_adds_the_weighted_mean_update_times_its_learning_rate_to_its_global_model(rate):
+    cfg = job(**{"qfedpolyp.bit-widths": "4", "qfedpolyp.server-learning-rate": rate})
     sites = simulated_sites(cfg, 2)
     engine = RoundEngine(cfg)
     before = {k: v.copy() for k, v in engine.method.global_arrays.items()}
@@ -52,7 +53,7 @@ def test_the_server_adds_the_weighted_mean_update_to_its_global_model():
         if is_statistic(name):
             expected = sum(c * sent[name] for c, sent in zip(counts, statistics)) / counts.sum()
         else:
-            expected = before[name] + sum(c * d[name] for c, d in zip(counts, changes)) / counts.sum()
+            expected = before[name] + rate * sum(c * d[name] for c, d in zip(counts, changes)) / counts.sum()
         np.testing.assert_allclose(value, expected, atol=2e-6, err_msg=name)
 
 
@@ -125,9 +126,13 @@ def test_hospitals_rebuild_a_quantised_downlink_exactly_as_the_server_does():
     assert any(not np.array_equal(server_view[k], v) for k, v in engine.method.global_arrays.items())  # 8 bits
 
 
-def test_error_feedback_needs_update_quantisation():
+def test_error_feedback_and_a_server_learning_rate_need_update_quantisation():
     with pytest.raises(ConfigError, match="error-feedback=true needs qfedpolyp.quantise='update'"):
         load_job_config({**JOB, "qfedpolyp.quantise": "weights", "qfedpolyp.error-feedback": True})
+    with pytest.raises(ConfigError, match="server-learning-rate=1.5 needs qfedpolyp.quantise='update'"):
+        load_job_config({**JOB, "qfedpolyp.quantise": "weights", "qfedpolyp.server-learning-rate": 1.5})
+    with pytest.raises(ConfigError, match="server-learning-rate"):
+        load_job_config({**JOB, "qfedpolyp.server-learning-rate": 0})
 
 
 def test_update_mode_trains_in_full_precision(monkeypatch):

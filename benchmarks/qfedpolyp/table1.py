@@ -98,7 +98,8 @@ def parse_config(config: str) -> dict[str, Any]:
     ``+rand<p>`` (its sparsity; one way of choosing entries for both directions); ``block<B>``: sparse positions
     are of blocks of B entries (both directions; p is then the fraction of blocks); ``stats<b>``: the BatchNorm
     statistics beside an update or delta at b bits; ``rank<x>``: the update as low-rank factors taking at most x bits
-    per entry. Bit-width 1: signs with a scale (updates and deltas only)."""
+    per entry; ``slr<x>``: the server adds x times the mean update. Bit-width 1: signs with a scale (updates and
+    deltas only)."""
     if config in OTHER_METHODS:
         return {}
     widths, *options = config.split("/")
@@ -106,7 +107,7 @@ def parse_config(config: str) -> dict[str, Any]:
 
     def fail(option: str, why: str = "") -> SystemExit:
         return SystemExit(f"configuration {config!r}: {why or f'unknown option {option!r}'} (update, update+ef, "
-                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>, rank<x>; "
+                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>, rank<x>, slr<x>; "
                           "0 < p <= 1)")
 
     def fraction(option: str) -> float | None:
@@ -132,6 +133,11 @@ def parse_config(config: str) -> dict[str, Any]:
         elif option.startswith("rank"):
             try:
                 settings["low_rank_bits"] = float(option[4:])
+            except ValueError:
+                raise fail(option) from None
+        elif option.startswith("slr"):
+            try:
+                settings["server_learning_rate"] = float(option[3:])
             except ValueError:
                 raise fail(option) from None
         elif option.startswith("stats") and option[5:].isdigit():

@@ -202,15 +202,22 @@ class QFedPolypServer(ServerMethod):
 
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         """FedAvg (paper eq. 9) of the rebuilt models, weighted by sample count. With updates, the weighted mean
-        update is added to the server's own global model, so the downlink's quantisation error is not lost
-        but sent again next round."""
+        update (times ``server-learning-rate``) is added to the server's own global model, so the downlink's
+        quantisation error is not lost but sent again next round."""
         models = [u.payload.arrays["model"] for u in updates]
         self._decoded.clear()
         average = weighted_average(models, [u.weight for u in updates])
         if self.cfg.qfedpolyp.quantise == "update":
-            received = self.received_by_hospitals()
-            average = {k: (self.global_arrays[k].astype(np.float64) + average[k] - received[k]).astype(v.dtype)
-                       if not is_statistic(k) else average[k] for k, v in self.global_arrays.items()}
+            received, rate = self.received_by_hospitals(), self.cfg.qfedpolyp.server_learning_rate
+
+            def moved(k: str) -> np.ndarray:
+                base = self.global_arrays[k].astype(np.float64)
+                if rate == 1.0:  # FedAvg's sum, bit for bit as the earlier rows were measured
+                    return base + average[k] - received[k]
+                return base + rate * (average[k].astype(np.float64) - received[k])
+
+            average = {k: moved(k).astype(v.dtype) if not is_statistic(k) else average[k]
+                       for k, v in self.global_arrays.items()}
         self.global_arrays = average
         record: dict[str, Any] = {"bit-widths": {u.hospital.name: self.assigned[u.hospital.name] for u in updates}}
         if self._uplink_arrays:  # each sparse or low-rank update's arrays' sizes (the benchmark rebuilds its messages)

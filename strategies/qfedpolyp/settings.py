@@ -45,6 +45,10 @@ class QFedPolypSettings(Section):
         "quantise='update', dense: send each matrix-shaped tensor of the update as its best rank-r factors at the "
         "hospital's bit-width, r chosen so the factors take at most this many bits per entry of the tensor "
         "(e.g. 0.4); 0: off."))
+    server_learning_rate: float = Field(1.0, gt=0.0, le=10.0, description=(
+        "quantise='update': the server adds this many times the hospitals' weighted mean update to the global "
+        "model (FedOpt's server learning rate; 1: FedAvg). Above 1 it makes up for the part of each round's step "
+        "that compressed updates defer to later rounds (error feedback)."))
     sparse_block: int = Field(1, ge=1, le=4096, description=(
         "Sparse updates and deltas: send whole blocks of this many consecutive entries (of each flattened tensor), "
         "the blocks of largest norm, so a position costs 1/block of its bits and more entries fit in the same "
@@ -77,12 +81,15 @@ class QFedPolypSettings(Section):
             if not all(2 <= bits < 32 and self.low_rank_bits < bits for bits in self.bit_width_list):
                 raise ValueError(f"qfedpolyp.low-rank-bits={self.low_rank_bits:g}: the factors travel at the "
                                  f"hospitals' bit-widths ({self.bit_widths}), which must be 2..16 and above it")
+        if self.server_learning_rate != 1.0 and self.quantise != "update":
+            raise ValueError(f"qfedpolyp.server-learning-rate={self.server_learning_rate:g} needs "
+                             "qfedpolyp.quantise='update' (the server scales the hospitals' mean update)")
         if self.downlink_sparsity < 1.0 and self.downlink != "delta":
             raise ValueError(f"qfedpolyp.downlink-sparsity={self.downlink_sparsity:g} needs "
                              "qfedpolyp.downlink='delta' (the global model cannot be sent in part)")
         return self
 
-    @field_validator("sparsity", "downlink_sparsity", "low_rank_bits", mode="before")
+    @field_validator("sparsity", "downlink_sparsity", "low_rank_bits", "server_learning_rate", mode="before")
     @classmethod
     def _number(cls, value):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value  # sparsity=1
