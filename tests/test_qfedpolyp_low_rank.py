@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
@@ -148,3 +149,24 @@ def test_low_rank_rounds_are_over_64_times_below_32_bits_and_a_forged_rank_is_re
     record = engine.complete_round(1, chosen, replies, 0.0, evaluate=False)
     assert record["aggregated"] == ["hospital-00", "hospital-02"]
     assert "hospital-01" in record["refused"] and "left" in str(record["refused"]["hospital-01"])
+
+
+def test_the_statistics_check_recomputes_batchnorm_statistics_as_the_plain_average_over_the_images():
+    from benchmarks.qfedpolyp.statistics_check import recompute_statistics
+
+    class Images:  # what the task's batches yield: (image, mask) pairs
+        def __init__(self, x):
+            self.x = x
+
+    class Task:
+        @staticmethod
+        def batches(images, size, device, rng, train):
+            return ((images.x[i:i + size], None) for i in range(0, len(images.x), size))
+
+    layer = torch.nn.BatchNorm2d(3)
+    layer.running_mean.fill_(5.0)
+    x = torch.randn(70, 3, 4, 4) * torch.tensor([1.0, 2.0, 3.0]).view(1, 3, 1, 1) + 1.5
+    recompute_statistics(torch.nn.Sequential(layer), Task(), Images(x))
+    batch_means = torch.stack([x[i:i + 32].mean(dim=(0, 2, 3)) for i in range(0, 70, 32)])
+    torch.testing.assert_close(layer.running_mean, batch_means.mean(0))  # every batch counts alike, not the last most
+    assert torch.all(layer.running_var > torch.tensor([0.5, 3.0, 7.0]))
