@@ -47,8 +47,8 @@ class QFedPolypSettings(Section):
         "(e.g. 0.4); 0: off."))
     server_learning_rate: float = Field(1.0, gt=0.0, le=10.0, description=(
         "quantise='update': the server adds this many times the hospitals' weighted mean update to the global "
-        "model (FedOpt's server learning rate; 1: FedAvg). Above 1 it makes up for the part of each round's step "
-        "that compressed updates defer to later rounds (error feedback)."))
+        "model (FedOpt's server learning rate; 1: FedAvg). Above 1, a larger step for what compressed updates "
+        "defer to later rounds (error feedback); measured in docs/qfedpolyp.md."))
     sparse_block: int = Field(1, ge=1, le=4096, description=(
         "Sparse updates and deltas: send whole blocks of this many consecutive entries (of each flattened tensor), "
         "the blocks of largest norm, so a position costs 1/block of its bits and more entries fit in the same "
