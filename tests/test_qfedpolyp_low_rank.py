@@ -170,3 +170,35 @@ def test_the_statistics_check_recomputes_batchnorm_statistics_as_the_plain_avera
     batch_means = torch.stack([x[i:i + 32].mean(dim=(0, 2, 3)) for i in range(0, 70, 32)])
     torch.testing.assert_close(layer.running_mean, batch_means.mean(0))  # every batch counts alike, not the last most
     assert torch.all(layer.running_var > torch.tensor([0.5, 3.0, 7.0]))
+
+
+def test_to_target_finds_the_round_a_lagging_row_reaches_32_bits_and_its_uplink_until_then(tmp_path):
+    from benchmarks.qfedpolyp.table1 import run_name
+    from benchmarks.qfedpolyp.to_target import main, rows
+
+    def run(name: str, dice: list[float], uplink: int) -> object:
+        folder = tmp_path / "runs" / run_name(name)
+        folder.mkdir(parents=True)
+        folder.joinpath("metrics.jsonl").write_text(
+            "".join(json.dumps({"round": i + 1, "test": {"dice": d}}) + "\n" for i, d in enumerate(dice)))
+        return folder, {"config": name, "uplink_bytes": uplink}
+
+    climb = [0.1 * i for i in range(1, 11)]  # 32 bits: 0.1 .. 1.0, rounds 6-10 average 0.8
+    reference, reference_row = run("32,32,32,32,32", climb, 6400)
+    lagging, lagging_row = run("1,1,1,1,1/update+ef", [0.0, 0.0, 0.0] + climb, 100)  # 3 rounds late
+    stalled, stalled_row = run("2,2,2,2,2/update", [0.5] * 13, 200)
+    (tmp_path / "table1.json").write_text(json.dumps([reference_row, lagging_row, stalled_row]))
+
+    by_run = {row["run"]: row for row in rows(reference, [lagging, stalled], at=10)}
+    late, never = by_run[lagging.name], by_run[stalled.name]
+    assert late["target"] == pytest.approx(0.8) and late["reached"] == 13
+    assert late["uplink_ratio_per_round"] == 64 and late["uplink_ratio_to_target"] == pytest.approx(64 * 10 / 13)
+    assert late["dice_at"] == pytest.approx(0.5)  # rounds 6-10 of the lagging row: 0.3 .. 0.7
+    assert never["reached"] is None and never["uplink_ratio_to_target"] is None
+    table = tmp_path / "target.md"
+    main([str(reference), str(lagging), str(stalled), "--at", "10", "--table", str(table)])
+    assert "| 13 | 64.0x | 49.2x |" in table.read_text() and "not by round 13" in table.read_text()
+    with pytest.raises(SystemExit, match="needs at least 12"):
+        main([str(reference), str(lagging), "--at", "12"])
+    with pytest.raises(SystemExit, match="no row for the run"):
+        main([str(reference), str(run("4,4,4,4,4", climb, 1)[0]), "--at", "10"])

@@ -161,10 +161,15 @@ def parse_config(config: str) -> dict[str, Any]:
     return settings
 
 
+def run_name(config: str) -> str:
+    """The run folder (under ``<out>/runs``) of a configuration string."""
+    return config.replace(",", "-").replace("/", "_").replace("+", "-")
+
+
 def job_config(base: dict[str, Any], config: str, out: Path) -> JobConfig:
     from pydantic import ValidationError
 
-    name = config.replace(",", "-").replace("/", "_").replace("+", "-")
+    name = run_name(config)
     strategy = OTHER_METHODS.get(config, base["strategy"])
     cfg = JobConfig(**{**base, "strategy": strategy, "run_name": name, "results_dir": str(out / "runs")})
     try:  # validated as a run config would be (model_copy alone would not check the combination)
