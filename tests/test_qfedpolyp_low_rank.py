@@ -195,9 +195,13 @@ def test_to_target_finds_the_round_a_lagging_row_reaches_32_bits_and_its_uplink_
     assert late["uplink_ratio_per_round"] == 64 and late["uplink_ratio_to_target"] == pytest.approx(64 * 10 / 13)
     assert late["dice_at"] == pytest.approx(0.5)  # rounds 6-10 of the lagging row: 0.3 .. 0.7
     assert never["reached"] is None and never["uplink_ratio_to_target"] is None
+    assert late["gap_last"] is None  # 32 bits ran 10 rounds, the row 13: no 32-bit Dice to compare its last rounds with
     table = tmp_path / "target.md"
     main([str(reference), str(lagging), str(stalled), "--at", "10", "--table", str(table)])
-    assert "| 13 | 64.0x | 49.2x |" in table.read_text() and "not by round 13" in table.read_text()
+    assert "| 13 | 64.0x | 49.2x | - |" in table.read_text() and "not by round 13" in table.read_text()
+    short, short_row = run("3,3,3,3,3", [0.05 * i for i in range(1, 9)], 640)  # 8 rounds: gap over rounds 4-8
+    (tmp_path / "table1.json").write_text(json.dumps([reference_row, lagging_row, stalled_row, short_row]))
+    assert rows(reference, [short], at=8)[0]["gap_last"] == pytest.approx(0.6 - 0.3)
     with pytest.raises(SystemExit, match="needs at least 12"):
         main([str(reference), str(lagging), "--at", "12"])
     with pytest.raises(SystemExit, match="no row for the run"):

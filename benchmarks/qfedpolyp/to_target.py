@@ -7,7 +7,8 @@ besides the Dice at equal rounds, how many rounds, and how many bytes, does a ro
 Target: the 32-bit run's mean test Dice over its rounds ``at - 4 .. at`` (the last 5 rounds of the preset). A row
 reaches it at the first round whose mean over that round and the 4 before is at least the target; its uplink until
 then is its serialised reply messages of one round (``uplink_bytes`` in the ``table1.json`` beside the run folder, as
-Table 1 counts them) times those rounds, against the 32-bit run's until round ``at``.
+Table 1 counts them) times those rounds, against the 32-bit run's until round ``at``. The gap at a row's last round:
+the 32-bit run's mean Dice over the same 5 rounds minus the row's.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def rows(reference: Path, others: list[Path], at: int) -> list[dict]:
         out.append({"run": run.name, "rounds": len(row_dice), "target": goal, "reached": reached,
                     "uplink_ratio_per_round": per_round / row_per_round,
                     "uplink_ratio_to_target": per_round * at / (row_per_round * reached) if reached else None,
-                    "dice_at": float(row_dice[at - WINDOW:at].mean()) if len(row_dice) >= at else None})
+                    "dice_at": float(row_dice[at - WINDOW:at].mean()) if len(row_dice) >= at else None,
+                    "gap_last": (float(dice[len(row_dice) - WINDOW:len(row_dice)].mean() - row_dice[-WINDOW:].mean())
+                                 if len(dice) >= len(row_dice) >= WINDOW else None)})
     return out
 
 
@@ -83,13 +86,15 @@ def render(reference: Path, table: list[dict], at: int, command: str) -> str:
              f"least the target. Uplink: all hospitals' serialised reply messages until then, against the 32-bit run's "
              f"until round {at}.", "",
              f"| run | mean Dice, rounds {at - WINDOW + 1}-{at} | rounds run | reaches the target at round "
-             "| uplink per round vs 32-bit | uplink to the target vs 32-bit |", "|---|---:|---:|---:|---:|---:|"]
+             "| uplink per round vs 32-bit | uplink to the target vs 32-bit | gap to 32 bits, its last 5 rounds |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for row in table:
         reached = str(row["reached"]) if row["reached"] else f"not by round {row['rounds']}"
         to_target = f"{row['uplink_ratio_to_target']:.1f}x" if row["uplink_ratio_to_target"] else "-"
         at_dice = f"{row['dice_at']:.3f}" if row["dice_at"] is not None else "-"
+        gap = f"{row['gap_last']:+.3f}" if row["gap_last"] is not None else "-"
         lines.append(f"| {row['run']} | {at_dice} | {row['rounds']} | {reached} | "
-                     f"{row['uplink_ratio_per_round']:.1f}x | {to_target} |")
+                     f"{row['uplink_ratio_per_round']:.1f}x | {to_target} | {gap} |")
     return "\n".join(lines) + "\n"
 
 
