@@ -4,8 +4,8 @@ bits`` (docs/qfedpolyp.md, "Low-rank updates").
 Why: a hospital's update is far from random noise across a convolution's filters. Measured on the cpu preset
 (``benchmarks.qfedpolyp.frontier``), 4-bit factors at 0.45 bits per entry keep 0.80 of the mean update the server
 adds, where 1-bit signs of the top 30 % of blocks keep 0.45 for the same bits (over 20 rounds the two trail 32 bits
-alike: docs/qfedpolyp.md). This is the
-PowerSGD idea (Vogels et al., 2019) with the factors computed exactly (an SVD) since a hospital sends once a round.
+alike: docs/qfedpolyp.md). This is the PowerSGD idea (Vogels et al., 2019) with the factors computed exactly (an SVD)
+since a hospital sends once a round.
 
 Each float tensor of at least :data:`~common.quantization.sparse.DENSE_BELOW` entries and two or more dimensions is
 read as a matrix M of ``shape[0]`` rows (a convolution: one row per output filter), and sent as two factors,
