@@ -458,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "loader of the run's own, a folder it reads as a hospital's data")
     export.add_argument("--calibration-images", type=int, default=64)
     export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime"), default="auto",
-                        help="pt2e: PyTorch's quantisation (torchao), a .pt2 compiled when it runs; onnxruntime: ONNX "
+                        help="pt2e: PyTorch's quantisation (torchao; concatenations in int8 or float, whichever runs "
+                        "faster here), a .pt2 compiled when it runs; onnxruntime: ONNX "
                         "Runtime's static quantisation (QDQ or QOperator, whichever runs faster here), a .onnx, also "
                         "for sites without PyTorch or a C++ compiler; both of any network, both in "
                         "fedmed-hospitals[int8]; auto (default): every installed one is timed here at batch 1 and 8 "

@@ -231,6 +231,25 @@ def test_pt2e_int8_model_has_int8_weights_stays_close_to_fp32_and_round_trips(tm
         load_deployment(tmp_path / "bad.pt2")
 
 
+def test_pt2e_concatenations_take_int8_inputs_even_after_the_pixel_shuffle():
+    """The stock x86 quantiser leaves a concatenation in float when an input comes from the pixel shuffle's permutes;
+    ours quantises every input of every concatenation, so the skip connections move uint8 values."""
+    pytest.importorskip("torchao")
+    from common.quantization.pt2e_int8 import quantise
+
+    images = images_to_tensor(make_polyps(16, 32, seed=0).images, torch.device("cpu"))
+    model = settled_unet(images)
+
+    def concatenation_inputs(int8_concatenations: bool) -> list[list[str]]:
+        converted = quantise(model, [images], int8_concatenations)
+        return [[str(i.target) for i in n.args[0]] for n in converted.graph.nodes
+                if n.target is torch.ops.aten.cat.default]
+
+    dequantised = "quantized_decomposed.dequantize_per_tensor.default"
+    assert concatenation_inputs(True) == [[dequantised] * 2] * 3  # the U-Net's three skip connections
+    assert all("aten.permute.default" in inputs for inputs in concatenation_inputs(False))  # the stock quantiser
+
+
 def test_engine_auto_takes_every_installed_one_and_a_missing_one_names_the_extra(monkeypatch):
     from common.quantization import int8
 
@@ -262,7 +281,8 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
     state = dict(np.load(tmp_path / "run" / "checkpoints" / "round-00001.npz"))
     float_bytes = sum(v.nbytes for v in PolypUNet().state_dict().values())  # 7.7 MB
     # batch 1 and 8: qdq is fastest at batch 1, pt2e at batch 8; qdq's product is the smallest
-    fake = {"pt2e": (0.004, 0.010), "onnxruntime-qdq": (0.002, 0.012), "onnxruntime-qoperator": (0.003, 0.020)}
+    fake = {"pt2e": (0.004, 0.010), "pt2e-int8-concat": (0.005, 0.009), "onnxruntime-qdq": (0.002, 0.012),
+            "onnxruntime-qoperator": (0.003, 0.020)}
     monkeypatch.setattr(timing, "latencies", lambda paths, x, **_: {k: fake[k][len(x) > 1] for k in paths})
     sizes = {}
     real_fastest = int8.fastest

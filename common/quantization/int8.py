@@ -183,9 +183,10 @@ def input_normalisation(cfg: JobConfig, channels: int) -> str:
 ENGINES = ("auto", "pt2e", "onnxruntime")
 SUFFIXES = {"pt2e": ".pt2", "onnxruntime": ".onnx"}
 NEEDS = {"pt2e": "torchao", "onnxruntime": "onnxruntime"}
-#: the INT8 models an export chooses from: label -> (engine, ONNX Runtime's format)
-CANDIDATES = {"pt2e": ("pt2e", ""), "onnxruntime-qdq": ("onnxruntime", "qdq"),
-              "onnxruntime-qoperator": ("onnxruntime", "qoperator")}
+#: the INT8 models an export chooses from: label -> (engine, form: ONNX Runtime's format, or PT2E with int8
+#: concatenations, pt2e_int8.concatenating_quantiser)
+CANDIDATES = {"pt2e": ("pt2e", ""), "pt2e-int8-concat": ("pt2e", "int8-concat"),
+              "onnxruntime-qdq": ("onnxruntime", "qdq"), "onnxruntime-qoperator": ("onnxruntime", "qoperator")}
 
 
 def installed_engines(engine: str) -> list[str]:
@@ -210,7 +211,7 @@ def build_candidate(label: str, model: nn.Module, batches: list[torch.Tensor], p
     if engine == "pt2e":
         from .pt2e_int8 import export_int8 as export_pt2e_int8
 
-        return export_pt2e_int8(model, batches, path, metadata)
+        return export_pt2e_int8(model, batches, path, metadata, int8_concatenations=form == "int8-concat")
     from .onnx_int8 import export_int8 as export_onnx_int8
 
     return export_onnx_int8(model, batches, path, metadata, form=form)
