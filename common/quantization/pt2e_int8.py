@@ -89,8 +89,8 @@ def concatenating_quantiser(x86):
     around it ran in float: on an Intel Xeon with AMX, half of the INT8 U-Net's time at batch 8 was there and not in
     its int8 convolutions (docs/qfedpolyp.md, "INT8 against FP32"). Quantising the concatenation's inputs lets
     Inductor move each quantise step above the permutes into the convolution before them, so the shuffle and the
-    concatenation move uint8 values: the whole model 1.8x faster at batch 8 there, but slower at batch 1 (Inductor
-    then leaves the concatenation's output in the wrong memory layout and copies it), so ``export-int8`` builds both
+    concatenation move uint8 values: the whole model 1.8x faster at batch 8 there, but slower at batch 1 (there the
+    concatenation's output comes out channels-first and is copied back), so ``export-int8`` builds both
     and keeps the one that runs faster on the exporting machine."""
 
     # the quantiser's own helpers (private in torchao 0.x), so a concatenation is annotated exactly as it would be
