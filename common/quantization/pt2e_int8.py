@@ -154,7 +154,7 @@ def compiled(graph: nn.Module) -> Callable:
     # process-wide: passing it as torch.compile(options=...) alone failed (Inductor met onednn.qconv_prepack
     # unlowered), as the quantisation patterns are chosen by the global setting
     inductor_config.freezing = True
-    return torch.compile(graph, dynamic=False)
+    return torch.compile(graph, dynamic=False, options={"cpp_wrapper": True})
 
 
 class Pt2eSegmenter:

@@ -49,7 +49,10 @@ class ShuffleUpsample(nn.Module):
         k, c = self.factor, self.out_channels
         y = y.permute(0, 2, 3, 1).reshape(n, h, w, k, k, c)  # (n, i, j, a, b, o)
         y = y.permute(0, 1, 3, 2, 4, 5).reshape(n, h * k, w * k, c)  # (n, k*i + a, k*j + b, o)
-        return y.permute(0, 3, 1, 2)  # NCHW shape, channels-last memory
+        # NCHW shape, channels-last memory. The explicit copy (Inductor fuses it into the shuffle's own) states
+        # that layout: left a view, Inductor gave it a batch stride of 0 at batch 1, so the concatenation after it
+        # could not see channels-last, wrote channels-first and copied back (PT2E INT8 U-Net 25 % slower there)
+        return torch.clone(y.permute(0, 3, 1, 2), memory_format=torch.channels_last)
 
 
 def without_transposed_convolutions(model: nn.Module) -> nn.Module:
