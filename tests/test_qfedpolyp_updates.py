@@ -151,3 +151,56 @@ def test_update_mode_trains_in_full_precision(monkeypatch):
         engine = RoundEngine(cfg)
         one_round(cfg, simulated_sites(cfg, 2)[:1], engine)
         assert seen[-1] == expected, quantise
+
+
+def test_training_from_its_own_model_starts_at_the_received_model_plus_the_residual_and_sends_it_once(tmp_path):
+    """train-from='own' (CHOCO-SGD's local copy) moves where the gradients are taken, not what is sent: with a
+    training step that does not depend on the start, both modes send the same codes; the residual is not added
+    twice."""
+    import torch
+
+    from common.arrays import model_arrays
+
+    def run(train_from: str):
+        cfg = job(**{"qfedpolyp.bit-widths": "2", "qfedpolyp.error-feedback": True,
+                     "qfedpolyp.train-from": train_from})
+        engine = RoundEngine(cfg)
+        site = simulated_sites(cfg, 2)[0]
+        site.state = HospitalStateStore(tmp_path / train_from)
+        info = QFedPolypHospital(cfg, site).info()
+        engine.select(1, [info])
+        QFedPolypHospital(cfg, site).train(1, engine.downlink(1, info))  # leaves a residual
+        hospital = QFedPolypHospital(cfg, site)
+        starts = []
+
+        def shift_weights(model, *args, **kwargs):  # the same step wherever it starts
+            starts.append(model_arrays(model))
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(1e-3)
+            return {"train-loss": 0.0}
+
+        hospital.task.fit = shift_weights
+        payload = engine.downlink(2, info)
+        received = model_arrays(hospital.received_model(payload, {}))
+        reply = hospital.train(2, payload)
+        return starts[0], received, site.state.load(before_round=2), reply
+
+    start, received, residual, reply = run("own")
+    same_start, _, _, same_reply = run("received")
+    assert residual and max(float(np.abs(v).max()) for v in residual.values()) > 0
+    for name, value in start.items():
+        expected = received[name] + residual[name] if name in residual else received[name]
+        np.testing.assert_allclose(value, expected, atol=1e-7, err_msg=name)
+        if name not in residual:
+            assert is_statistic(name), name  # only the statistics go without a residual
+    assert any(not np.array_equal(start[k], same_start[k]) for k in residual)
+    sent, same_sent = (decode_model(r.arrays[PACKED], expected_content="update") for r in (reply, same_reply))
+    differing = sum(int((np.abs(sent[k] - same_sent[k]) > 1e-6).sum()) for k in sent)  # the ranges' last bits
+    assert differing <= 1e-3 * sum(v.size for v in sent.values())  # float32 rounding may move a code or two;
+    # adding the residual twice (it is up to half a 2-bit step) would move about half of them
+
+
+def test_training_from_its_own_model_needs_error_feedback():
+    with pytest.raises(ConfigError, match="train-from='own' needs qfedpolyp.error-feedback=true"):
+        job(**{"qfedpolyp.train-from": "own"})

@@ -98,7 +98,8 @@ def parse_config(config: str) -> dict[str, Any]:
     ``+rand<p>`` (its sparsity; one way of choosing entries for both directions); ``block<B>``: sparse positions
     are of blocks of B entries (both directions; p is then the fraction of blocks); ``stats<b>``: the BatchNorm
     statistics beside an update or delta at b bits; ``rank<x>``: the update as low-rank factors taking at most x bits
-    per entry; ``slr<x>``: the server adds x times the mean update. Bit-width 1: signs with a scale (updates and
+    per entry; ``slr<x>``: the server adds x times the mean update; ``own``: hospitals train from the received model
+    plus their residual. Bit-width 1: signs with a scale (updates and
     deltas only)."""
     if config in OTHER_METHODS:
         return {}
@@ -107,8 +108,8 @@ def parse_config(config: str) -> dict[str, Any]:
 
     def fail(option: str, why: str = "") -> SystemExit:
         return SystemExit(f"configuration {config!r}: {why or f'unknown option {option!r}'} (update, update+ef, "
-                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>, rank<x>, slr<x>; "
-                          "0 < p <= 1)")
+                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>, rank<x>, slr<x>, "
+                          "own; 0 < p <= 1)")
 
     def fraction(option: str) -> float | None:
         """``top0.1`` -> 0.1 (and the way of choosing entries noted), None if it is not a sparsity option."""
@@ -128,6 +129,8 @@ def parse_config(config: str) -> dict[str, Any]:
     for option in options:
         if option in ("update", "update+ef"):
             settings.update(quantise="update", error_feedback=option.endswith("+ef"))
+        elif option == "own":
+            settings["train_from"] = "own"
         elif option.startswith("block") and option[5:].isdigit():
             settings["sparse_block"] = int(option[5:])
         elif option.startswith("rank"):

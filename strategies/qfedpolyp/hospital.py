@@ -39,6 +39,14 @@ def _round_number(value: Any, key: str) -> int:
     return int(value)
 
 
+def with_residual(arrays: NamedArrays, residual: dict[str, np.ndarray]) -> NamedArrays:
+    """``arrays`` plus the error-feedback residual where it has an entry of the same shape (float64 sums cast back
+    to each array's dtype); the BatchNorm statistics and anything else the residual lacks are left as they are."""
+    return {name: (value.astype(np.float64) + residual[name]).astype(value.dtype)
+            if name in residual and residual[name].shape == value.shape else value
+            for name, value in arrays.items()}
+
+
 class QFedPolypHospital(HospitalMethod):
     """Local quantisation-aware training (paper Algorithm 2) and the b-bit packed reply (Algorithm 3)."""
 
@@ -102,6 +110,8 @@ class QFedPolypHospital(HospitalMethod):
         start = model_arrays(model)
         self.task.check_data(self.site.train, f"hospital {self.site.name}")
         received = self.task.evaluate(model, self.site.val, self.site.device)
+        if self.cfg.qfedpolyp.train_from == "own":  # go on from the model its unsent residual makes
+            load_model_arrays(model, with_residual(start, memory))
         # QAT trains the weights the paper sends at b bits; an update is quantised after full-precision training
         weights_sent = self.cfg.qfedpolyp.quantise == "weights"
         with quantization_aware(model, bits if self.cfg.qfedpolyp.qat and weights_sent else 32):
@@ -131,9 +141,8 @@ class QFedPolypHospital(HospitalMethod):
         weights, statistics = split_statistics(trained)
         change = {k: v.astype(np.float64) - start[k] for k, v in weights.items()}
         feedback = settings.error_feedback
-        for name, value in (memory.items() if feedback else ()):
-            if name in change and value.shape == change[name].shape:
-                change[name] += value
+        if feedback and settings.train_from == "received":  # with 'own' training started from it
+            change = with_residual(change, memory)
         change = {k: v.astype(weights[k].dtype) for k, v in change.items()}
         if settings.low_rank_bits:
             encoded = encode_low_rank(change, bits, settings.low_rank_bits)

@@ -49,6 +49,11 @@ class QFedPolypSettings(Section):
         "quantise='update': the server adds this many times the hospitals' weighted mean update to the global "
         "model (FedOpt's server learning rate; 1: FedAvg). Above 1, a larger step for what compressed updates "
         "defer to later rounds (error feedback); measured in docs/qfedpolyp.md."))
+    train_from: Literal["received", "own"] = Field("received", description=(
+        "error-feedback=true: where a hospital's local training starts. 'received': the global model it received "
+        "(its residual is added to the trained change); 'own': the received model plus its residual, the model "
+        "it would hold had all its updates arrived (CHOCO-SGD's local copy), so training goes on from there "
+        "instead of redoing what is still waiting to be sent."))
     sparse_block: int = Field(1, ge=1, le=4096, description=(
         "Sparse updates and deltas: send whole blocks of this many consecutive entries (of each flattened tensor), "
         "the blocks of largest norm, so a position costs 1/block of its bits and more entries fit in the same "
@@ -81,6 +86,9 @@ class QFedPolypSettings(Section):
             if not all(2 <= bits < 32 and self.low_rank_bits < bits for bits in self.bit_width_list):
                 raise ValueError(f"qfedpolyp.low-rank-bits={self.low_rank_bits:g}: the factors travel at the "
                                  f"hospitals' bit-widths ({self.bit_widths}), which must be 2..16 and above it")
+        if self.train_from == "own" and not self.error_feedback:
+            raise ValueError("qfedpolyp.train-from='own' needs qfedpolyp.error-feedback=true (the residual it "
+                             "starts from)")
         if self.server_learning_rate != 1.0 and self.quantise != "update":
             raise ValueError(f"qfedpolyp.server-learning-rate={self.server_learning_rate:g} needs "
                              "qfedpolyp.quantise='update' (the server scales the hospitals' mean update)")
