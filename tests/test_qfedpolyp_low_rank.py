@@ -206,3 +206,15 @@ def test_to_target_finds_the_round_a_lagging_row_reaches_32_bits_and_its_uplink_
         main([str(reference), str(lagging), "--at", "12"])
     with pytest.raises(SystemExit, match="no row for the run"):
         main([str(reference), str(run("4,4,4,4,4", climb, 1)[0]), "--at", "10"])
+
+
+def test_table1_reads_the_low_rank_row_trained_from_the_hospitals_own_model():
+    from benchmarks.qfedpolyp.table1 import parse_config, sparse_targets
+
+    row = "4,4,4,4,4/update+ef/rank0.45/stats8/own/slr1.5"
+    assert parse_config(row) == {
+        "bit_widths": "4,4,4,4,4", "quantise": "update", "error_feedback": True, "low_rank_bits": 0.45,
+        "statistics_bit_width": 8, "train_from": "own", "server_learning_rate": 1.5}
+    assert sparse_targets(row, 66.0) == (64.0, None)
+    with pytest.raises(SystemExit, match="unknown option 'owner'"):
+        parse_config("4,4,4,4,4/update+ef/rank0.45/owner")
