@@ -433,6 +433,7 @@ def test_table1_judges_every_sparse_row_against_the_past_32x_goals():
 
 def test_seeds_table_judges_a_row_on_its_mean_gap_over_seeds(tmp_path):
     from benchmarks.qfedpolyp import seeds
+    from benchmarks.qfedpolyp.table1 import run_name
 
     def seed_folder(seed, dice_by_config):
         folder = tmp_path / f"seed{seed}"
@@ -465,11 +466,27 @@ def test_seeds_table_judges_a_row_on_its_mean_gap_over_seeds(tmp_path):
     assert rows[delta][4:8] == ["16.00x", "+0.020", "+0.008", "+0.014"] and rows[delta][-1] == "yes |"
     assert rows[entries][5:8] == ["+0.020", "+0.012", "+0.016"] and rows[entries][-1] == "no |"
     assert "32 bits: 32.000 uplink" in table.read_text()
-    with pytest.raises(SystemExit, match="seed 42 is already given"):
+    with pytest.raises(SystemExit, match="seed 42 configuration 2,2,2,2,2/update.* is already given"):
         seeds.main([str(first), str(first), "--table", str(table)])
+
+    # one table1 process per configuration: the folders of one seed are read as one
+    (second / "runs" / run_name(block)).mkdir(parents=True)
+    (second / "runs" / run_name(block) / "config.json").write_text(json.dumps({"seed": 43}))
+    lone = json.loads((second / "table1.json").read_text())
+    (second / "table1.json").write_text(json.dumps([row for row in lone if row["config"] != block]))
+    alone = tmp_path / "seed43-block"
+    alone.mkdir()
+    (alone / "runs").mkdir()
+    (second / "runs" / run_name(block)).rename(alone / "runs" / run_name(block))
+    (alone / "table1.json").write_text(json.dumps([row for row in lone if row["config"] == block]))
+    seeds.main([str(first), str(second), str(alone), "--table", str(table)])
+    assert rows[block] == next(line.split(" | ") for line in table.read_text().splitlines()
+                               if line.startswith(f"| ({block})"))
     (first / "table1.json").write_text(json.dumps([{"config": block, "dice_last5": 0.69}]))
-    with pytest.raises(ValueError, match="seed42: table1.json has no 32-bit row"):
-        seeds.load_seed(first)
+    (first / "runs" / run_name(block)).mkdir()
+    (first / "runs" / run_name(block) / "config.json").write_text(json.dumps({"seed": 42}))
+    with pytest.raises(SystemExit, match="seed 42: no folder has a 32-bit row"):
+        seeds.main([str(first), str(second), "--table", str(table)])
 
 
 # --- whole rounds, with a stand-in for training ---------------------------------------------------

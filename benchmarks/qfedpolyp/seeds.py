@@ -6,9 +6,9 @@ seed.
     python -m benchmarks.qfedpolyp.table1 --preset cpu --set seed=43 --configs ... --out results/q43
     python -m benchmarks.qfedpolyp.seeds results/q42 results/q43 --table benchmarks/results/q_seeds.md
 
-Each folder is one seed's ``table1`` output (``table1.json`` and the run folders); a row counts where every
-folder has it and its 32-bit row. Gap: the 32-bit run's mean test Dice of the last 5 rounds minus the row's, on
-the same seed, split and rounds.
+Each folder is a ``table1`` output (``table1.json`` and the run folders); folders of one seed (one ``table1``
+process per configuration, run side by side) are read as one. A row counts where every seed has it and its 32-bit
+row. Gap: the 32-bit run's mean test Dice of the last 5 rounds minus the row's, on the same seed, split and rounds.
 """
 
 from __future__ import annotations
@@ -20,25 +20,45 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.qfedpolyp.table1 import NUM_HOSPITALS, sparse_targets
+from benchmarks.qfedpolyp.table1 import NUM_HOSPITALS, run_name, sparse_targets
 
 BASELINE = "32,32,32,32,32"
 DICE_TOLERANCE = 0.015
 
 
 def load_seed(folder: Path) -> tuple[int, dict[str, dict]]:
-    """(seed, rows by configuration) of one ``table1`` output folder; ValueError naming what is missing."""
+    """(seed, rows by configuration) of one ``table1`` output folder, the seed read from its first run's
+    ``config.json``; ValueError naming what is missing."""
     rows = {row["config"]: row for row in json.loads((folder / "table1.json").read_text())}
-    if BASELINE not in rows:
-        raise ValueError(f"{folder}: table1.json has no 32-bit row ({BASELINE}) to measure gaps against")
-    config = json.loads((folder / "runs" / BASELINE.replace(",", "-") / "config.json").read_text())
+    if not rows:
+        raise ValueError(f"{folder}: table1.json has no rows")
+    config = json.loads((folder / "runs" / run_name(next(iter(rows))) / "config.json").read_text())
     return int(config["seed"]), rows
+
+
+def load_seeds(folders: list[Path]) -> tuple[dict[int, dict[str, dict]], Path]:
+    """Rows by seed and configuration, folders of one seed merged, and the folder holding the first seed's 32-bit
+    run; ValueError for a configuration given twice for one seed or a seed without its 32-bit row."""
+    seeds: dict[int, dict[str, dict]] = {}
+    baseline_folder: dict[int, Path] = {}
+    for folder in folders:
+        seed, rows = load_seed(folder)
+        merged = seeds.setdefault(seed, {})
+        if twice := sorted(set(rows) & set(merged)):
+            raise ValueError(f"{folder}: seed {seed} configuration {twice[0]} is already given by another folder")
+        merged.update(rows)
+        if BASELINE in rows:
+            baseline_folder[seed] = folder
+    for seed in seeds:
+        if seed not in baseline_folder:
+            raise ValueError(f"seed {seed}: no folder has a 32-bit row ({BASELINE}) to measure gaps against")
+    return seeds, baseline_folder[min(seeds)]
 
 
 def model_parameters(folder: Path) -> int:
     """How many float values the global model holds (weights, biases, BatchNorm statistics), read from the 32-bit
     run's latest checkpoint: the denominator of bits per parameter."""
-    checkpoints = sorted((folder / "runs" / BASELINE.replace(",", "-") / "checkpoints").glob("round-*.npz"))
+    checkpoints = sorted((folder / "runs" / run_name(BASELINE) / "checkpoints").glob("round-*.npz"))
     if not checkpoints:
         raise ValueError(f"{folder}: the 32-bit run has no checkpoint to count the model's parameters in")
     with np.load(checkpoints[-1], allow_pickle=False) as archive:
@@ -88,16 +108,14 @@ def render(seeds: dict[int, dict[str, dict]], command: str, parameters: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folders", nargs="+", type=Path, help="table1 --out folders, one per seed")
+    parser.add_argument("folders", nargs="+", type=Path, help="table1 --out folders (several of one seed merge)")
     parser.add_argument("--table", type=Path, required=True, help="where to write the markdown table")
     args = parser.parse_args(argv)
-    seeds: dict[int, dict[str, dict]] = {}
-    parameters = model_parameters(args.folders[0])
-    for folder in args.folders:
-        seed, rows = load_seed(folder)
-        if seed in seeds:
-            raise SystemExit(f"{folder}: seed {seed} is already given by another folder")
-        seeds[seed] = rows
+    try:
+        seeds, baseline_folder = load_seeds(args.folders)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    parameters = model_parameters(baseline_folder)
     command = " ".join(["python -m benchmarks.qfedpolyp.seeds", *(argv if argv is not None else sys.argv[1:])])
     args.table.parent.mkdir(parents=True, exist_ok=True)
     args.table.write_text(render(seeds, command, parameters))
