@@ -457,13 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="images to calibrate activation ranges on (default: the run's training data); with a "
                         "loader of the run's own, a folder it reads as a hospital's data")
     export.add_argument("--calibration-images", type=int, default=64)
-    export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime"), default="auto",
+    export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime", "openvino"), default="auto",
                         help="pt2e: PyTorch's quantisation (torchao; concatenations in int8 or float, whichever runs "
                         "faster here), a .pt2 compiled when it runs; onnxruntime: ONNX "
                         "Runtime's static quantisation (QDQ or QOperator, whichever runs faster here), a .onnx, also "
-                        "for sites without PyTorch or a C++ compiler; both of any network, both in "
-                        "fedmed-hospitals[int8]; auto (default): every installed one is timed here at batch 1 and 8 "
-                        "and the fastest written (an --out suffix limits the choice to its type)")
+                        "for sites without PyTorch or a C++ compiler; openvino: ONNX Runtime's QDQ file run by "
+                        "OpenVINO, a .onnx; each of any network, all in fedmed-hospitals[int8]; auto (default): every "
+                        "installed one is timed here at batch 1 and 8 and the fastest written (an --out suffix limits "
+                        "the choice to its type)")
 
     segment = sub.add_parser("segment", help="masks for a folder of images with an exported model")
     segment.add_argument("--model", type=Path, default=None, help="file written by `fedmed export-int8`")

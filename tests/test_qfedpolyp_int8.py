@@ -1,6 +1,6 @@
-"""QFedPolyp's INT8 deployment: PT2E and ONNX Runtime models close to the float network, the `fedmed export-int8` /
-`segment` / `evaluate` commands on the built-in U-Net and a MONAI one, and the benchmark's eager reference path (the
-exact rewrite of the transposed convolutions, a quantised U-Net close to the float one)."""
+"""QFedPolyp's INT8 deployment: PT2E, ONNX Runtime and OpenVINO models close to the float network, the
+`fedmed export-int8` / `segment` / `evaluate` commands on the built-in U-Net and a MONAI one, and the benchmark's eager
+reference path (the exact rewrite of the transposed convolutions, a quantised U-Net close to the float one)."""
 
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
         assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "exports" / "own"),
                        "--calibration-images", "8"]) == 0
         [written] = (tmp_path / "exports").glob("own.*")
-        assert written.suffix == {"pt2e": ".pt2", "onnxruntime": ".onnx"}[load_deployment(written)[1]["engine"]]
+        engine = load_deployment(written)[1]["engine"]
+        assert written.suffix == {"pt2e": ".pt2", "onnxruntime": ".onnx", "openvino": ".onnx"}[engine]
         assert fedmed(["segment", "--model", str(written), "--images", str(frames),
                        "--out", str(tmp_path / "own-masks")]) == 0
         with Image.open(tmp_path / "own-masks" / "a.png") as mask:
@@ -259,15 +260,15 @@ def test_engine_auto_takes_every_installed_one_and_a_missing_one_names_the_extra
     missing: set[str] = set()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
-    assert int8.installed_engines("auto") == ["pt2e", "onnxruntime"]
+    assert int8.installed_engines("auto") == ["pt2e", "onnxruntime", "openvino"]
     missing.add("torchao")
-    assert int8.installed_engines("auto") == ["onnxruntime"]
+    assert int8.installed_engines("auto") == ["onnxruntime", "openvino"]
     with pytest.raises(ValueError, match="pt2e: torchao is not installed; install fedmed-hospitals\\[int8\\]"):
         int8.installed_engines("pt2e")
-    missing.add("onnxruntime")
-    with pytest.raises(ValueError, match="torchao or onnxruntime is not installed"):
+    missing.update({"onnxruntime", "openvino"})
+    with pytest.raises(ValueError, match="torchao or onnxruntime or openvino is not installed"):
         int8.installed_engines("auto")
-    with pytest.raises(ValueError, match="INT8 engine 'torch': use one of auto, pt2e, onnxruntime"):
+    with pytest.raises(ValueError, match="INT8 engine 'torch': use one of auto, pt2e, onnxruntime, openvino"):
         int8.installed_engines("torch")
 
 
@@ -278,14 +279,15 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
     at most a third of the float model's bytes."""
     pytest.importorskip("torchao")
     pytest.importorskip("onnxruntime")
+    pytest.importorskip("openvino")
     from common.quantization import int8, timing
 
     saved_run(tmp_path, image_size=16)
     state = dict(np.load(tmp_path / "run" / "checkpoints" / "round-00001.npz"))
     float_bytes = sum(v.nbytes for v in PolypUNet().state_dict().values())  # 7.7 MB
-    # batch 1 and 8: qdq is fastest at batch 1, pt2e at batch 8; qdq's product is the smallest
+    # batch 1 and 8: qdq is fastest at batch 1, pt2e-int8-concat at batch 8; qdq's product is the smallest
     fake = {"pt2e": (0.004, 0.010), "pt2e-int8-concat": (0.005, 0.009), "onnxruntime-qdq": (0.002, 0.012),
-            "onnxruntime-qoperator": (0.003, 0.020)}
+            "onnxruntime-qoperator": (0.003, 0.020), "openvino-qdq": (0.0025, 0.0100)}
     monkeypatch.setattr(timing, "latencies", lambda paths, x, **_: {k: fake[k][len(x) > 1] for k in paths})
     sizes = {}
     real_fastest = int8.fastest
@@ -304,6 +306,62 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
     assert choice["median-ms-batch-1-and-8"] == {k: [v[0] * 1e3, v[1] * 1e3] for k, v in fake.items()}
     assert written["image-size"] == 16 and written["format"] == "qdq"
 
+
+
+def test_openvino_runs_every_convolution_in_int8_transposed_ones_included_and_stays_close_to_fp32(tmp_path):
+    """`export-int8 --engine openvino`: ONNX Runtime's QDQ file of the network as it is, run by OpenVINO with every
+    convolution and transposed convolution an int8 kernel (no pixel-shuffle rewrite: OpenVINO runs the transposed
+    ones in int8), the float parts in FP32; a third of the float model at most; logits close to the float network's."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("openvino")
+    from common.quantization import int8
+    from common.quantization.openvino_int8 import OpenVinoSegmenter
+
+    saved_run(tmp_path)
+    state = dict(np.load(tmp_path / "run" / "checkpoints" / "round-00001.npz"))
+    path, metadata = int8.export_int8(state, tmp_path / "u.onnx", num_calibration=16, engine="openvino")
+    assert metadata["engine"] == "openvino" and metadata["format"] == "qdq" and "engine-choice" not in metadata
+    assert path.stat().st_size <= sum(v.nbytes for v in PolypUNet().state_dict().values()) / 3
+    segmenter, written = load_deployment(path)
+    assert isinstance(segmenter, OpenVinoSegmenter) and written["image-size"] == 32 and written["weight-bits"] == 7
+    images = images_to_tensor(make_polyps(48, 32, seed=0).images, torch.device("cpu"))
+    model = settled_unet(images[:32])
+    path = int8.build_candidate("openvino-qdq", model, [images[:16], images[16:32]], tmp_path / "s.onnx", {})
+    segmenter = OpenVinoSegmenter(path, threads=1)
+    output = segmenter(images[32:])
+    with torch.no_grad():
+        reference = model(images[32:])
+    assert (output - reference).abs().mean() < 0.15 * reference.std()
+    assert ((output > 0) == (reference > 0)).float().mean() > 0.9
+    runtime = segmenter.requests[tuple(images[32:].shape)].get_compiled_model().get_runtime_model()
+    precision = {}
+    for op in runtime.get_ops():
+        info = op.get_rt_info()
+        precision.setdefault(info["layerType"].astype(str), set()).add(info["runtimePrecision"].astype(str))
+    transposed = sum(isinstance(m, nn.ConvTranspose2d) for m in model.modules())
+    assert transposed and "Deconvolution" in precision, sorted(precision.items())
+    assert precision["Convolution"] | precision["Deconvolution"] <= {"u8", "i8"}, precision
+
+
+def test_an_openvino_model_runs_in_onnx_runtime_where_openvino_is_missing(tmp_path, monkeypatch, caplog):
+    """The file is plain QDQ ONNX: a site without OpenVINO still segments with it (ONNX Runtime, slower, said)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("openvino")
+    from common.quantization import int8
+    from common.quantization.onnx_int8 import OnnxSegmenter
+
+    images = images_to_tensor(make_polyps(24, 32, seed=1).images, torch.device("cpu"))
+    model = settled_unet(images[:16])
+    path = int8.build_candidate("openvino-qdq", model, [images[:16]], tmp_path / "m.onnx", {"image-size": 32})
+    with_openvino, _ = load_deployment(path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    with caplog.at_level("WARNING", logger="fedmed"):
+        without, metadata = load_deployment(path)
+    assert isinstance(without, OnnxSegmenter) and metadata["engine"] == "openvino"
+    assert "exported for OpenVINO, which is not installed here" in caplog.text and str(path) in caplog.text
+    first, second = with_openvino(images[16:]), without(images[16:])
+    assert ((first > 0) == (second > 0)).float().mean() > 0.98
 
 
 def test_latencies_time_each_path_in_runs_of_consecutive_calls_after_one_untimed_call():

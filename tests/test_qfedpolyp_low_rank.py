@@ -1,6 +1,7 @@
 """QFedPolyp's low-rank updates (``qfedpolyp.low-rank-bits``): each matrix-shaped tensor of a hospital's update as its
 best rank-r factors at the hospital's bit-width, r fixed by the shape, the bit-width and the budget on both sides;
-anything else refused; error feedback carries what the factors leave out."""
+anything else refused; error feedback carries what the factors leave out. The same for the server's downlink delta
+(``qfedpolyp.downlink-low-rank-bits``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ from common.round_engine import RoundEngine, RoundReply
 from strategies.qfedpolyp.hospital import QFedPolypHospital
 from strategies.qfedpolyp.messages import PACKED, split_statistics
 
-from .test_qfedpolyp_sparse import BASE, quick_training, sample_change, tampered  # noqa: F401
+from .test_qfedpolyp_sparse import (  # noqa: F401
+    BASE,
+    LOW_RANK,
+    assert_same,
+    play_round,
+    quick_training,
+    sample_change,
+    tampered,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -218,3 +227,72 @@ def test_table1_reads_the_low_rank_row_trained_from_the_hospitals_own_model():
     assert sparse_targets(row, 66.0) == (64.0, None)
     with pytest.raises(SystemExit, match="unknown option 'owner'"):
         parse_config("4,4,4,4,4/update+ef/rank0.45/owner")
+
+
+def test_settings_refuse_a_low_rank_downlink_without_a_dense_delta_or_a_bit_width_to_carry_it():
+    cfg = load_job_config({**BASE, "qfedpolyp.error-feedback": True, "qfedpolyp.downlink": "delta",
+                           "qfedpolyp.downlink-bit-width": 4, **LOW_RANK})
+    assert cfg.qfedpolyp.downlink_low_rank_bits == 1.0
+    for extra, match in (({"qfedpolyp.downlink": "model"}, "needs qfedpolyp.downlink='delta' and downlink-sparsity=1"),
+                         ({"qfedpolyp.downlink-sparsity": 0.5}, "needs qfedpolyp.downlink='delta'"),
+                         ({"qfedpolyp.downlink-bit-width": 1}, "travel at downlink-bit-width \\(1\\)"),
+                         ({"qfedpolyp.downlink-low-rank-bits": 4}, "travel at downlink-bit-width \\(4\\)")):
+        with pytest.raises(ConfigError, match=match):
+            load_job_config({**BASE, "qfedpolyp.error-feedback": True, "qfedpolyp.downlink": "delta",
+                             "qfedpolyp.downlink-bit-width": 4, **LOW_RANK, **extra})
+
+
+def low_rank_both_ways(**extra):
+    return load_job_config({**BASE, "qfedpolyp.error-feedback": True, "qfedpolyp.downlink": "delta",
+                            "qfedpolyp.downlink-bit-width": 4, **LOW_RANK, "num-server-rounds": 2,
+                            "evaluate-every": 100, **extra})
+
+
+@pytest.mark.usefixtures("quick_training")
+def test_low_rank_both_ways_is_over_64_times_below_32_bits_up_and_32_times_both_ways():
+    engine = run_rounds(cfg := low_rank_both_ways(), simulated_sites(cfg, 2))
+    plain = load_job_config({**BASE, "qfedpolyp.bit-widths": "32", "num-server-rounds": 1, "evaluate-every": 100})
+    baseline = run_rounds(plain, simulated_sites(plain, 2))
+    for name, traffic in engine.history[-1]["traffic"].items():
+        full = baseline.history[-1]["traffic"][name]
+        assert full["up"] / traffic["up"] > 64
+        assert (full["up"] + full["down"]) / (traffic["up"] + traffic["down"]) > 32
+    delta = engine.method._delta[2]
+    header = json.loads(delta["header"].tobytes())
+    assert header["content"] == "delta" and header["bits"] == 4
+    assert any(name.endswith(LEFT) for name, *_ in header["tensors"])
+
+
+@pytest.mark.usefixtures("quick_training")
+def test_a_hospital_refuses_a_low_rank_delta_of_another_rank_content_or_kind():
+    from common.quantization.sparse import encode_sparse
+
+    cfg = low_rank_both_ways()
+    sites = simulated_sites(cfg, 1)
+    engine = RoundEngine(cfg)
+    play_round(cfg, engine, sites, 1)
+    info = QFedPolypHospital(cfg, sites[0]).info()
+    engine.select(2, [info])
+    good = engine.downlink(2, info)
+    hospital = QFedPolypHospital(cfg, sites[0])
+    reference, memory = model_arrays(hospital.task.build_model()), hospital.memory(2)
+    assert_same(hospital.received_arrays(good, reference, memory), engine.method.held)
+    weights, _ = split_statistics(reference)
+    delta = decode_low_rank(good.arrays[PACKED], weights, 4, 1.0, expected_content="delta")
+    for packed, match in ((encode_low_rank(delta, 4, 2.0, content="delta"), "left"),
+                          (encode_low_rank(delta, 4, 1.0, content="update"), "tagged 'update', expected 'delta'"),
+                          (encode_low_rank(delta, 8, 1.0, content="delta"), "tag is 8"),
+                          (encode_sparse(delta, 4, 0.3, content="delta"), "")):
+        with pytest.raises(PayloadError, match=match):
+            hospital.received_arrays(Payload(arrays={**good.arrays, PACKED: packed}, config=good.config),
+                                     reference, memory)
+
+
+def test_a_low_rank_product_summed_rank_by_rank_equals_the_float64_matrix_product():
+    rng = np.random.default_rng(3)
+    left, right = rng.normal(size=(64, 7)).astype(np.float32), rng.normal(size=(7, 90)).astype(np.float32)
+    from common.quantization.low_rank import product
+
+    expected = left.astype(np.float64) @ right.astype(np.float64)
+    assert product(left, right).dtype == np.float64
+    np.testing.assert_allclose(product(left, right), expected, rtol=1e-12, atol=1e-12)

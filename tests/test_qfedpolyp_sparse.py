@@ -525,6 +525,13 @@ SIGNS = {"qfedpolyp.bit-widths": "1", "qfedpolyp.downlink-bit-width": 1, "qfedpo
          "qfedpolyp.sparsity": 0.3, "qfedpolyp.downlink-sparsity": 0.6, "qfedpolyp.statistics-bit-width": 8}
 
 
+#: low-rank factors both ways: 4-bit updates at 0.45 bits per entry, hospitals training from their own models, and a
+#: 4-bit delta downlink at 1 bit per entry
+LOW_RANK = {"qfedpolyp.bit-widths": "4", "qfedpolyp.sparsity": 1.0, "qfedpolyp.low-rank-bits": 0.45,
+            "qfedpolyp.train-from": "own", "qfedpolyp.downlink-sparsity": 1.0, "qfedpolyp.downlink-low-rank-bits": 1.0,
+            "qfedpolyp.statistics-bit-width": 8}
+
+
 def play_round(cfg, engine, sites, rnd, who=None):
     """One round with the hospitals ``who`` (default: all) connected; returns (record, {name: received arrays})."""
     infos = [QFedPolypHospital(cfg, site).info() for site in sites if who is None or site.name in who]
@@ -610,8 +617,8 @@ def test_sparse_error_feedback_keeps_what_was_not_sent_and_replays_after_a_resta
     assert (second["enc2.conv2.weight"] != 0).sum() == kept_count(second["enc2.conv2.weight"].size, 0.1)
 
 
-@pytest.mark.parametrize("extra", [{"qfedpolyp.sparse-block": 1}, {"qfedpolyp.sparse-block": 8}, SIGNS],
-                         ids=["entries", "blocks", "signs"])
+@pytest.mark.parametrize("extra", [{"qfedpolyp.sparse-block": 1}, {"qfedpolyp.sparse-block": 8}, SIGNS, LOW_RANK],
+                         ids=["entries", "blocks", "signs", "low-rank"])
 def test_hospitals_rebuild_the_servers_record_bit_for_bit_across_rounds_skips_and_late_joins(quick_training, extra):
     cfg = sparse_job(**{"num-server-rounds": 5, **extra})
     sites = simulated_sites(cfg, 3)
@@ -728,7 +735,7 @@ def test_a_forged_or_mismatched_downlink_is_refused_by_the_hospital(quick_traini
     refused(full, "not the one the server recorded")  # the initial weights are not round 2's model
 
 
-@pytest.mark.parametrize("extra", [{}, SIGNS], ids=["2-bit", "signs"])
+@pytest.mark.parametrize("extra", [{}, SIGNS, LOW_RANK], ids=["2-bit", "signs", "low-rank"])
 def test_a_resumed_run_and_a_restarted_supernode_continue_exactly(tmp_path, quick_training, extra):
     from server_app.checkpoint import load_checkpoint, save_checkpoint
 

@@ -5,11 +5,12 @@ sizes, and which engine ``fedmed export-int8`` picks here.
         --threads 2 --repeats 60
 
 The model is a run's final global model (its latest checkpoint). Every INT8 model is the file ``fedmed export-int8``
-writes for that engine (PT2E; ONNX Runtime QDQ and QOperator), calibrated on the same 64 of the run's training
+writes for that engine (PT2E; ONNX Runtime QDQ and QOperator; OpenVINO), calibrated on the same 64 of the run's training
 images and run as ``fedmed segment`` runs it; ``export-int8`` itself (engine auto) is run too, timing its candidates
 at the benchmark's input size, and its choice is the model the goals judge. Latency is measured in one process on
 3x<size>x<size> inputs (default 128, the paper's), for every path: FP32 eager, frozen TorchScript, torch.compile with
-frozen weights and ONNX Runtime, the INT8 files, and the deprecated eager INT8 path as a reference (eager_int8.py).
+frozen weights, ONNX Runtime and OpenVINO (in FP32, where installed), the INT8 files, and the deprecated eager INT8
+path as a reference (eager_int8.py).
 After a warm-up the paths take turns in a shuffled order every repetition; the table gives medians. Timing starts
 only once the 1-minute load average is below ``--max-load`` (both loads are in the results). The goal's yardstick
 is this CPU's own int8/fp32 ratio: the model's convolutions run alone as float and as int8 kernels.
@@ -121,6 +122,18 @@ def int8_files(model: torch.nn.Module, batches: list[torch.Tensor], work: Path, 
             for label, (engine, _) in CANDIDATES.items() if engine in engines}
 
 
+def segmenter(path: Path) -> Callable:
+    """An INT8 file run as ``fedmed segment`` runs it, with the benchmark's thread count."""
+    from common.quantization.int8 import load_deployment
+    from common.quantization.onnx_int8 import OnnxSegmenter, read_metadata
+    from common.quantization.openvino_int8 import OpenVinoSegmenter
+
+    if path.suffix != ".onnx":
+        return load_deployment(path)[0]
+    engine = read_metadata(path).get("engine")
+    return (OpenVinoSegmenter if engine == "openvino" else OnnxSegmenter)(path, torch.get_num_threads())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="run folder (latest checkpoint) or checkpoint file")
@@ -138,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     import tempfile
 
-    from common.quantization.int8 import SUFFIXES, export_int8, load_deployment
+    from common.quantization.int8 import SUFFIXES, export_int8, installed_engines
     from common.quantization.onnx_int8 import OnnxSegmenter, export_float_model
+    from common.quantization.openvino_int8 import OpenVinoSegmenter
     from server_app.checkpoint import find_checkpoint, load_checkpoint
 
     checkpoint = find_checkpoint(args.run)
@@ -155,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     paths: dict[str, Callable] = {"FP32 eager": model, "FP32 TorchScript (frozen)": frozen_script(model),
                                   "FP32 torch.compile (frozen)": compiled(model)}
     paths["FP32 ONNX Runtime"] = OnnxSegmenter(files["FP32 ONNX Runtime"], torch.get_num_threads())
+    if "openvino" in installed_engines("auto"):  # the same float file, run by OpenVINO in FP32
+        paths["FP32 OpenVINO"] = OpenVinoSegmenter(files["FP32 ONNX Runtime"], torch.get_num_threads())
     paths["INT8 eager (reference)"] = reference
     paths["INT8 TorchScript (frozen, reference)"] = frozen_script(reference)
     for name, path in files.items():
         if name.startswith("INT8"):
-            paths[name] = (OnnxSegmenter(path, torch.get_num_threads()) if path.suffix == ".onnx"
-                           else load_deployment(path)[0])
+            paths[name] = segmenter(path)
 
     task = get_task(cfg, {"in-channels": 3})
     test = server_test_set(cfg)

@@ -95,7 +95,8 @@ def parse_config(config: str) -> dict[str, Any]:
     ``update`` (send the round's update) with ``+ef`` (error feedback), ``top<p>`` or ``rand<p>`` (send only the
     fraction p of each tensor's entries: the largest, or a random draw), and the downlink: ``down<b>`` (the global
     model at b bits) or ``delta<b>`` (the change of the model hospitals hold, at b bits) with ``+top<p>`` or
-    ``+rand<p>`` (its sparsity; one way of choosing entries for both directions); ``block<B>``: sparse positions
+    ``+rand<p>`` (its sparsity; one way of choosing entries for both directions) or ``+rank<x>`` (as low-rank
+    factors taking at most x bits per entry); ``block<B>``: sparse positions
     are of blocks of B entries (both directions; p is then the fraction of blocks); ``stats<b>``: the BatchNorm
     statistics beside an update or delta at b bits; ``rank<x>``: the update as low-rank factors taking at most x bits
     per entry; ``slr<x>``: the server adds x times the mean update; ``own``: hospitals train from the received model
@@ -108,7 +109,8 @@ def parse_config(config: str) -> dict[str, Any]:
 
     def fail(option: str, why: str = "") -> SystemExit:
         return SystemExit(f"configuration {config!r}: {why or f'unknown option {option!r}'} (update, update+ef, "
-                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>], block<B>, stats<b>, rank<x>, slr<x>, "
+                          "top<p>, rand<p>, down<b>, delta<b>[+top<p>|+rand<p>|+rank<x>], block<B>, stats<b>, rank<x>, "
+                          "slr<x>, "
                           "own; 0 < p <= 1)")
 
     def fraction(option: str) -> float | None:
@@ -153,6 +155,12 @@ def parse_config(config: str) -> dict[str, Any]:
                 raise fail(option)
             settings.update(downlink="delta", downlink_bit_width=int(head[5:]))
             for extra in extras:
+                if extra.startswith("rank"):
+                    try:
+                        settings["downlink_low_rank_bits"] = float(extra[4:])
+                    except ValueError:
+                        raise fail(option) from None
+                    continue
                 value = fraction(extra)
                 if value is None:
                     raise fail(option)

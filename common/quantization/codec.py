@@ -15,8 +15,8 @@ weights: their bytes travel unchanged at every b.
 
 An encoded model is three named arrays, so it travels like any other array group:
 
-``header`` (uint8)   compact JSON: format, version, the bit-width tag, the content (``weights`` or a round's
-                     ``update``), and every tensor's name, shape, dtype
+``header`` (uint8)   compact JSON: format, version, the bit-width tag, the content (``weights``, a round's
+                     ``update`` or a downlink ``delta``), and every tensor's name, shape, dtype
 ``ranges`` (float64) ``(k, 2)``: min and step of each quantised tensor, in header order
 ``data``   (uint8)   every tensor's bytes (packed codes, or raw values) one after another, each tensor
                      starting on a byte boundary
@@ -42,7 +42,9 @@ VERSION = 1
 SIGN_BITS = 1  #: the sign of each value times one scale per tensor: for a round's change, never for weights
 WEIGHT_BIT_WIDTHS = (*range(2, 17), 32)  #: what a model's weights can travel at
 VALID_BIT_WIDTHS = (SIGN_BITS, *WEIGHT_BIT_WIDTHS)
-CONTENTS = ("weights", "update")  #: what an encoded model holds: a model's weights, or a round's change of them
+#: what an encoded model holds: a model's weights, a hospital's round's change of them (``update``), or the change of
+#: the model hospitals hold that the server sends down (``delta``)
+CONTENTS = ("weights", "update", "delta")
 #: dtypes a header may name (anything else is refused before NumPy is asked to interpret it)
 ALLOWED_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
                   "uint8", "uint16", "uint32", "uint64", "bool")

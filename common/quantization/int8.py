@@ -1,5 +1,6 @@
 """The deployment model: a run's trained polyp segmentation network turned into a real INT8 model file
-(``export_int8``, by engine: PT2E in pt2e_int8.py, the default, or ONNX Runtime in onnx_int8.py), loaded back
+(``export_int8``, by engine: PT2E in pt2e_int8.py, ONNX Runtime in onnx_int8.py or OpenVINO in openvino_int8.py,
+whichever runs fastest where it is exported), loaded back
 (``load_deployment``) and run on a folder of images (``segment_folder``).
 
 PyTorch's eager quantisation (``torch.ao.quantization``, TorchScript ``.pt`` files), which this module used before,
@@ -9,6 +10,7 @@ lives on only as the benchmark's reference (benchmarks/qfedpolyp/eager_int8.py).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -23,10 +25,13 @@ from common.data.image_files import image_size_of, list_images, read_rgb
 from common.data.image_mask import data_set_folders
 from common.tasks.base import images_to_tensor
 
+log = logging.getLogger("fedmed")
+
 
 def load_deployment(path: str | Path) -> tuple[Any, dict[str, Any]]:
     """An exported INT8 model (a callable on normalised batches, logits out) and its metadata: a PT2E program
-    (``.pt2``) or an ONNX Runtime model (``.onnx``). ValueError naming the file where it is neither."""
+    (``.pt2``) or an ONNX model (``.onnx``), run by the engine it was exported for (an OpenVINO model by ONNX Runtime,
+    slower, with a warning, where OpenVINO is not installed). ValueError naming the file where it is neither."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such model file")
@@ -36,8 +41,18 @@ def load_deployment(path: str | Path) -> tuple[Any, dict[str, Any]]:
         segmenter = Pt2eSegmenter(path)
         return segmenter, segmenter.metadata
     if path.suffix == ".onnx":
-        from .onnx_int8 import OnnxSegmenter
+        import importlib.util
 
+        from .onnx_int8 import OnnxSegmenter, read_metadata
+
+        if read_metadata(path).get("engine") == "openvino":
+            if importlib.util.find_spec("openvino") is not None:
+                from .openvino_int8 import OpenVinoSegmenter
+
+                segmenter = OpenVinoSegmenter(path)
+                return segmenter, segmenter.metadata
+            log.warning("%s was exported for OpenVINO, which is not installed here: running it with ONNX Runtime, "
+                        "slower (pip install openvino, or export it again here)", path)
         segmenter = OnnxSegmenter(path)
         return segmenter, segmenter.metadata
     if path.suffix == ".pt":
@@ -177,16 +192,17 @@ def input_normalisation(cfg: JobConfig, channels: int) -> str:
     return "imagenet" if channels == 3 else "0.5/0.5"
 
 
-#: ``export-int8 --engine``: PT2E, PyTorch's maintained quantisation (torchao), or ONNX Runtime's static quantisation
-#: (also for sites that run no PyTorch or have no C++ compiler), each of any network; ``auto``: every installed one
-#: measured on this machine, the fastest written
-ENGINES = ("auto", "pt2e", "onnxruntime")
-SUFFIXES = {"pt2e": ".pt2", "onnxruntime": ".onnx"}
-NEEDS = {"pt2e": "torchao", "onnxruntime": "onnxruntime"}
+#: ``export-int8 --engine``: PT2E, PyTorch's maintained quantisation (torchao), ONNX Runtime's static quantisation
+#: (also for sites that run no PyTorch or have no C++ compiler), or OpenVINO running ONNX Runtime's QDQ file, each of
+#: any network; ``auto``: every installed one measured on this machine, the fastest written
+ENGINES = ("auto", "pt2e", "onnxruntime", "openvino")
+SUFFIXES = {"pt2e": ".pt2", "onnxruntime": ".onnx", "openvino": ".onnx"}
+NEEDS = {"pt2e": "torchao", "onnxruntime": "onnxruntime", "openvino": "openvino"}
 #: the INT8 models an export chooses from: label -> (engine, form: ONNX Runtime's format, or PT2E with int8
 #: concatenations, pt2e_int8.concatenating_quantiser)
 CANDIDATES = {"pt2e": ("pt2e", ""), "pt2e-int8-concat": ("pt2e", "int8-concat"),
-              "onnxruntime-qdq": ("onnxruntime", "qdq"), "onnxruntime-qoperator": ("onnxruntime", "qoperator")}
+              "onnxruntime-qdq": ("onnxruntime", "qdq"), "onnxruntime-qoperator": ("onnxruntime", "qoperator"),
+              "openvino-qdq": ("openvino", "qdq")}
 
 
 def installed_engines(engine: str) -> list[str]:
@@ -212,6 +228,10 @@ def build_candidate(label: str, model: nn.Module, batches: list[torch.Tensor], p
         from .pt2e_int8 import export_int8 as export_pt2e_int8
 
         return export_pt2e_int8(model, batches, path, metadata, int8_concatenations=form == "int8-concat")
+    if engine == "openvino":
+        from .openvino_int8 import export_int8 as export_openvino_int8
+
+        return export_openvino_int8(model, batches, path, metadata)
     from .onnx_int8 import export_int8 as export_onnx_int8
 
     return export_onnx_int8(model, batches, path, metadata, form=form)
@@ -257,7 +277,7 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
         matching = [e for e in engines if SUFFIXES[e] == out.suffix]
         if not matching:
             raise ValueError(f"{out}: a {' or '.join(engines)} INT8 model is written as a "
-                             f"{' or '.join(SUFFIXES[e] for e in engines)} file")
+                             f"{' or '.join(dict.fromkeys(SUFFIXES[e] for e in engines))} file")
         engines = matching
     with run_modules_importable(run_config_of(state), state, app_dir):
         cfg, model, rounds = model_from_checkpoint(state)

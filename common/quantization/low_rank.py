@@ -1,5 +1,6 @@
 """A round's change of a model as low-rank factors at b bits: QFedPolyp hospitals' uplink at ``qfedpolyp.low-rank-
-bits`` (docs/qfedpolyp.md, "Low-rank updates").
+bits``, and the server's downlink delta at ``qfedpolyp.downlink-low-rank-bits`` (docs/qfedpolyp.md, "Low-rank
+updates").
 
 Why: a hospital's update is far from random noise across a convolution's filters. Measured on the cpu preset
 (``benchmarks.qfedpolyp.frontier``), 4-bit factors at 0.45 bits per entry keep 0.80 of the mean update the server
@@ -104,8 +105,17 @@ def decode_low_rank(encoded: Mapping[str, np.ndarray], reference: Mapping[str, n
         if name in decoded:
             out[name] = decoded[name]
             continue
-        product = decoded[name + LEFT].astype(np.float64) @ decoded[name + RIGHT].astype(np.float64)
-        out[name] = product.reshape(value.shape).astype(value.dtype)
+        out[name] = product(decoded[name + LEFT], decoded[name + RIGHT]).reshape(value.shape).astype(value.dtype)
+    return out
+
+
+def product(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """``left @ right`` in float64, summed rank by rank in a fixed order rather than by BLAS (whose order depends on
+    the CPU): a downlink delta is rebuilt by the server and every hospital, and the model they arrive at must be the
+    same bits everywhere (its digest is checked)."""
+    out = np.zeros((left.shape[0], right.shape[1]))
+    for k in range(left.shape[1]):
+        out += np.multiply.outer(left[:, k].astype(np.float64), right[k].astype(np.float64))
     return out
 
 

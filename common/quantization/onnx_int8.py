@@ -111,6 +111,25 @@ def with_metadata(path: Path, metadata: dict[str, Any], out: Path | None = None)
     return out
 
 
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The fedmed metadata of the ONNX file at ``path``; ValueError naming the file where it is not an ONNX model or
+    has none."""
+    require_onnxruntime()
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such model file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as error:
+        raise ValueError(f"{path}: not an ONNX model ({str(error).splitlines()[0][:200]})") from None
+    found = next((e.value for e in model.metadata_props if e.key == METADATA_KEY), None)
+    if found is None:
+        raise ValueError(f"{path}: has no fedmed metadata; export it with `fedmed export-int8`")
+    return json.loads(found)
+
+
 def export_int8(model: nn.Module, calibration: Iterable[torch.Tensor], out: str | Path,
                 metadata: dict[str, Any], form: str = "qoperator") -> Path:
     """``model`` as an INT8 ONNX file at ``out``; ``calibration`` yields normalised input batches (N, C, H, W)."""

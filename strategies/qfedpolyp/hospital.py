@@ -92,9 +92,14 @@ class QFedPolypHospital(HospitalMethod):
                 check_like(held, weights_reference, "the model this hospital holds", exact_dtype=True)
             except ArraysMismatch as error:
                 raise PayloadError(str(error)) from None
-            delta = decode_sparse(payload.arrays[PACKED], reference=weights_reference,
-                                  expected_bits=settings.downlink_bit_width, expected_content="delta",
-                                  expected_sparsity=settings.downlink_sparsity, expected_block=settings.sparse_block)
+            if settings.downlink_low_rank_bits:
+                delta = decode_low_rank(payload.arrays[PACKED], weights_reference, settings.downlink_bit_width,
+                                        settings.downlink_low_rank_bits, expected_content="delta")
+            else:
+                delta = decode_sparse(payload.arrays[PACKED], reference=weights_reference,
+                                      expected_bits=settings.downlink_bit_width, expected_content="delta",
+                                      expected_sparsity=settings.downlink_sparsity,
+                                      expected_block=settings.sparse_block)
             weights = apply_delta({k: held[k] for k in weights_reference}, delta)
         arrays = {k: weights[k] if k in weights else statistics[k] for k in reference}
         if model_digest(arrays) != payload.config.get(DOWNLINK_DIGEST_KEY):

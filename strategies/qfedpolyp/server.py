@@ -27,7 +27,7 @@ from common.methods.base import (
     unpack_json,
 )
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
-from common.quantization.low_rank import decode_low_rank
+from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
 
 from .messages import (
@@ -119,10 +119,16 @@ class QFedPolypServer(ServerMethod):
         else:
             base, _ = split_statistics(self.held)
             change = {k: (v.astype(np.float64) - base[k]).astype(v.dtype) for k, v in weights.items()}
-            encoded = encode_sparse(change, settings.downlink_bit_width, settings.downlink_sparsity,
-                                    settings.sparsify, seed=(self.cfg.seed, rnd), content="delta",
-                                    block=settings.sparse_block)
-            held_weights = apply_delta(base, decode_sparse(encoded, reference=base))
+            if settings.downlink_low_rank_bits:
+                bits, budget = settings.downlink_bit_width, settings.downlink_low_rank_bits
+                encoded = encode_low_rank(change, bits, budget, content="delta")
+                delta = decode_low_rank(encoded, base, bits, budget, expected_content="delta")
+            else:
+                encoded = encode_sparse(change, settings.downlink_bit_width, settings.downlink_sparsity,
+                                        settings.sparsify, seed=(self.cfg.seed, rnd), content="delta",
+                                        block=settings.sparse_block)
+                delta = decode_sparse(encoded, reference=base)
+            held_weights = apply_delta(base, delta)
             self._delta = (rnd, self.held_round, encoded)
         # the statistics as they travel (at statistics-bit-width), decoded as hospitals decode them
         self._statistics = pack_statistics(statistics, settings.statistics_bit_width)

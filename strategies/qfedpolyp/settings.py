@@ -38,6 +38,10 @@ class QFedPolypSettings(Section):
         "it does not carry is sent later; a hospital that missed a round gets the full model)."))
     downlink_sparsity: float = Field(1.0, description=(
         "downlink='delta': the fraction of each tensor's entries the downlink delta carries (1.0: all)."))
+    downlink_low_rank_bits: float = Field(0.0, ge=0.0, description=(
+        "downlink='delta', dense: send each matrix-shaped tensor of the delta as its best rank-r factors at "
+        "downlink-bit-width, r chosen so the factors take at most this many bits per entry (as low-rank-bits does "
+        "for updates; what they leave out is sent later); 0: off."))
     statistics_bit_width: int = Field(32, description=(
         "quantise='update' and downlink='delta': the bit-width of the BatchNorm running statistics that travel "
         "beside the update or delta (32: the floats; 2..16: per tensor min-max, the minimum exact)."))
@@ -92,12 +96,21 @@ class QFedPolypSettings(Section):
         if self.server_learning_rate != 1.0 and self.quantise != "update":
             raise ValueError(f"qfedpolyp.server-learning-rate={self.server_learning_rate:g} needs "
                              "qfedpolyp.quantise='update' (the server scales the hospitals' mean update)")
+        if self.downlink_low_rank_bits:
+            if self.downlink != "delta" or self.downlink_sparsity < 1.0:
+                raise ValueError(f"qfedpolyp.downlink-low-rank-bits={self.downlink_low_rank_bits:g} needs "
+                                 "qfedpolyp.downlink='delta' and downlink-sparsity=1 (factors of the whole delta)")
+            if not 2 <= self.downlink_bit_width < 32 or self.downlink_low_rank_bits >= self.downlink_bit_width:
+                raise ValueError(f"qfedpolyp.downlink-low-rank-bits={self.downlink_low_rank_bits:g}: the factors "
+                                 f"travel at downlink-bit-width ({self.downlink_bit_width}), which must be 2..16 "
+                                 "and above it")
         if self.downlink_sparsity < 1.0 and self.downlink != "delta":
             raise ValueError(f"qfedpolyp.downlink-sparsity={self.downlink_sparsity:g} needs "
                              "qfedpolyp.downlink='delta' (the global model cannot be sent in part)")
         return self
 
-    @field_validator("sparsity", "downlink_sparsity", "low_rank_bits", "server_learning_rate", mode="before")
+    @field_validator("sparsity", "downlink_sparsity", "low_rank_bits", "downlink_low_rank_bits", "server_learning_rate",
+                     mode="before")
     @classmethod
     def _number(cls, value):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value  # sparsity=1
