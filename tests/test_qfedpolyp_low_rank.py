@@ -26,10 +26,11 @@ from .test_qfedpolyp_sparse import (  # noqa: F401
     BASE,
     LOW_RANK,
     assert_same,
-    play_round,
     quick_training,
     sample_change,
+    second_downlink,
     tampered,
+    traffic_ratios,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -251,12 +252,9 @@ def low_rank_both_ways(**extra):
 @pytest.mark.usefixtures("quick_training")
 def test_low_rank_both_ways_is_over_64_times_below_32_bits_up_and_32_times_both_ways():
     engine = run_rounds(cfg := low_rank_both_ways(), simulated_sites(cfg, 2))
-    plain = load_job_config({**BASE, "qfedpolyp.bit-widths": "32", "num-server-rounds": 1, "evaluate-every": 100})
-    baseline = run_rounds(plain, simulated_sites(plain, 2))
-    for name, traffic in engine.history[-1]["traffic"].items():
-        full = baseline.history[-1]["traffic"][name]
-        assert full["up"] / traffic["up"] > 64
-        assert (full["up"] + full["down"]) / (traffic["up"] + traffic["down"]) > 32
+    ratios = traffic_ratios(engine)
+    assert set(ratios) == {"hospital-00", "hospital-01"}
+    assert all(up > 64 and both > 32 for up, both in ratios.values()), ratios
     delta = engine.method._delta[2]
     header = json.loads(delta["header"].tobytes())
     assert header["content"] == "delta" and header["bits"] == 4
@@ -267,15 +265,7 @@ def test_low_rank_both_ways_is_over_64_times_below_32_bits_up_and_32_times_both_
 def test_a_hospital_refuses_a_low_rank_delta_of_another_rank_content_or_kind():
     from common.quantization.sparse import encode_sparse
 
-    cfg = low_rank_both_ways()
-    sites = simulated_sites(cfg, 1)
-    engine = RoundEngine(cfg)
-    play_round(cfg, engine, sites, 1)
-    info = QFedPolypHospital(cfg, sites[0]).info()
-    engine.select(2, [info])
-    good = engine.downlink(2, info)
-    hospital = QFedPolypHospital(cfg, sites[0])
-    reference, memory = model_arrays(hospital.task.build_model()), hospital.memory(2)
+    engine, hospital, good, reference, memory = second_downlink(low_rank_both_ways())
     assert_same(hospital.received_arrays(good, reference, memory), engine.method.held)
     weights, _ = split_statistics(reference)
     delta = decode_low_rank(good.arrays[PACKED], weights, 4, 1.0, expected_content="delta")

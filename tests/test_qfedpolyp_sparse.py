@@ -532,6 +532,26 @@ LOW_RANK = {"qfedpolyp.bit-widths": "4", "qfedpolyp.sparsity": 1.0, "qfedpolyp.l
             "qfedpolyp.statistics-bit-width": 8}
 
 
+def traffic_ratios(engine, hospitals: int = 2) -> dict[str, tuple[float, float]]:
+    """Per hospital of ``engine``'s last round: (uplink, both ways) of a 1-round 32-bit run's traffic over its own."""
+    plain = load_job_config({**BASE, "qfedpolyp.bit-widths": "32", "num-server-rounds": 1, "evaluate-every": 100})
+    full = run_rounds(plain, simulated_sites(plain, hospitals)).history[-1]["traffic"]
+    return {name: (full[name]["up"] / t["up"], (full[name]["up"] + full[name]["down"]) / (t["up"] + t["down"]))
+            for name, t in engine.history[-1]["traffic"].items()}
+
+
+def second_downlink(cfg):
+    """Round 2's downlink to one hospital after a played round 1: (engine, hospital, payload, reference, memory)."""
+    sites = simulated_sites(cfg, 1)
+    engine = RoundEngine(cfg)
+    play_round(cfg, engine, sites, 1)
+    info = QFedPolypHospital(cfg, sites[0]).info()
+    engine.select(2, [info])
+    good = engine.downlink(2, info)
+    hospital = QFedPolypHospital(cfg, sites[0])
+    return engine, hospital, good, model_arrays(hospital.task.build_model()), hospital.memory(2)
+
+
 def play_round(cfg, engine, sites, rnd, who=None):
     """One round with the hospitals ``who`` (default: all) connected; returns (record, {name: received arrays})."""
     infos = [QFedPolypHospital(cfg, site).info() for site in sites if who is None or site.name in who]
@@ -699,14 +719,7 @@ def test_a_hospital_that_lost_its_model_fails_once_then_gets_the_full_model(quic
 
 def test_a_forged_or_mismatched_downlink_is_refused_by_the_hospital(quick_training):
     cfg = sparse_job()
-    sites = simulated_sites(cfg, 1)
-    engine = RoundEngine(cfg)
-    play_round(cfg, engine, sites, 1)
-    info = QFedPolypHospital(cfg, sites[0]).info()
-    engine.select(2, [info])
-    good = engine.downlink(2, info)
-    hospital = QFedPolypHospital(cfg, sites[0])
-    reference, memory = model_arrays(hospital.task.build_model()), hospital.memory(2)
+    _, hospital, good, reference, memory = second_downlink(cfg)
     hospital.received_arrays(good, reference, memory)
 
     def refused(payload, match):
