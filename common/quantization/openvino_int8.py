@@ -2,10 +2,10 @@
 which OpenVINO turns into int8 oneDNN kernels, the transposed convolutions included.
 
 Why a third runtime for the same kind of file: on an Intel Xeon with AMX (2 threads, the QFedPolyp U-Net at 3x128x128)
-OpenVINO ran the QDQ file at batch 1 in 2.5 ms where PyTorch's PT2E model took 4.7 ms, nearly all of that difference
+OpenVINO ran the QDQ file at batch 1 in 2.7 ms where PyTorch's fastest PT2E model took 5.0 ms, most of that difference
 being PyTorch's per-call work around each oneDNN convolution (docs/qfedpolyp.md). ONNX Runtime runs the same file
 slower than its own formats (it has no int8 transposed convolution), and the network is not rewritten with a pixel
-shuffle here: OpenVINO runs that shuffle as a separate, slower kernel (3.1 ms at batch 1).
+shuffle here: OpenVINO runs that shuffle as a separate, slower kernel (3.1 ms at batch 1 instead of 2.5 in a probe).
 
 Float parts run in FP32 (``INFERENCE_PRECISION_HINT``): on CPUs with bfloat16 units OpenVINO would otherwise run
 them in bfloat16, which is not the model that was calibrated. Each input shape is compiled once, for latency (one
