@@ -793,7 +793,10 @@ def test_delta_downlink_traffic_with_sparse_updates_is_15_times_below_32_bits(qu
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_three_flower_simulation_rounds_with_sparse_updates_and_a_delta_downlink(tmp_path):
+@pytest.mark.parametrize("extra", [{}, LOW_RANK], ids=["sparse", "low-rank"])
+def test_three_flower_simulation_rounds_with_sparse_updates_and_a_delta_downlink(tmp_path, extra):
+    """Through Flower's simulation engine: 2-bit top-10 % updates with a 4-bit top-40 % delta, or low-rank factors both
+    ways (hospitals training from their own models)."""
     from server_app.checkpoint import load_checkpoint
     from server_app.results import read_history
 
@@ -805,7 +808,7 @@ def test_three_flower_simulation_rounds_with_sparse_updates_and_a_delta_downlink
            "evaluate-every": 3, "qfedpolyp.bit-widths": "2", "qfedpolyp.quantise": "update",
            "qfedpolyp.error-feedback": True, "qfedpolyp.sparsity": 0.1, "qfedpolyp.downlink": "delta",
            "qfedpolyp.downlink-bit-width": 4, "qfedpolyp.downlink-sparsity": 0.4, "run-name": "sparse",
-           "results-dir": str(results), "state-dir": str(tmp_path / "state")}
+           "results-dir": str(results), "state-dir": str(tmp_path / "state"), **extra}
     with simulation_superlink(tmp_path) as home:
         run_to_completion(home, job, {"num-supernodes": 2})
 
