@@ -122,18 +122,6 @@ def int8_files(model: torch.nn.Module, batches: list[torch.Tensor], work: Path, 
             for label, (engine, _) in CANDIDATES.items() if engine in engines}
 
 
-def segmenter(path: Path) -> Callable:
-    """An INT8 file run as ``fedmed segment`` runs it, with the benchmark's thread count."""
-    from common.quantization.int8 import load_deployment
-    from common.quantization.onnx_int8 import OnnxSegmenter, read_metadata
-    from common.quantization.openvino_int8 import OpenVinoSegmenter
-
-    if path.suffix != ".onnx":
-        return load_deployment(path)[0]
-    engine = read_metadata(path).get("engine")
-    return (OpenVinoSegmenter if engine == "openvino" else OnnxSegmenter)(path, torch.get_num_threads())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="run folder (latest checkpoint) or checkpoint file")
@@ -151,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     import tempfile
 
-    from common.quantization.int8 import SUFFIXES, export_int8, installed_engines
+    from common.quantization.int8 import SUFFIXES, export_int8, installed_engines, load_deployment
     from common.quantization.onnx_int8 import OnnxSegmenter, export_float_model
     from common.quantization.openvino_int8 import OpenVinoSegmenter
     from server_app.checkpoint import find_checkpoint, load_checkpoint
@@ -175,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     paths["INT8 TorchScript (frozen, reference)"] = frozen_script(reference)
     for name, path in files.items():
         if name.startswith("INT8"):
-            paths[name] = segmenter(path)
+            paths[name] = load_deployment(path, torch.get_num_threads())[0]  # as `fedmed segment` runs it
 
     task = get_task(cfg, {"in-channels": 3})
     test = server_test_set(cfg)

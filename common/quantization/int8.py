@@ -28,10 +28,11 @@ from common.tasks.base import images_to_tensor
 log = logging.getLogger("fedmed")
 
 
-def load_deployment(path: str | Path) -> tuple[Any, dict[str, Any]]:
+def load_deployment(path: str | Path, threads: int = 0) -> tuple[Any, dict[str, Any]]:
     """An exported INT8 model (a callable on normalised batches, logits out) and its metadata: a PT2E program
     (``.pt2``) or an ONNX model (``.onnx``), run by the engine it was exported for (an OpenVINO model by ONNX Runtime,
-    slower, with a warning, where OpenVINO is not installed). ValueError naming the file where it is neither."""
+    slower, with a warning, where OpenVINO is not installed). ``threads``: an ONNX engine's threads (0: its default;
+    PT2E uses torch's). ValueError naming the file where it is neither."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such model file")
@@ -49,11 +50,11 @@ def load_deployment(path: str | Path) -> tuple[Any, dict[str, Any]]:
             if importlib.util.find_spec("openvino") is not None:
                 from .openvino_int8 import OpenVinoSegmenter
 
-                segmenter = OpenVinoSegmenter(path)
+                segmenter = OpenVinoSegmenter(path, threads)
                 return segmenter, segmenter.metadata
             log.warning("%s was exported for OpenVINO, which is not installed here: running it with ONNX Runtime, "
                         "slower (pip install openvino, or export it again here)", path)
-        segmenter = OnnxSegmenter(path)
+        segmenter = OnnxSegmenter(path, threads)
         return segmenter, segmenter.metadata
     if path.suffix == ".pt":
         raise ValueError(f"{path}: a TorchScript model of the eager INT8 path, which fedmed no longer runs (PyTorch "
