@@ -106,6 +106,15 @@ class Policy(Section):
     min_hospitals_per_sum: int = Field(2, ge=2, description=(
         "Under secure aggregation: the fewest hospitals a round and a survivor set (the hospitals in the sum) may "
         "have; fewer are refused (docs/secure-aggregation.md)."))
+    allow_pretrained: bool = Field(False, description=(
+        "Networks and loaders may be asked for pretrained weights (from the hospital's own cache: nothing is "
+        "downloaded while it answers). Default: such flags in model-args or dataset-args are refused."))
+    argument_folders: list[str] = Field(default_factory=list, description=(
+        "Folders besides data-dir and state-dir that paths in model-args, dataset-args and encoder-weights may "
+        "name (a folder of reviewed weights, say); any other path is refused (common/argument_gate.py)."))
+    job_limits: dict[str, int] = Field(default_factory=dict, description=(
+        "The most a job may ask of this hospital, by run-config key (local-epochs, batch-size, data-workers, "
+        "image-size, ...); keys left out keep common/argument_gate.py's DEFAULT_JOB_LIMITS."))
     min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
         "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
         "least one half, which holds without a policy too: a server telling two groups different survivor sets "
@@ -139,6 +148,25 @@ class Policy(Section):
             raise ValueError(f"{bad[0]!r} is not the SHA-256 of an app bundle (64 hex digits; `fedmed app-hash APP` "
                              "prints it)")
         return [item.lower() for item in value]
+
+    @field_validator("job_limits")
+    @classmethod
+    def _known_limits(cls, value: dict[str, int]) -> dict[str, int]:
+        from common.argument_gate import DEFAULT_JOB_LIMITS
+
+        for key, most in value.items():
+            if key not in DEFAULT_JOB_LIMITS:
+                raise ValueError(f"{key!r} is not a job key with a limit ({', '.join(DEFAULT_JOB_LIMITS)})")
+            if most < 1:
+                raise ValueError(f"{key}={most}: a limit is at least 1")
+        return value
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """The most each job key may ask of this hospital: the policy's ``job-limits`` over the defaults."""
+        from common.argument_gate import DEFAULT_JOB_LIMITS
+
+        return {**DEFAULT_JOB_LIMITS, **self.job_limits}
 
     @property
     def counts_releases(self) -> bool:
