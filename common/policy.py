@@ -294,6 +294,21 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 RELEASE_EVENT = "privacy-release"  #: the audit line of one training, the ledger's entry
 RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier")  #: what the ledger and the audit log must agree on
+#: How far a ledger entry's time may be from its audit line's (entries written before both shared one time were
+#: stamped a moment apart); a clock set back further, to train past max-trainings-per-day, stops training.
+TIME_TOLERANCE_SECONDS = 120.0
+
+
+def _seconds(stamp: Any) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
+def _same_time(ledger: Any, logged: Any) -> bool:
+    a, b = _seconds(ledger), _seconds(logged)
+    return a is not None and b is not None and abs(a - b) <= TIME_TOLERANCE_SECONDS
 
 
 class PrivacyLedger:
@@ -348,8 +363,13 @@ class PrivacyLedger:
         key = [tuple(r.get(f) for f in RELEASE_FIELDS) for r in releases]
         logged_key = [tuple(r.get(f) for f in RELEASE_FIELDS) for r in logged]
         if key == logged_key:
-            return
-        if len(key) < len(logged_key) and logged_key[:len(key)] == key:
+            moved = next((i for i, (r, l) in enumerate(zip(releases, logged)) if not _same_time(r.get("time"),
+                                                                                                l.get("time"))), None)
+            if moved is None:
+                return
+            what = (f"says training {moved + 1} was at {releases[moved].get('time')}, its audit log at "
+                    f"{logged[moved].get('time')}: the ledger's clock was edited")
+        elif len(key) < len(logged_key) and logged_key[:len(key)] == key:
             what = (f"holds {len(key)} trainings, its audit log {len(logged_key)}: the ledger was deleted or rolled "
                     "back")
         elif len(key) > len(logged_key) and key[:len(logged_key)] == logged_key:
@@ -372,8 +392,8 @@ class PrivacyLedger:
             return
         releases = self.releases()
         if self.audit is not None:
-            self.audit.append(RELEASE_EVENT, **{f: entry[f] for f in RELEASE_FIELDS},
-                              ledger=str(self.path))
+            line = self.audit.append(RELEASE_EVENT, **{f: entry[f] for f in RELEASE_FIELDS}, ledger=str(self.path))
+            entry["time"] = line["time"]  # one time for both, so the ledger's clock is checked against the log's
         self._write(releases + [entry])
 
     def _write(self, releases: list[dict[str, Any]]) -> None:
@@ -389,15 +409,12 @@ class PrivacyLedger:
         return sum(1 for r in self.releases() if r.get("run") == run)
 
     def trainings_since(self, seconds: float) -> int:
-        """Trainings done in the last ``seconds``, whatever the run."""
+        """Trainings done in the last ``seconds``, whatever the run (their times agree with the audit log's)."""
         since = time.time() - seconds
         count = 0
         for release in self.releases():
-            try:
-                when = calendar.timegm(time.strptime(str(release.get("time")), "%Y-%m-%dT%H:%M:%SZ"))
-            except ValueError:
-                when = math.inf  # an entry whose time cannot be read counts
-            count += when >= since
+            when = _seconds(release.get("time"))
+            count += 1 if when is None else int(when >= since)  # an entry whose time cannot be read counts
         return count
 
     def epsilon(self, delta: float, extra: list[float | None] = ()) -> float:
@@ -424,6 +441,11 @@ def audit_releases(path: str | Path) -> list[dict[str, Any]]:
 def rebuild_ledger(audit_path: str | Path, folder: str | Path) -> int:
     """An operator's repair: the privacy ledger in ``folder`` written anew from the audit log's releases (its chain
     must verify). The old ledger is kept beside it. Returns how many trainings the ledger now holds."""
+    path = Path(audit_path)
+    if not path.is_file() or path.stat().st_size == 0:
+        raise PolicyRefusal(f"the audit log {path} is {'empty' if path.is_file() else 'missing'}: there is nothing "
+                            "to rebuild the ledger from, and a ledger started afresh would forget every training "
+                            "(name the hospital's audit.jsonl; a damaged one is kept beside it as audit.jsonl.1)")
     releases = audit_releases(audit_path)
     ledger = PrivacyLedger(folder)
     if ledger.path.exists():
