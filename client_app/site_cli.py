@@ -18,6 +18,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from common.cli import OneLineParser
+
 
 def app_hash(app_dir: Path) -> tuple[str, list[tuple[str, str, int]]]:
     """The FAB's SHA-256 and its files (path, SHA-256, bytes), from Flower's own builder."""
@@ -31,7 +33,16 @@ def app_hash(app_dir: Path) -> tuple[str, list[tuple[str, str, int]]]:
 
 
 def app_hash_command(args: argparse.Namespace) -> int:
+    from common.cli import usable_path
+    from common.config import ConfigError
+
+    folder = usable_path("app-hash APP_DIR", args.app)
+    if not (folder / "pyproject.toml").is_file():
+        raise ConfigError(f"app-hash: {str(args.app)!r} is not an app's folder (it holds no pyproject.toml)")
     digest, files = app_hash(args.app)
+    if args.hash_only:  # for scripts (deploy/start_supernode.sh, deploy/compose_env.sh)
+        print(digest)
+        return 0
     print(f"{digest}  {args.app.resolve()}")
     for path, file_hash, size in files:
         print(f"  {file_hash[:16]}  {size:>9}  {path}")
@@ -44,12 +55,15 @@ def policy_check_command(args: argparse.Namespace) -> int:
 
     from common.argument_gate import DEFAULT_JOB_LIMITS
     from common.code_gate import wide_patterns
-    from common.config import server_settable_keys
+    from common.config import ConfigError, server_settable_keys
 
     from .hospital import code_gate
     from .node_config import SIMULATION_ENGINE_FIELDS, load_node_config
 
-    raw = parse_config_args([args.node_config]) if args.node_config else {"hospital": "site", "data-dir": "."}
+    try:
+        raw = parse_config_args([args.node_config]) if args.node_config else {"hospital": "site", "data-dir": "."}
+    except Exception as error:  # Flower's parser raises click's exception, with its own message
+        raise ConfigError(f"--node-config {args.node_config!r}: {getattr(error, 'message', error)}") from None
     if args.policy:
         raw = {**raw, "policy-file": str(args.policy)}
     node = load_node_config(raw)
@@ -95,11 +109,12 @@ def policy_check_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     """``argv``: the words after ``fedmed``, starting with ``app-hash`` or ``policy``."""
-    parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
+    parser = OneLineParser(prog="fedmed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     fab = sub.add_parser("app-hash", help="an app bundle's SHA-256 and files, for a hospital to review and approve")
     fab.add_argument("app", type=Path, nargs="?", default=Path("."), help="the app's folder (its pyproject.toml)")
+    fab.add_argument("--hash-only", action="store_true", help="print the hash alone (for scripts)")
     policy = sub.add_parser("policy", help="a hospital's policy").add_subparsers(dest="action", required=True)
     check = policy.add_parser("check", help="read a policy and node config as the hospital does; print what they "
                               "allow")

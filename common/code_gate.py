@@ -89,8 +89,13 @@ class CodeGate:
                 f"that wants it lists it under '{kind}' in its node config or policy")
 
     def problems(self, cfg: Any) -> list[str]:
-        """Every refusal for the code ``cfg`` names (empty: all approved)."""
-        return [reason for key, name in named_code(cfg) if (reason := self.refusal(key, name))]
+        """Every refusal for the code ``cfg`` names (empty: all approved); once every name is approved, what each
+        resolves to is checked too (:func:`resolution_problems`: approved modules are then imported)."""
+        refused = [reason for key, name in named_code(cfg) if (reason := self.refusal(key, name))]
+        if refused:
+            return refused
+        with self.enforced():
+            return resolution_problems(cfg)
 
     @contextlib.contextmanager
     def enforced(self) -> Iterator[None]:
@@ -153,6 +158,23 @@ def kind_problem(kind: str, name: str, obj: object) -> str | None:
     if not inspect.isfunction(obj):
         return f"{name!r} is a {type(obj).__name__}, neither a class nor a function"
     return None
+
+
+def resolution_problems(cfg: Any) -> list[str]:
+    """Why a network or loader ``cfg`` names by import path is none (it cannot be imported, or it resolves to what
+    :func:`kind_problem` refuses); empty when each is one. Imports the modules (those a gate in force allows)."""
+    from common.data.loaders import BUILT_IN as FORMATS
+    from common.models.networks import BUILT_IN, is_import_path, load_factory
+    from common.settings import ConfigError
+
+    problems = []
+    for key, name in named_code(cfg):
+        if is_import_path(name) and name not in BUILT_IN and name not in FORMATS:
+            try:
+                load_factory(name, key)
+            except ConfigError as error:
+                problems.append(str(error))
+    return problems
 
 
 def wide_patterns(patterns: tuple[str, ...]) -> list[str]:
