@@ -39,7 +39,10 @@ def app_hash_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def policy_check_command(args: argparse.Namespace) -> int:
+def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -> list[tuple[str, str]]:
+    """What a site's policy and node config allow, as (what, value) rows, read as the hospital reads them for every
+    message: what ``fedmed policy check`` prints and ``fedmed console`` shows. The first row names the hospital and
+    its policy file. ConfigError (or ValueError, OSError) when they cannot be read."""
     from flwr.common.config import parse_config_args
 
     from common.config import server_settable_keys
@@ -47,9 +50,9 @@ def policy_check_command(args: argparse.Namespace) -> int:
     from .hospital import code_gate
     from .node_config import load_node_config
 
-    raw = parse_config_args([args.node_config]) if args.node_config else {"hospital": "site", "data-dir": "."}
-    if args.policy:
-        raw = {**raw, "policy-file": str(args.policy)}
+    raw = parse_config_args([node_config]) if node_config else {"hospital": "site", "data-dir": "."}
+    if policy_file:
+        raw = {**raw, "policy-file": str(policy_file)}
     node = load_node_config(raw)
     enforcer = None
     if node.policy_file:
@@ -60,23 +63,28 @@ def policy_check_command(args: argparse.Namespace) -> int:
         enforcer = enforcer_for(node.policy_file, None, hospital_audit(node, "state"))
     policy = enforcer.policy if enforcer is not None else None
     gate = code_gate(node, enforcer)
-    lines = [f"hospital {node.name}" + (f", policy {node.policy_file} (sha256 {enforcer.policy_sha256})"
-                                        if enforcer else ", no policy file")]
+    rows = [("hospital", f"{node.name}" + (f", policy {node.policy_file} (sha256 {enforcer.policy_sha256})"
+                                           if enforcer else ", no policy file"))]
     if policy is not None:
-        lines += [f"tasks: {', '.join(policy.tasks) or 'any'}", f"methods: {', '.join(policy.methods) or 'any'}",
-                  f"min-samples: {policy.min_samples}", f"release-metrics: {policy.metrics_released}",
-                  f"max-rounds-per-run: {policy.max_rounds_per_run or 'no limit'}",
-                  f"max-trainings-per-day: {policy.max_trainings_per_day or 'no limit'}",
-                  f"local-dp: {policy.local_dp.model_dump(by_alias=True) if policy.local_dp else 'none'}"]
+        rows += [("tasks", ", ".join(policy.tasks) or "any"), ("methods", ", ".join(policy.methods) or "any"),
+                 ("min-samples", str(policy.min_samples)), ("release-metrics", policy.metrics_released),
+                 ("max-rounds-per-run", str(policy.max_rounds_per_run or "no limit")),
+                 ("max-trainings-per-day", str(policy.max_trainings_per_day or "no limit")),
+                 ("local-dp", str(policy.local_dp.model_dump(by_alias=True) if policy.local_dp else "none"))]
     apps = sorted(set(filter(None, node.approved_apps.replace(",", " ").split())) | set(policy.apps if policy else []))
-    lines += [f"apps it runs: {', '.join(apps) if apps else 'any (no approved-apps, no apps in the policy)'}",
-              "networks it runs: built in" + (", and the run config's (a simulation's virtual hospital)"
-                                              if gate.trust_run_config else "")
-              + "".join(f", {m}" for m in gate.models),
-              "data loaders it runs: built in" + "".join(f", {d}" for d in gate.datasets),
-              f"set by the hospital only: state-dir{', ' + ', '.join(node.pinned_keys()) if node.dataset else ''}",
-              f"the server may set: {', '.join(k for k in server_settable_keys() if k not in node.pinned_keys())}"]
-    print("\n".join(lines))
+    rows += [("apps it runs", ", ".join(apps) if apps else "any (no approved-apps, no apps in the policy)"),
+             ("networks it runs", "built in" + (", and the run config's (a simulation's virtual hospital)"
+                                                if gate.trust_run_config else "")
+              + "".join(f", {m}" for m in gate.models)),
+             ("data loaders it runs", "built in" + "".join(f", {d}" for d in gate.datasets)),
+             ("set by the hospital only", f"state-dir{', ' + ', '.join(node.pinned_keys()) if node.dataset else ''}"),
+             ("the server may set", ", ".join(k for k in server_settable_keys() if k not in node.pinned_keys()))]
+    return rows
+
+
+def policy_check_command(args: argparse.Namespace) -> int:
+    rows = policy_rules(args.node_config, args.policy)
+    print("\n".join([" ".join(rows[0])] + [f"{what}: {value}" for what, value in rows[1:]]))
     return 0
 
 
