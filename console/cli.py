@@ -8,15 +8,24 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 
 TOKEN_VARIABLE = "FEDMED_CONSOLE_TOKEN"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: {message} (see fedmed console --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedmed console", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="fedmed console", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--state", type=Path, default=None, help="a hospital's state folder (its audit.jsonl, "
                         "privacy-ledger.json, secure-aggregation.json), or a folder of them (a simulation's state/)")
     parser.add_argument("--results", type=Path, default=None, help="a results folder (one run folder per run), or "
@@ -67,6 +76,18 @@ def checked(args: argparse.Namespace) -> str | None:
                 "those who hold it can read these pages")
     if args.token is not None and len(args.token) < 16:
         return "--token: at least 16 characters (a guessable token protects nothing)"
+    return cannot_listen(args.host, args.port)
+
+
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why the address cannot be served on (taken, not this machine's), checked before anything starts."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as error:
+        return f"cannot serve on {host}:{port}: {error.strerror or error}"
     return None
 
 
@@ -104,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fedmed console: http://{shown}:{args.port}/ (read-only; Ctrl-C stops it)", flush=True)
     try:
         uvicorn.run(create_app(sources, token=args.token), host=args.host, port=args.port, log_level="warning")
-    except (OSError, SystemExit) as error:  # the port is taken, the address is not this machine's
+    except (OSError, SystemExit) as error:  # taken since it was checked
         print(f"fedmed console: cannot serve on {args.host}:{args.port} ({error})", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -352,10 +353,20 @@ def test_the_token_is_required_when_set(federation):
     (["--state", "{tmp}", "--host", "0.0.0.0"], "--token"),
     (["--state", "{tmp}", "--host", "0.0.0.0", "--token", "short"], "at least 16"),
     (["--state", "{tmp}", "--port", "70000"], "--port"),
+    (["--state", "{tmp}", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--state", "{tmp}", "--port", "x"], "--port"),
+    (["--state", "{tmp}", "--port", "{busy}"], "cannot serve on 127.0.0.1:"),
 ])
 def test_a_bad_argument_is_one_line(tmp_path, capsys, args, named):
     (tmp_path / "file.txt").write_text("x")
-    assert fedmed(["console", *[a.replace("{tmp}", str(tmp_path)) for a in args]]) == 2
+    with socket.socket() as busy:  # a port something else serves on
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        words = [a.replace("{tmp}", str(tmp_path)).replace("{busy}", str(busy.getsockname()[1])) for a in args]
+        try:
+            assert fedmed(["console", *words]) == 2
+        except SystemExit as exit:  # argparse's own refusals
+            assert exit.code == 2
     err = capsys.readouterr().err
     assert err.startswith("fedmed console: ") and named in err and err.count("\n") == 1 and "Traceback" not in err
 
