@@ -11,6 +11,7 @@ written. A file that is missing or cannot be read is a problem named on the page
 from __future__ import annotations
 
 import calendar
+import functools
 import json
 import math
 import time
@@ -528,9 +529,15 @@ def _has_accountant() -> bool:
 
 
 def _epsilon(noises: list[float | None], delta: float) -> float:
+    return _epsilon_of(tuple(noises), delta)
+
+
+@functools.lru_cache(maxsize=8192)
+def _epsilon_of(noises: tuple[float | None, ...], delta: float) -> float:
+    """``common.policy.epsilon_of``, remembered: a page that refreshes recounts only the trainings added since."""
     from common.policy import epsilon_of
 
-    return epsilon_of(noises, delta)
+    return epsilon_of(list(noises), delta)
 
 
 def _seconds(stamp: str) -> float:
