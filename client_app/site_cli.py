@@ -70,7 +70,8 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
                  ("min-samples", str(policy.min_samples)), ("release-metrics", policy.metrics_released),
                  ("max-rounds-per-run", str(policy.max_rounds_per_run or "no limit")),
                  ("max-trainings-per-day", str(policy.max_trainings_per_day or "no limit")),
-                 ("local-dp", str(policy.local_dp.model_dump(by_alias=True) if policy.local_dp else "none"))]
+                 ("local-dp", ", ".join(f"{k}={v:g}" for k, v in policy.local_dp.model_dump(by_alias=True).items())
+                  if policy.local_dp else "none")]
     apps = sorted(set(filter(None, node.approved_apps.replace(",", " ").split())) | set(policy.apps if policy else []))
     rows += [("apps it runs", ", ".join(apps) if apps else "any (no approved-apps, no apps in the policy)"),
              ("networks it runs", "built in" + (", and the run config's (a simulation's virtual hospital)"
