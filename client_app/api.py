@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -45,7 +46,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
-from common.audit import AUDIT_HEAD_MARK, SERVER_HEAD_KEY, AuditLog, message_digest
+from common.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.payload import Payload
 from common.secure_aggregation.messages import COLLECT, STAGE_KEY
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
@@ -88,8 +89,9 @@ class Hospital:
         except (Exception, SystemExit) as error:  # reported to the server, which logs it and carries on
             what = "" if type(error).__name__ == "WorkerFailed" else f"{type(error).__name__}: "  # already says
             reason = f"hospital {self.name}: {what}{error}"
-            log.error("%s\n%s", reason, traceback.format_exc())
-            reply = Message(Error(code=HOSPITAL_ERROR, reason=with_audit_head(reason, audit)), reply_to=message)
+            log.error("%s\n%s", reason, traceback.format_exc())  # here in full; what leaves names no local path
+            reply = Message(Error(code=HOSPITAL_ERROR, reason=with_audit_head(without_local_paths(reason), audit)),
+                            reply_to=message)
         if audit is not None:
             try:
                 audit.append("message", direction="sent", **about, **reply_about(reply), **message_digest(reply))
@@ -108,7 +110,10 @@ class Hospital:
         return AuditLog(path, f"hospital:{node.name}") if path is not None else None
 
     def query(self, message: Message) -> Message:
-        identity = self.payload_answer("query", from_recorddict(message.content))
+        payload = from_recorddict(message.content)
+        if payload.config.get("query") == RUN_ENDED_QUERY:  # its log recorded the server's last head: all it needs
+            return Message(RecordDict({"hospital": ConfigRecord({"run-ended": True})}), reply_to=message)
+        identity = self.payload_answer("query", payload)
         return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
 
     def train(self, message: Message) -> Message:
@@ -144,6 +149,23 @@ def stamp_audit_head(reply: Message, head: str) -> None:
     for record in reply.content.config_records.values():  # every reply of ours has exactly one
         record[AUDIT_HEAD_KEY] = head
         return
+
+
+#: An absolute path in a reason (POSIX, or home-relative), up to a quote, space, bracket or separator of the text.
+_LOCAL_PATH = re.compile(r"(?<![\w:/.])(?:~|/)[^\s'\"(),;\[\]<>]*")
+
+
+def without_local_paths(reason: str) -> str:
+    """``reason`` with every absolute path cut to its last part (``/var/lib/fedmed/st-olav/privacy-ledger.json`` ->
+    ``<...>/privacy-ledger.json``): a refusal names the file at fault without telling the server the hospital's
+    folders; the hospital's own log keeps the full reason."""
+    def short(match: re.Match) -> str:
+        path = match.group(0).rstrip(".:")
+        tail = match.group(0)[len(path):]
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        return f"<...>/{name}{tail}" if name and name != "~" else f"<...>{tail}"
+
+    return _LOCAL_PATH.sub(short, reason)
 
 
 def with_audit_head(reason: str, audit: AuditLog | None) -> str:

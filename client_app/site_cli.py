@@ -45,10 +45,12 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     its policy file. ConfigError (or ValueError, OSError) when they cannot be read."""
     from flwr.common.config import parse_config_args
 
+    from common.argument_gate import DEFAULT_JOB_LIMITS
+    from common.code_gate import wide_patterns
     from common.config import server_settable_keys
 
     from .hospital import code_gate
-    from .node_config import load_node_config
+    from .node_config import SIMULATION_ENGINE_FIELDS, load_node_config
 
     raw = parse_config_args([node_config]) if node_config else {"hospital": "site", "data-dir": "."}
     if policy_file:
@@ -73,13 +75,24 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
                  ("local-dp", ", ".join(f"{k}={v:g}" for k, v in policy.local_dp.model_dump(by_alias=True).items())
                   if policy.local_dp else "none")]
     apps = sorted(set(filter(None, node.approved_apps.replace(",", " ").split())) | set(policy.apps if policy else []))
-    rows += [("apps it runs", ", ".join(apps) if apps else "any (no approved-apps, no apps in the policy)"),
-             ("networks it runs", "built in" + (", and the run config's (a simulation's virtual hospital)"
-                                                if gate.trust_run_config else "")
+    engine_only = node.model_fields_set == SIMULATION_ENGINE_FIELDS
+    limits = policy.limits if policy is not None else DEFAULT_JOB_LIMITS
+    rows += [("apps it runs", ", ".join(apps) if apps else "none (fedmed-supernode refuses to start without "
+              "approved-apps or the policy's apps)"),
+             ("networks it runs", "built in" + (" (inside Flower's simulation engine, where one operator runs every "
+                                                "hospital, also the run config's)" if engine_only else "")
               + "".join(f", {m}" for m in gate.models)),
              ("data loaders it runs", "built in" + "".join(f", {d}" for d in gate.datasets)),
+             ("pretrained weights", "from its own cache (allow-pretrained)" if policy is not None
+              and policy.allow_pretrained else "refused"),
+             ("paths in model-args, dataset-args, encoder-weights", "only inside data-dir, state-dir"
+              + "".join(f", {folder}" for folder in (policy.argument_folders if policy is not None else ()))),
+             ("job limits", ", ".join(f"{key} <= {most}" for key, most in sorted(limits.items()))),
              ("set by the hospital only", f"state-dir{', ' + ', '.join(node.pinned_keys()) if node.dataset else ''}"),
              ("the server may set", ", ".join(k for k in server_settable_keys() if k not in node.pinned_keys()))]
+    for pattern in wide_patterns(gate.models + gate.datasets):
+        rows.append(("WARNING", f"{pattern!r} approves every module it matches, helpers included: list the modules "
+                                "(or the networks and loaders) one by one"))
     return rows
 
 
