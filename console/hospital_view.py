@@ -381,7 +381,7 @@ def read_runs(records: list[tuple[int, dict[str, Any]]], bad_lines: set[int] | f
             run["messages"].append(message)
             if message.method and message.method not in run["methods"]:
                 run["methods"].append(message.method)
-            if number is None or message.kind == "query":
+            if number is None:
                 continue
             at = round_of(run, number)
             if direction == "in":

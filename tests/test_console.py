@@ -109,16 +109,18 @@ def test_the_hospital_view_holds_what_its_files_hold(federation):
     sent = [r for r in log if r.get("event") == "message" and r["direction"] == "sent"]
     assert run.name == "t" and run.bytes_out == sum(r["bytes"] for r in sent) and run.trainings == 2
     assert run.limit == 5 and run.epsilon == pytest.approx(logged[-1])
-    assert [r.round for r in run.rounds] == [1, 2, 3]
-    assert [r.trained for r in run.rounds] == [True, True, False]
-    assert [r.masked for r in run.rounds[:2]] == [True, True]
+    assert [r.round for r in run.rounds] == [0, 1, 2, 3]  # 0: the identity query before round 1
+    rounds = {r.round: r for r in run.rounds}
+    assert [rounds[n].trained for n in (0, 1, 2, 3)] == [False, True, True, False]
+    assert [rounds[n].masked for n in (1, 2)] == [True, True]
     masked = next(r for r in sent if r.get("stage") == "collect_masked_vectors")
-    assert masked["masked"] is True and run.rounds[0].released == sorted(masked["metrics"])
-    assert "train-loss" in run.rounds[0].withheld and "train-loss" not in run.rounds[0].released
-    assert run.rounds[0].sent_bytes == sum(r["bytes"] for r in sent if r["round"] == 1)
+    assert masked["masked"] is True and rounds[1].released == sorted(masked["metrics"])
+    assert "train-loss" in rounds[1].withheld and "train-loss" not in rounds[1].released
+    for number, at in rounds.items():  # every message of the round, the end-of-run query included
+        assert at.sent_bytes == sum(r["bytes"] for r in sent if r["round"] == number)
     (refusal,) = view.refusals
     assert refusal.round == 3 and refusal.by_policy and refusal.reason.startswith("refused by its policy (dp.toml)")
-    assert "privacy budget spent" in run.rounds[2].refused and "[audit-head" not in refusal.reason
+    assert "privacy budget spent" in rounds[3].refused and "[audit-head" not in refusal.reason
     # the secure-aggregation memory and the policy
     memory = json.loads((folder / "secure-aggregation.json").read_text())
     assert len(view.memory.rounds) == len(memory["rounds"]) == 3
@@ -131,7 +133,7 @@ def test_the_hospital_view_holds_what_its_files_hold(federation):
 def test_the_strict_hospital_released_its_validation_metrics_and_no_epsilon(federation):
     view = read_hospital(federation / "state" / "hospital-02", policy_file=federation / "strict.toml")
     (run,) = view.runs
-    assert run.rounds[0].released == ["num-examples", "server-round", "val-accuracy", "val-loss"]
+    assert run.rounds[1].released == ["num-examples", "server-round", "val-accuracy", "val-loss"]
     assert run.limit == 1 and run.trainings == 1 and len(view.refusals) == 2
     assert all("max-rounds-per-run=1" in r.reason for r in view.refusals)
     assert view.privacy.delta is None and view.privacy.max_epsilon is None  # no local DP: no budget to show
