@@ -44,10 +44,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
 from common.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.payload import Payload
+from common.secure_aggregation.messages import COLLECT, STAGE_KEY
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
 from .secure_aggregation import secure_train
@@ -93,7 +94,7 @@ class Hospital:
                             reply_to=message)
         if audit is not None:
             try:
-                audit.append("message", direction="sent", **about, **message_digest(reply))
+                audit.append("message", direction="sent", **about, **reply_about(reply), **message_digest(reply))
             except Exception as error:  # the reply is not sent unlogged
                 reason = f"hospital {self.name}: {type(error).__name__}: {error}"
                 log.error("%s", reason)
@@ -180,17 +181,29 @@ def with_audit_head(reason: str, audit: AuditLog | None) -> str:
 
 def message_about(message: Message, kind: str) -> dict[str, Any]:
     """What an audit line says of a message besides its digest: the run, round and method it names, its kind, the
-    Flower run, the peer that sent it and the head of the server's audit log the message carries."""
+    secure-aggregation stage, the Flower run, the peer that sent it and the head of the server's audit log the
+    message carries."""
     config: dict[str, Any] = {}
     if not message.has_error():
         for record in message.content.config_records.values():
-            config.update({k: record[k] for k in ("run-name", "server-round", "strategy", SERVER_HEAD_KEY)
+            config.update({k: record[k] for k in ("run-name", "server-round", "strategy", SERVER_HEAD_KEY, STAGE_KEY)
                            if k in record})
     head = config.get(SERVER_HEAD_KEY)
     return {"kind": kind, "run": config.get("run-name"), "round": config.get("server-round"),
-            "method": config.get("strategy"), "flower-run": message.metadata.run_id,
+            "method": config.get("strategy"), "stage": config.get(STAGE_KEY), "flower-run": message.metadata.run_id,
             "peer-node": message.metadata.src_node_id, "peer": "server",
             "peer-audit-head": head if isinstance(head, str) else None}
+
+
+def reply_about(reply: Message) -> dict[str, Any]:
+    """What the hospital's log says of a reply it sends, for its data-protection officer (``fedmed console``): the
+    names of the metrics that leave in it, and whether its arrays are masked (secure aggregation's collect stage)."""
+    if reply.has_error():
+        return {}
+    records = list(reply.content.values())  # not .metric_records, whose view holds the message in a cycle
+    names = sorted({key for record in records if isinstance(record, MetricRecord) for key in record})
+    stages = {record.get(STAGE_KEY) for record in records if isinstance(record, ConfigRecord)}
+    return {"metrics": names, "masked": COLLECT in stages}
 
 
 def uses_worker(context: Context) -> bool:

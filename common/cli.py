@@ -8,6 +8,7 @@
     fedmed evaluate --run results/<run-name> --data external-site/   # a run's model on a labelled folder
     fedmed evaluate --run results/<run-name> --data external-site/ --best   # its best round's (select-by)
     fedmed runs --results results                # the runs of a results folder, newest first
+    fedmed console --state state --results results   # a read-only page of both (docs/privacy.md)
 
 Ctrl-C, SIGTERM or --timeout stop a simulation or the demo and every process it started (exit code 130, 143
 or 124; partial results stay in the run folder); a run that did not complete exits 1; a refused config or
@@ -596,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
         from client_app.site_cli import main as site_main
 
         return site_main(sys.argv[1:] if argv is None else list(argv))
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["console"]:  # the read-only page (docs/privacy.md)
+        from console.cli import main as console_main
+
+        return console_main(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "export-int8" and args.out is None and not args.best:

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["audit"]:
         argv = argv[1:]
     parser = OneLineParser(prog="fedmed audit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("verify", help="check an audit log's SHA-256 chain, line by line")
     check.add_argument("log", help="the audit log (a hospital's audit.jsonl, or the server's <run>/audit.jsonl)")
