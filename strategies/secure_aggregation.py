@@ -143,6 +143,7 @@ class SecureAggregation:
                 list(progress.hospitals), self.settings, [strategy.job.seed, server_round], plan.layout.size,
                 plan.modulus, plan.quantization_range, {n: h.name for n, h in progress.hospitals.items()},
                 strategy.job.run_name, server_round)
+            protocol.plan_text = plan.text()  # one plan, the same text for every hospital
             largest = plan.layout.largest(plan.quantization_range)
             if len(chosen) * largest >= plan.modulus:
                 raise ValueError(f"{len(chosen)} hospitals x {largest} (the largest value one adds) does not stay "
@@ -170,8 +171,7 @@ class SecureAggregation:
                 continue
             name = progress.name(node)
             config: ConfigRecord = message.content.config_records[strategy.records.config]
-            for key, value in {STAGE_KEY: COLLECT, **collect_config(protocol, node),
-                               **plan.hospital_config[name]}.items():
+            for key, value in {STAGE_KEY: COLLECT, **collect_config(protocol, node)}.items():
                 config[key] = value
             strategy._bytes_down[name] = message_nbytes(message)
             prepared.append(message)

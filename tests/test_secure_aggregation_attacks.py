@@ -128,7 +128,7 @@ def test_a_two_hospital_round_leaves_the_server_a_mask_no_32_bit_search_finds():
     seed = rebuild(plan, 1, shares_of(answers, 1))  # what the server knows: hospital 1's private mask
     leftover = (masked[1] - expand_mask(seed, MODULUS, SIZE)) % MODULUS
     pairwise = (vectors[1] - leftover) % MODULUS  # node 1 < node 2 subtracted it
-    np.testing.assert_array_equal(pairwise, expand_mask(shared, MODULUS, SIZE))
+    np.testing.assert_array_equal(pairwise, expand_mask(shared, MODULUS, SIZE, plan.plan_digest.encode()))
     assert (pairwise != pseudo_rand_gen(shared, MODULUS, [(SIZE,)])[0]).mean() > 0.99  # the 2^32 search's target
     assert abs(correlation(leftover, vectors[1])) < 0.05
 
@@ -141,7 +141,7 @@ def dropped_leftover(protocol, owner, answers, vector_masked):
     leftover = vector_masked.copy()
     for other in sorted(plan.neighbours[owner] - {owner}):
         pairwise = expand_mask(generate_shared_key(key, bytes_to_public_key(plan.public_keys[other][0])), MODULUS,
-                               SIZE)
+                               SIZE, plan.plan_digest.encode())
         leftover = leftover - pairwise if owner > other else leftover + pairwise
     return leftover % MODULUS
 
@@ -270,8 +270,9 @@ def test_bad_signatures_and_substituted_keys_are_refused(tmp_path):
 
 
 def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):
-    """Hospital 3 is told a survivor set that only it signed: it needs threshold signatures on its set and refuses;
-    the others, told the full set (signed by three), reveal only what the full sum needs."""
+    """Hospital 3 is told a survivor set that only it signed: it needs every survivor's signature on its set and
+    refuses; the others, told the full set, which hospital 3 did not sign, refuse too: with the consortium's keys
+    nobody unmasks a sum whose survivors were not all shown the same set (and the same round plan)."""
     nodes = [1, 2, 3, 4]
     protocol, _, _ = signed_protocol(tmp_path, nodes)
     plan = protocol.plan
@@ -285,15 +286,15 @@ def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):
     alone = protocol.ask(3, CONSISTENCY, {SURVIVORS_KEY: [1, 2, 3], SESSION_KEY: plan.session})
     request = {**lie(protocol, [1, 2, 3], [1, 2, 3], [4]), f"{SURVIVORS_SIGNATURE_PREFIX}3": alone["secagg.signature"]}
     request.update({f"{SURVIVORS_SIGNATURE_PREFIX}{n}": s["secagg.signature"] for n, s in signatures.items()})
-    with pytest.raises(SecureAggregationRefusal, match="only 1 of its surviving neighbours signed the survivor set"):
+    with pytest.raises(SecureAggregationRefusal, match="1 of the 3 survivors signed the survivor set"):
         protocol.ask(3, UNMASK, request)
     full = {**lie(protocol, nodes, nodes, []),
             **{f"{SURVIVORS_SIGNATURE_PREFIX}{n}": s["secagg.signature"] for n, s in signatures.items()}}
     forged = {**full, f"{SURVIVORS_SIGNATURE_PREFIX}2": alone["secagg.signature"]}  # 3's signature passed off as 2's
-    with pytest.raises(SecureAggregationRefusal, match="only 2 of its surviving neighbours signed"):
+    with pytest.raises(SecureAggregationRefusal, match=r"2 of the 4 survivors signed .* nodes \[2, 3\]"):
         protocol.ask(1, UNMASK, forged)
-    answer = protocol.ask(2, UNMASK, full)
-    assert sorted(answer["secagg.nids"]) == nodes  # every seed share, no key share
+    with pytest.raises(SecureAggregationRefusal, match=r"3 of the 4 survivors signed .* nodes \[3\]"):
+        protocol.ask(2, UNMASK, full)  # hospital 3 signed another set: no share of anyone leaves
 
 
 # --- replays ---------------------------------------------------------------------------------------------------------
