@@ -211,32 +211,36 @@ class SecureAggregation:
         strategy, job, protocol = self.strategy, self.strategy.job, progress.protocol
         base = {**strategy.records.as_config(), "server-round": progress.rnd, "run-name": job.run_name,
                 "strategy": job.strategy, STAGE_KEY: stage}
-        audit = getattr(strategy, "audit_message", None)
+        audit = getattr(strategy, "audit_messages", None)  # a stage's lines at once: one lock, one fsync
         started, down, up = time.time(), 0, 0
-        messages = []
+        messages, lines = [], []
         for node, config in configs.items():
             content = to_recorddict(Payload(config={**base, **config}), keys=strategy.records)
             message = Message(content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(progress.rnd))
-            size = message_nbytes(message)
+            size = message_nbytes(message)  # measured once: the traffic record and the audit line share it
             progress.traffic[progress.name(node)]["down"] += size
             down += size
-            if audit is not None:
-                audit("sent", message, progress.rnd, progress.name(node), node)
+            lines.append(("sent", message, progress.rnd, progress.name(node), node, False, size))
             messages.append(message)
+        if audit is not None:
+            audit(lines)
         timeout = self.settings.stage_timeout or job.round_timeout
         replies = send_and_receive(self.grid, messages, timeout, messages_in_flight(job, self.grid, queries=True))
         answers: dict[int, dict] = {}
+        lines, kept = [], {}
         for reply in replies:
             node = reply.metadata.src_node_id
-            if node not in configs or node in answers:
+            if node not in configs or node in kept:
                 continue
+            kept[node] = reply, message_nbytes(reply)
+            lines.append(("received", reply, progress.rnd, progress.name(node), None, False, kept[node][1]))
+        if audit is not None:
+            audit(lines)
+        for node, (reply, size) in kept.items():
             name = progress.name(node)
-            if audit is not None:
-                audit("received", reply, progress.rnd, name)
             if reply.has_error():
                 protocol.lost.setdefault(node, f"{stage}: {cut(reply.error.reason)}")
                 continue
-            size = message_nbytes(reply)
             progress.traffic[name]["up"] += size
             up += size
             try:

@@ -486,10 +486,10 @@ def parts_problem(parts: Mapping[str, list[str]], among: set[str] | None, least:
 
 def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[str, Any]) -> tuple[
         HospitalRound, dict]:
-    """Every neighbour's keys checked (its name, its signature with the consortium's keys), then Flower's
-    ``_share_keys``; the reply adds the signed SHA-256 of the mask seed (what the server checks rebuilt seeds
-    against)."""
-    from flwr.client.mod.secure_aggregation.secaggplus_mod import _share_keys, check_configs
+    """Every neighbour's keys checked (its name, its signature with the consortium's keys), then its secrets shared
+    (:func:`split_secrets`); the reply adds the signed SHA-256 of the mask seed (what the server checks rebuilt seeds
+    against) and of every share."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
 
     check_configs(SHARE_KEYS, flower)
     own, keys = state.flower, {int(nid): tuple(value) for nid, value in flower.items()}
@@ -511,30 +511,51 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
                 raise SecureAggregationRefusal(f"the public keys of neighbour {names[nid]!r} (node {nid}) are not "
                                                f"signed by its registered key: {problem}")
     own.current_stage = SHARE_KEYS
-    answer = _share_keys(own, flower)
+    answer, holders, digests = split_secrets(own, keys)
     state.names = names
     commitment = hashlib.sha256(own.rd_seed).digest()
-    holders, digests = share_digests(own, answer)
     signature = rules.sign(commitment_statement(state.run, state.rnd, state.session, own.nid, commitment, holders,
                                                 digests))
     return state, {**ours(answer), COMMITMENT_KEY: commitment, SHARE_HOLDERS_KEY: holders,
                    SHARE_DIGESTS_KEY: digests, SIGNATURE_KEY: signature}
 
 
-def share_digests(own: "SecAggPlusState", answer: Mapping[str, Any]) -> tuple[list[int], list[bytes]]:
-    """Who holds each of its shares and the SHA-256 of each (mask-seed share, key share), read back from the
-    ciphertexts ``_share_keys`` made: the server checks every share returned at unmasking against them, and each
-    holder checks its own on receipt, so a share changed later is its sender's, named."""
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+def split_secrets(own: "SecAggPlusState", keys: dict[int, tuple[bytes, bytes]]) -> tuple[dict, list[int],
+                                                                                            list[bytes]]:
+    """Flower's ``_share_keys`` with :mod:`.sharing`: its checks, a fresh mask seed, Shamir shares of the seed and of
+    its first private key (as its scalar), one pair per neighbour encrypted for it; and who holds each pair with the
+    SHA-256 of each (the server checks every share returned at unmasking against them, and each holder checks its
+    own on receipt, so a share changed later is its sender's, named)."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt, generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
-    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-    holders, digests = [own.nid], [share_digest(own.rd_seed_share_dict[own.nid], own.sk1_share_dict[own.nid])]
-    for destination, ciphertext in zip(answer[Key.DESTINATION_LIST], answer[Key.CIPHERTEXT_LIST], strict=True):
-        _, _, seed_share, key_share = share_keys_plaintext_separate(decrypt(own.ss2_dict[destination], ciphertext))
-        holders.append(int(destination))
-        digests.append(share_digest(seed_share, key_share))
-    return holders, digests
+    from .sharing import create_shares, key_secret
+
+    own.public_keys_dict = keys
+    if len(keys) < own.threshold:
+        raise ValueError("Available neighbours number smaller than threshold")
+    public = [key for pair in keys.values() for key in pair]
+    if len(set(public)) != len(public):
+        raise ValueError("Some public keys are identical")
+    own.rd_seed = os.urandom(32)
+    seed_shares = create_shares(own.rd_seed, own.threshold, own.share_num)
+    key_shares = create_shares(key_secret(own.sk1), own.threshold, own.share_num)
+    private = bytes_to_private_key(own.sk2)
+    destinations, ciphertexts, holders, digests = [], [], [], []
+    for index, (nid, (_, pk2)) in enumerate(keys.items()):
+        holders.append(nid)
+        digests.append(share_digest(seed_shares[index], key_shares[index]))
+        if nid == own.nid:
+            own.rd_seed_share_dict[nid], own.sk1_share_dict[nid] = seed_shares[index], key_shares[index]
+            continue
+        shared = generate_shared_key(private, bytes_to_public_key(pk2))
+        own.ss2_dict[nid] = shared
+        destinations.append(nid)
+        ciphertexts.append(encrypt(shared, share_keys_plaintext_concat(own.nid, nid, seed_shares[index],
+                                                                       key_shares[index])))
+    return {Key.DESTINATION_LIST: destinations, Key.CIPHERTEXT_LIST: ciphertexts}, holders, digests
 
 
 def share_digest(seed_share: bytes, key_share: bytes) -> bytes:

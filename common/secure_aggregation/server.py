@@ -39,6 +39,7 @@ from .messages import (
     survivors_statement,
 )
 from .settings import SecureAggregationSettings, share_plan
+from .sharing import combine_shares, secret_key
 
 #: (hospital name, statement, signature) -> why the signature is not that hospital's (None: it is)
 Verifier = Callable[[str, bytes, Any], "str | None"]
@@ -292,7 +293,7 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
     ``plan.hostile`` either way."""
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+    from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
     if plan.total is None:
         raise ValueError("no masked vector was received")
@@ -312,7 +313,7 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
         if owner in plan.masked:  # its private mask seed
             total = total - expand_mask(secret, plan.modulus, plan.size)
             continue
-        private = bytes_to_private_key(secret)  # a node that dropped out: the pairwise masks its neighbours added
+        private = secret_key(secret)  # a node that dropped out: the pairwise masks its neighbours added
         for other in sorted(plan.neighbours[owner] & plan.masked):
             shared = generate_shared_key(private, bytes_to_public_key(plan.public_keys[other][0]))
             pairwise = expand_mask(shared, plan.modulus, plan.size, plan.plan_digest.encode())
@@ -326,8 +327,6 @@ def rebuild(plan: ServerRound, owner: int, shares: Mapping[int, Any]) -> bytes:
     confirmed on receipt), a share that differs is set aside and its holder recorded in ``plan.hostile``, and the
     secret rebuilt from threshold of the others is checked against the owner's seed commitment or public key.
     ValueError when too few shares are left, or the owner's own shares do not rebuild what it committed to."""
-    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-
     what, part = ("mask seed", slice(0, 32)) if owner in plan.masked else ("key", slice(32, 64))
     committed = plan.share_digests.get(owner, {})
     good: dict[int, bytes] = {}
@@ -358,11 +357,11 @@ def seed_check(commitment: bytes) -> Callable[[bytes], bool]:
 
 
 def key_check(public_key: bytes) -> Callable[[bytes], bool]:
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, public_key_to_bytes
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
 
     def checks(secret: bytes) -> bool:
         try:
-            return public_key_to_bytes(bytes_to_private_key(secret).public_key()) == public_key
+            return public_key_to_bytes(secret_key(secret).public_key()) == public_key
         except Exception:  # not a key
             return False
 
