@@ -290,13 +290,32 @@ def message_digest(message: Any, nbytes: int | None = None) -> dict[str, Any]:
     """A Flower message as the audit log records it: ``sha256``, Flower's object id of the content (the SHA-256 of
     its serialised form, which names each of its arrays and records by their own SHA-256, so it covers every byte;
     the same at both ends), ``bytes``, the whole message serialised as metrics.jsonl's traffic counts it
-    (``common.wire.message_nbytes``; ``nbytes`` when the caller measured it already), and ``error`` for an error
+    (:func:`measure_message`; ``nbytes`` is ignored: both come from one serialisation), and ``error`` for an error
     reply."""
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
+    size, content_id = measure_message(message)
+    if message.has_error():
+        return {"error": str(message.error.reason), "bytes": size}
+    return {"sha256": content_id, "bytes": size}
 
-    with no_object_id_recompute():  # each record serialised once for its id, not again inside every parent's
-        if nbytes is None:
-            nbytes = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
-        if message.has_error():
-            return {"error": str(message.error.reason), "bytes": int(nbytes)}
-        return {"sha256": message.content.object_id, "bytes": int(nbytes)}
+
+def measure_message(message: Any) -> tuple[int, str | None]:
+    """(bytes of the whole serialised message, Flower's object id of its content or None for an error reply), from
+    one serialisation of each of its objects: Flower's own ``object_id`` serialises a record again inside every
+    parent that names it, and a ConfigRecord, which it never caches, every time it is asked."""
+    from flwr.supercore.inflatable import inflatable_object as flower
+
+    with flower.no_object_id_recompute():  # each object's id, once computed here, is reused by its parents
+        computed = flower._get_computed_object_ids()
+        total = 0
+
+        def serialise(obj: Any) -> None:
+            nonlocal total
+            for child in (obj.children or {}).values():
+                serialise(child)
+            data = obj.deflate()  # its children's ids come from the set below
+            total += len(data)
+            obj.__dict__["_object_id"] = object_id = flower.get_object_id(data)
+            computed.add(object_id)
+
+        serialise(message)
+        return int(total), None if message.has_error() else message.content.object_id

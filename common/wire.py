@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SType
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size
 
@@ -324,7 +323,6 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
 
 def message_nbytes(message: Message) -> int:
     """Bytes of the serialised message: every object Flower deflates to send it (content and metadata)."""
-    from flwr.supercore.inflatable.inflatable_object import no_object_id_recompute
+    from common.audit import measure_message
 
-    with no_object_id_recompute():  # each record serialised once for its id, not again inside every parent's
-        return int(sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values()))
+    return measure_message(message)[0]

@@ -36,7 +36,7 @@ from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonc
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.screening import brief, cut, declared_count_problem
-from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
+from common.wire import MalformedPayload, RecordKeys, from_recorddict, to_recorddict
 from strategies.registry import method_spec, method_tasks, methods
 
 from .records import arrays_of, into_arrayrecord, round_metricrecord
@@ -365,13 +365,13 @@ class HospitalStrategy(Strategy):
         return AuditLog(path or self.job.run_dir / "audit.jsonl", "server")
 
     def audit_message(self, direction: str, message: Message, server_round: int, hospital: str | None = None,
-                      node: int | None = None, cross_site: bool = False, nbytes: int | None = None) -> None:
+                      node: int | None = None, cross_site: bool = False, digest: dict | None = None) -> None:
         """A line of the audit log for a message sent or received: run, round, method, kind, bytes and SHA-256 of
         the content, the hospital and its node, and the hospital's own audit head where its reply carries one.
         An AuditError (a damaged log, a full disk) stops the run: nothing is exchanged unlogged."""
         audit = self.audit_log()
         if audit is not None:
-            audit.append_many([self.audit_line(direction, message, server_round, hospital, node, cross_site, nbytes)])
+            audit.append_many([self.audit_line(direction, message, server_round, hospital, node, cross_site, digest)])
 
     def audit_messages(self, lines: list[tuple]) -> None:
         """Lines of :meth:`audit_message` (each its arguments as a tuple) under one lock and one ``fsync``: a key
@@ -382,8 +382,9 @@ class HospitalStrategy(Strategy):
 
     def audit_line(self, direction: str, message: Message, server_round: int, hospital: str | None = None,
                    node: int | None = None, cross_site: bool = False,
-                   nbytes: int | None = None) -> tuple[str, dict[str, Any]]:
-        """The audit event and fields that record a message sent or received."""
+                   digest: dict | None = None) -> tuple[str, dict[str, Any]]:
+        """The audit event and fields that record a message sent or received (``digest``: its
+        ``common.audit.message_digest``, where the caller measured it already)."""
         received = direction == "received"
         head = None
         if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
@@ -397,7 +398,7 @@ class HospitalStrategy(Strategy):
                            "peer": hospital, "peer-node": message.metadata.src_node_id if received
                            else node or message.metadata.dst_node_id,
                            "flower-run": message.metadata.run_id if received else None, "peer-audit-head": head,
-                           "cross-site": cross_site or None, **message_digest(message, nbytes)}
+                           "cross-site": cross_site or None, **(digest or message_digest(message))}
 
     # --- hospitals --------------------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
@@ -541,10 +542,11 @@ class HospitalStrategy(Strategy):
                               "message-arrays": layout}  # the hospital replies in the same layout
             content = to_recorddict(payload, layout, self.records, shared)
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
-            self._bytes_down[info.name] = message_nbytes(message)
+            digest = message_digest(message)
+            self._bytes_down[info.name] = digest["bytes"]
             messages.append(message)
-            self.audit_message("sent", message, server_round, info.name, node_of[info.name],
-                               nbytes=self._bytes_down[info.name])
+            if self.secure_aggregation is None:  # a secure round adds its collect stage's keys: logged then
+                self.audit_message("sent", message, server_round, info.name, node_of[info.name], digest=digest)
         return messages
 
     def message_layout(self) -> str:
@@ -651,7 +653,8 @@ class HospitalStrategy(Strategy):
                     keep_arrays: bool) -> RoundReply | None:
         """One reply of :meth:`round_replies`, decoded (None: not from a chosen hospital)."""
         hospital = self.hospitals.get(message.metadata.src_node_id)
-        self.audit_message("received", message, server_round, hospital.name if hospital else None)
+        digest = message_digest(message)  # one serialisation: the audit line and the traffic count share it
+        self.audit_message("received", message, server_round, hospital.name if hospital else None, digest=digest)
         if hospital is None and message.has_error():  # the SuperLink's own: the message never reached a reply
             log.warning("round %d: a training message was not answered: %s", server_round, message.error.reason)
             return None
@@ -661,7 +664,7 @@ class HospitalStrategy(Strategy):
             return None
         if message.has_error():
             return RoundReply(hospital, None, cut(message.error.reason), 0)
-        up = message_nbytes(message)
+        up = digest["bytes"]
         try:  # streamed (not keep_arrays): views into the message, which is released once the reply is screened
             payload = from_recorddict(message.content, limit, self.records, tensors, copy=keep_arrays)
         except MalformedPayload as error:

@@ -34,6 +34,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 
+from common.audit import message_digest
 from common.config import ConfigError
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
@@ -67,7 +68,7 @@ from common.secure_aggregation.server import (
     unmask_sum,
 )
 from common.secure_aggregation.vector import unpack_values
-from common.wire import MalformedPayload, from_recorddict, message_nbytes, to_recorddict
+from common.wire import MalformedPayload, from_recorddict, to_recorddict
 
 if TYPE_CHECKING:
     from strategies.base import HospitalStrategy
@@ -164,7 +165,7 @@ class SecureAggregation:
         if problem:
             return self.skip(progress, f"after the share-keys stage, {problem}")
 
-        prepared = []
+        prepared, lines = [], []
         for message in messages:
             node = message.metadata.dst_node_id
             if node not in protocol.keyed:
@@ -173,8 +174,13 @@ class SecureAggregation:
             config: ConfigRecord = message.content.config_records[strategy.records.config]
             for key, value in {STAGE_KEY: COLLECT, **collect_config(protocol, node)}.items():
                 config[key] = value
-            strategy._bytes_down[name] = message_nbytes(message)
+            digest = message_digest(message)  # the training message as it leaves, logged as the hospital logs it
+            strategy._bytes_down[name] = digest["bytes"]
+            lines.append(("sent", message, server_round, name, node, False, digest))
             prepared.append(message)
+        audit = getattr(strategy, "audit_messages", None)
+        if audit is not None:
+            audit(lines)
         return prepared
 
     def verifier(self) -> Verifier | None:
@@ -217,10 +223,10 @@ class SecureAggregation:
         for node, config in configs.items():
             content = to_recorddict(Payload(config={**base, **config}), keys=strategy.records)
             message = Message(content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(progress.rnd))
-            size = message_nbytes(message)  # measured once: the traffic record and the audit line share it
-            progress.traffic[progress.name(node)]["down"] += size
-            down += size
-            lines.append(("sent", message, progress.rnd, progress.name(node), node, False, size))
+            digest = message_digest(message)  # measured once: the traffic record and the audit line share it
+            progress.traffic[progress.name(node)]["down"] += digest["bytes"]
+            down += digest["bytes"]
+            lines.append(("sent", message, progress.rnd, progress.name(node), node, False, digest))
             messages.append(message)
         if audit is not None:
             audit(lines)
@@ -232,8 +238,9 @@ class SecureAggregation:
             node = reply.metadata.src_node_id
             if node not in configs or node in kept:
                 continue
-            kept[node] = reply, message_nbytes(reply)
-            lines.append(("received", reply, progress.rnd, progress.name(node), None, False, kept[node][1]))
+            digest = message_digest(reply)
+            kept[node] = reply, digest["bytes"]
+            lines.append(("received", reply, progress.rnd, progress.name(node), None, False, digest))
         if audit is not None:
             audit(lines)
         for node, (reply, size) in kept.items():

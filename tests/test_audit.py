@@ -270,3 +270,23 @@ def test_rebuild_ledger_command(tmp_path, capsys):
     assert audit_main(["audit", "rebuild-ledger", str(log.path), str(tmp_path / "state")]) == 0
     assert "2 training(s)" in capsys.readouterr().out
     assert PrivacyLedger(tmp_path / "state", log).trainings_in("r") == 2
+
+
+def test_under_secure_aggregation_both_ends_log_the_same_content_hashes(tmp_path):
+    """A secure round's training message gains its collect stage's keys after it is built: the server logs it as it
+    leaves, so every message of the five stages has the same SHA-256 at both ends."""
+    from strategies import FedAvgStrategy
+    from strategies.secure_aggregation import with_secure_aggregation
+
+    from .fake_grid import FakeGrid
+    from .test_secure_aggregation import SMALL_CLASSIFICATION, config_of, secure_hospitals
+
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "secure")
+    with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config).start(
+        FakeGrid(secure_hospitals(config, 3)), num_rounds=1)
+    server = [json.loads(line) for line in lines_of(tmp_path / "secure" / "results" / "secure" / "audit.jsonl")]
+    hospital = [json.loads(line) for line in lines_of(tmp_path / "secure" / "state" / "hospital-00" / "audit.jsonl")]
+    sent = [r["sha256"] for r in server if r.get("peer") == "hospital-00" and r["kind"] == "train"
+            and r["direction"] == "sent"]
+    received = [r["sha256"] for r in hospital if r.get("kind") == "train" and r.get("direction") == "received"]
+    assert len(sent) == 5 and sent == received  # setup, share keys, collect (training), consistency, unmask

@@ -542,3 +542,30 @@ def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_eve
     assert len(received) >= 3 * 5 and all(r.get("peer-audit-head") for r in received)  # query + 4 stages each
     for name in ("hospital-00", "hospital-01", "hospital-02"):
         assert cross_check(tmp_path / "plain" / "state" / name / "audit.jsonl", server_log, name) == []
+
+
+# --- Shamir's sharing (common/secure_aggregation/sharing.py) ------------------------------------------------------
+def test_any_threshold_of_the_shares_rebuild_the_secret_and_fewer_do_not():
+    import itertools
+
+    from common.secure_aggregation.sharing import combine_shares, create_shares, key_secret, secret_key
+
+    secret = bytes(range(32))
+    shares = create_shares(secret, 4, 7)
+    assert len(shares) == 7 and len({s[4:] for s in shares}) == 7
+    for subset in itertools.combinations(shares, 4):
+        assert combine_shares(list(subset)) == secret
+    with pytest.raises(ValueError):  # three points of a degree-3 polynomial: another secret (here no well-formed one)
+        assert combine_shares(shares[:3]) != secret
+    assert create_shares(secret, 4, 7)[0] != shares[0]  # fresh coefficients every time
+    assert combine_shares(create_shares(b"\x00" * 5, 2, 3)[1:]) == b"\x00" * 5  # leading zeros survive
+    with pytest.raises(ValueError, match="not of one secret"):
+        combine_shares([shares[0], shares[0], shares[1], shares[2]])  # an index twice
+
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, private_key_to_bytes, public_key_to_bytes
+
+    private, public = generate_key_pairs()
+    scalar = key_secret(private_key_to_bytes(private))
+    assert len(scalar) == 48
+    rebuilt = secret_key(combine_shares(create_shares(scalar, 3, 5)[2:]))
+    assert public_key_to_bytes(rebuilt.public_key()) == public_key_to_bytes(public)

@@ -49,22 +49,35 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
               "state-dir": str(root / name), "results-dir": str(root / "results"),
               "min-train-hospitals": hospitals, "min-available-hospitals": hospitals,
               "secure-aggregation.enabled": secure, "secure-aggregation.num-shares": num_shares}
+    in_hospitals = [0.0]  #: CPU seconds spent inside the hospitals' handlers (their share of the process)
+
+    def timed(handler):
+        def answer(message):
+            started = time.process_time()
+            try:
+                return handler(message)
+            finally:
+                in_hospitals[0] += time.process_time() - started
+
+        return answer
+
     class TimedFedAvg(FedAvgStrategy):
         """FedAvg whose rounds are timed from configure_train to aggregate_train: the key stages, the hospitals'
-        work and the aggregation, without the server's test-set scoring."""
+        work and the aggregation, without the server's test-set scoring; the hospitals' part of the CPU apart."""
 
         def configure_train(self, server_round, arrays, config, grid):
-            self.round_started = time.perf_counter(), time.process_time()
+            self.round_started = time.perf_counter(), time.process_time(), in_hospitals[0]
             return super().configure_train(server_round, arrays, config, grid)
 
         def aggregate_train(self, server_round, replies):
             result = super().aggregate_train(server_round, replies)
             self.engine.history[-1]["wall-seconds"] = time.perf_counter() - self.round_started[0]
             self.engine.history[-1]["cpu-seconds"] = time.process_time() - self.round_started[1]
+            self.engine.history[-1]["hospitals-cpu-seconds"] = in_hospitals[0] - self.round_started[2]
             return result
 
     strategy = TimedFedAvg(min_train_nodes=hospitals, min_available_nodes=hospitals, run_config=config)
-    grid = FakeGrid(simulated_hospitals(config, hospitals))
+    grid = FakeGrid({node: timed(handler) for node, handler in simulated_hospitals(config, hospitals).items()})
     strategy.start(grid, num_rounds=rounds)
     later = strategy.engine.history[1:] or strategy.engine.history
     skipped = [r["skipped"] for r in strategy.engine.history if "skipped" in r]
@@ -79,6 +92,8 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
         "hospitals": hospitals, "kind": kind, "rounds": rounds, "num-shares": num_shares,
         "seconds-per-round": mean(r["wall-seconds"] for r in later),
         "cpu-seconds-per-round": mean(r["cpu-seconds"] for r in later),
+        "server-cpu-seconds-per-round": mean(r["cpu-seconds"] - r["hospitals-cpu-seconds"] for r in later),
+        "hospital-cpu-seconds-per-round": mean(r["hospitals-cpu-seconds"] / hospitals for r in later),
         "bytes-up-per-hospital": mean(r["bytes_up"] / hospitals for r in later),
         "bytes-down-per-hospital": mean(r["bytes_down"] / hospitals for r in later),
         "training-reply-bytes": message_nbytes(trained[-1]),
@@ -160,7 +175,7 @@ def mean(values) -> float:
 
 
 def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differencing: dict[str, Any] | None,
-          rounds: int) -> str:
+          rounds: int, before: dict[str, Any] | None = None) -> str:
     lines = ["# Secure aggregation: what it costs (FedAvg, small CNN, generated data)", "",
              f"`python -m benchmarks.secure_aggregation.run` on {cpu_name()}, {time.strftime('%Y-%m-%d')}: hospitals "
              f"in the server's process (FakeGrid, serial, no network), {SAMPLES_PER_HOSPITAL} training images of "
@@ -192,6 +207,37 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
             f"{secure['bytes-up-per-hospital'] / plain['bytes-up-per-hospital']:.2f} | "
             f"{plain['bytes-down-per-hospital']:,.0f} | {secure['bytes-down-per-hospital']:,.0f} | "
             f"{secure['bytes-down-per-hospital'] / plain['bytes-down-per-hospital']:.2f} |")
+    lines += ["", "Each party's own CPU per round (what it pays in a deployment, where every hospital computes on its "
+              "own machine at the same time): the server's (the process less the time inside the hospitals' "
+              "handlers) and one hospital's.", "",
+              "| hospitals | shares / threshold | server CPU s plain | secure | x | one hospital's CPU s plain | "
+              "secure | x |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for secure in (r for r in rows if r["kind"] == "secure"):
+        plain = plain_of[secure["hospitals"]]
+        lines.append(
+            f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
+            f"{plain['server-cpu-seconds-per-round']:.3f} | {secure['server-cpu-seconds-per-round']:.3f} | "
+            f"{secure['server-cpu-seconds-per-round'] / plain['server-cpu-seconds-per-round']:.2f} | "
+            f"{plain['hospital-cpu-seconds-per-round']:.3f} | {secure['hospital-cpu-seconds-per-round']:.3f} | "
+            f"{secure['hospital-cpu-seconds-per-round'] / plain['hospital-cpu-seconds-per-round']:.2f} |")
+    if before:
+        lines += ["", f"Before and after, on this machine: {before['label']} (`{before['command']}`, "
+                  f"{before['cpu']}) against this run. CPU s per round of the whole process, plain and secure.", "",
+                  "| hospitals | shares / threshold | before: plain | secure | x | after: plain | secure | x |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        old_plain = {r["hospitals"]: r for r in before["rounds"] if r["kind"] == "plain"}
+        old_secure = {(r["hospitals"], r["num-shares"]): r for r in before["rounds"] if r["kind"] == "secure"}
+        for secure in (r for r in rows if r["kind"] == "secure"):
+            was = old_secure.get((secure["hospitals"], secure["num-shares"]))
+            if was is None:
+                continue
+            plain, was_plain = plain_of[secure["hospitals"]], old_plain[secure["hospitals"]]
+            lines.append(
+                f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
+                f"{was_plain['cpu-seconds-per-round']:.2f} | {was['cpu-seconds-per-round']:.2f} | "
+                f"{was['cpu-seconds-per-round'] / was_plain['cpu-seconds-per-round']:.2f} | "
+                f"{plain['cpu-seconds-per-round']:.2f} | {secure['cpu-seconds-per-round']:.2f} | "
+                f"{secure['cpu-seconds-per-round'] / plain['cpu-seconds-per-round']:.2f} |")
     if differencing:
         lines += ["", f"Training again with fresh noise instead of refusing (FedAvg, {differencing['hospitals']} "
                   "hospitals, each trained twice from the same model with two training seeds): one hospital's two "
@@ -219,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-protocol", action="store_true", help="skip the protocol-alone timing")
     parser.add_argument("--output", default=str(RESULTS / "secure_aggregation"),
                         help="results file path without its suffix (.md and .json are written)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="the .json of an earlier run (e.g. of an earlier commit) to set beside this one")
+    parser.add_argument("--before-label", default="", help="what the earlier run was (its commit, say)")
     args = parser.parse_args(argv)
     import torch
 
@@ -236,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     differencing = measure_differencing()
     protocol = None if args.no_protocol else measure_protocol()
     output = Path(args.output)
-    output.with_suffix(".md").write_text(table(rows, protocol, differencing, args.rounds))
+    before = None
+    if args.before is not None:
+        before = {**json.loads(args.before.read_text()), "label": args.before_label or str(args.before),
+                  "command": "python -m benchmarks.secure_aggregation.run"}
+    output.with_suffix(".md").write_text(table(rows, protocol, differencing, args.rounds, before))
     output.with_suffix(".json").write_text(json.dumps({"cpu": cpu_name(), "rounds": rows, "protocol": protocol,
                                                        "differencing": differencing}, indent=1) + "\n")
     print(output.with_suffix(".md").read_text())
