@@ -122,7 +122,7 @@ class TorchData:
             if not torch.isfinite(images).all():
                 raise DataError(f"{self.where}: an image of the batch holds NaN or Inf values; a hospital trains only "
                                 "on finite images")
-            x = images.to(device, non_blocking=True).float()
+            x = images.to(device, non_blocking=True).to(torch.float32, memory_format=torch.contiguous_format)
             if segmentation:
                 y = targets.to(device, non_blocking=True).float()
                 yield x, (y if y.ndim == 4 else y.unsqueeze(1))

@@ -50,7 +50,7 @@ def check_network(task, needs: str, data: Any = None) -> None:
             output = model(x)
     except Exception as error:
         raise ConfigError(f"model {name!r} fails on a batch of {tuple(x.shape)} inputs: {type(error).__name__}: "
-                          f"{error}") from None
+                          f"{error}{layout_hint(error)}") from None
     expected = expected_output(task, x)
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
@@ -60,6 +60,15 @@ def check_network(task, needs: str, data: Any = None) -> None:
         check_features(task, model, x)
     elif needs == "quantisable":
         check_quantisable(name, model)
+
+
+def layout_hint(error: Exception) -> str:
+    """What to change when a network's ``.view`` met a tensor whose memory is not laid out as its shape reads."""
+    if "view size is not compatible" not in str(error):
+        return ""
+    return (". The batches fedmed gives are contiguous NCHW (batch, channels, height, width); a tensor inside the "
+            "network is not (a permute, a transpose, or channels-last memory made it so): flatten with "
+            "x.reshape(x.shape[0], -1) or torch.flatten(x, 1) instead of x.view(...), or call .contiguous() first")
 
 
 def expected_output(task, x: torch.Tensor) -> tuple[int, ...]:
