@@ -37,7 +37,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.common.constant import SType
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size
+from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size, size_text
 
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"
@@ -293,7 +293,7 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
     if limit is not None:
         total = sum(record_nbytes(r) for r in content.values())
         if total > limit:
-            raise MalformedPayload(f"its records take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB "
+            raise MalformedPayload(f"its records take {size_text(total)}, more than the {size_text(limit)} "
                                    "allowed (screening.max-reply-mb)")
     payload = Payload()
     flat_layouts = {k: v for k, v in config.items() if k.startswith(FLAT_LAYOUT)} \

@@ -97,10 +97,11 @@ def test_a_reply_of_another_dtype_is_refused_and_the_global_model_keeps_the_serv
 
 def test_metadata_counts_against_the_reply_limit_and_a_hospitals_text_is_cut():
     content = to_recorddict(Payload(config={"note": "x" * 2_000_000}, metrics={"num-examples": 1}))
-    with pytest.raises(MalformedPayload, match="records take 2.0 MB, more than the 1.0 MB"):
+    with pytest.raises(MalformedPayload,
+                       match=r"take 2,\d{3},\d{3} bytes \(2\.0 MB\), more than the 1,000,000 bytes \(1\.0 MB\)"):
         from_recorddict(content, limit=1_000_000)
     listed = RecordDict({"metrics": MetricRecord({"val-x": [1.0] * 200_000}), "config": ConfigRecord({})})
-    with pytest.raises(MalformedPayload, match="more than the 1.0 MB"):
+    with pytest.raises(MalformedPayload, match=r"more than the 1,000,000 bytes \(1\.0 MB\)"):
         from_recorddict(listed, limit=1_000_000)
 
     engine = RoundEngine(JobConfig(**SMALL))
