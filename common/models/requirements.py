@@ -80,7 +80,7 @@ def expected_output(task, x: torch.Tensor) -> tuple[int, ...]:
 def check_features(task, model: nn.Module, x: torch.Tensor) -> None:
     """The feature the method uses is a (batch, d) vector: FedProIn's encoder output, else the input of the
     network's last linear layer."""
-    from .representations import classifier_features
+    from .representations import FeatureTap, classifier_head
 
     name = task.network_name
     if hasattr(model, "prototypes"):  # FedProIn's network: the encoder's output is the feature
@@ -88,11 +88,7 @@ def check_features(task, model: nn.Module, x: torch.Tensor) -> None:
             feature = model.encoder(x)
         where = "its encoder (the network without its last linear layer)"
     else:
-        try:
-            tap = classifier_features(model)
-        except ValueError:
-            raise ConfigError(f"model {name!r} has no linear layer: {task.cfg.strategy} needs a classifier whose "
-                              "last linear layer reads a feature vector") from None
+        tap = FeatureTap(classifier_head(model, name, task.cfg.strategy)[1], use_input=True)
         with torch.no_grad():
             model(x)
         tap.remove()
