@@ -39,6 +39,7 @@ from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
 from strategies.registry import method_spec, method_tasks, methods
 
+from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
 
 log = logging.getLogger("fedmed")
@@ -271,6 +272,7 @@ class HospitalStrategy(Strategy):
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
+        self.nothing_aggregated: str | None = None  # why start()'s rounds aggregated nobody (strategies/outcome.py)
         from strategies.secure_aggregation import SecureAggregation
 
         self.secure_aggregation = SecureAggregation.of(self)  # None unless secure-aggregation.enabled
@@ -889,6 +891,15 @@ class HospitalStrategy(Strategy):
         self.cross_site = {"after-round": rnd - 1, "scores": scores, "failed": failed, "missing": missing}
         return self.cross_site
 
+    def record_nothing_aggregated(self, reason: str) -> None:
+        """The run aggregated nobody: why, logged, kept as ``nothing_aggregated`` and written to the audit log."""
+        self.nothing_aggregated = reason
+        log.error("%s: %s; the Result holds the model it started from", self.job.run_name, reason)
+        audit = self.audit_log()
+        if audit is not None:
+            audit.append("run", run=self.job.run_name, method=self.job.strategy, outcome="nothing aggregated",
+                         reason=reason)
+
     def summary(self) -> None:
         self.refuse_unfit_wrappers()  # Flower's loop begins with summary(): before evaluate_fn and round 1
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
@@ -910,7 +921,8 @@ class HospitalStrategy(Strategy):
         every train and evaluate message (their keys win over ours, e.g. ``local-epochs``); ``evaluate_fn(round,
         arrays)`` scores the global model before round 1 and after every round. What ours adds: hospitals by
         name, faster polling, messages a few at a time in simulation, and resume. A run in which no round
-        aggregated any hospital raises :class:`NoHospitalAggregated`, so Flower reports it failed.
+        aggregated any hospital returns its Result as Flower's loop does (the initial model in it), the reason
+        logged, in the audit log and in ``nothing_aggregated``.
         """
         num_rounds = num_rounds or self.job.num_server_rounds
         timeout = timeout or self.job.round_timeout
@@ -922,6 +934,7 @@ class HospitalStrategy(Strategy):
             self.engine.adopt_global_arrays(arrays_of(initial_arrays, copy=False), "initial_arrays")
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
+        self.nothing_aggregated = None
         self.summary()
         result = Result()
         arrays = self.initial_arrays()
@@ -969,14 +982,9 @@ class HospitalStrategy(Strategy):
         finally:
             self._in_own_loop = False
         result.arrays = arrays
-        if first <= num_rounds and not any(r["aggregated"] for r in self.engine.history if r["round"] >= first):
-            raise NoHospitalAggregated(
-                f"no round of {first}..{num_rounds} aggregated any hospital: "
-                + "; ".join(f"round {r['round']}: " + (", ".join(f"{h} refused ({why})" for h, why in
-                                                            r["refused"].items()) or f"missing {r['missing']}"
-                                                        if r["refused"] or r["missing"] else
-                                                        r.get("skipped") or "no hospital chosen")
-                            for r in self.engine.history[-3:]))
+        ran = [r for r in self.engine.history if r["round"] >= first]
+        if ran and not any(r["aggregated"] for r in ran):
+            self.record_nothing_aggregated(why_nothing_aggregated(ran, first, num_rounds))
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
         return result
@@ -989,7 +997,7 @@ def kept(server_round: int) -> str:
 
 
 class NoHospitalAggregated(RuntimeError):
-    """A run none of whose rounds aggregated any hospital: a failed run, whatever Flower's loop thinks."""
+    """A run none of whose rounds aggregated any hospital: what fedmed's own ServerApp makes of it (a failed run)."""
 
 
 def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
