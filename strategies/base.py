@@ -33,6 +33,7 @@ from flwr.superlink.grid import InMemoryGrid
 from common.audit import SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
+from common.logs import fedmed_logger_prints
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.screening import brief, cut, declared_count_problem
@@ -230,6 +231,7 @@ class HospitalStrategy(Strategy):
                  on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0, **method_settings: Any):
         if not self.method_name:
             raise TypeError("HospitalStrategy is a base class: use one of the strategies in strategies/")
+        fedmed_logger_prints()  # a user's own ServerApp: the round lines reach its stdout, as Flower's do
         if not 0.0 <= fraction_evaluate <= 1.0:
             raise ConfigError(f"fraction_evaluate={fraction_evaluate!r} must be between 0 and 1")
         own = self.own_arguments()
@@ -948,6 +950,7 @@ class HospitalStrategy(Strategy):
         retry_unavailable_objects_sooner()
         try:
             for rnd in range(first, num_rounds + 1):
+                log.info("[ROUND %d/%d]", rnd, num_rounds)  # as Flower's Strategy.start announces each round
                 messages = list(self.configure_train(rnd, arrays, train_config, grid))
                 streamed = self.reply_folder() is not None
                 if streamed:  # handed to aggregate_train as they arrive
