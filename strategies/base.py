@@ -36,6 +36,7 @@ from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonc
 from common.logs import fedmed_logger_prints
 from common.methods.base import CROSS_SITE_KEY, HospitalInfo
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
+from common.run_lock import claim_run_name, release
 from common.screening import brief, cut, declared_count_problem
 from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
 from strategies.registry import method_spec, method_tasks, methods
@@ -243,9 +244,11 @@ class HospitalStrategy(Strategy):
             "fraction-train": fraction_train, "min-train-hospitals": min_train_nodes,
             "min-available-hospitals": min_available_nodes, **dict(settings or {}),
             **self.method_settings(**method_settings)})
+        self._name_chosen_for_it = not self.job.run_name  # a timestamp: moved on where another run holds it
         if not self.job.run_name:  # hospitals keep their memory in a folder named after the run
             self.job = self.job.model_copy(update={"run_name": f"{self.job.task}-{self.method_name}-"
                                                                f"{time.strftime('%Y%m%d-%H%M%S')}"})
+        self._run_folder: Path | None = None  # the run folder this strategy holds (common/run_lock.py)
         self.fraction_evaluate = fraction_evaluate
         self.min_evaluate_nodes = min_evaluate_nodes
         self.weighted_by_key = weighted_by_key
@@ -604,6 +607,7 @@ class HospitalStrategy(Strategy):
         and ours pass it) become the method's global model first, so a wrapper's or a subclass's changes (e.g.
         DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
         self.refuse_unfit_wrappers()
+        self.claim_run_folder()  # under Flower's loop (a DP wrapper's start): held until the ServerApp process ends
         if len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
                                             f"arrays given for round {server_round}")
@@ -893,6 +897,29 @@ class HospitalStrategy(Strategy):
         self.cross_site = {"after-round": rnd - 1, "scores": scores, "failed": failed, "missing": missing}
         return self.cross_site
 
+    def change_job(self, **changes: Any) -> None:
+        """The job with ``changes``, for the method's server half too where it is built already (initial_arrays())."""
+        self.job = self.job.model_copy(update=changes)
+        if self._engine is not None:
+            self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
+
+    def claim_run_folder(self) -> None:
+        """Hold the run folder (results-dir/run-name: the reply store, the audit log, checkpoints) for this run, before
+        round 1 (common/run_lock.py): a run name chosen for it moves to the next free one where another run holds it,
+        one the user chose is refused (ConfigError)."""
+        if self._run_folder is not None:
+            return
+        name = claim_run_name(Path(self.job.results_dir), self.job.run_name, self._name_chosen_for_it)
+        if name != self.job.run_name:
+            log.warning("run %s is in progress in %s: this run is %s", self.job.run_name, self.job.results_dir, name)
+            self.change_job(run_name=name)
+        self._run_folder = self.job.run_dir
+
+    def release_run_folder(self) -> None:
+        if self._run_folder is not None:
+            release(self._run_folder)
+            self._run_folder = None
+
     def record_nothing_aggregated(self, reason: str) -> None:
         """The run aggregated nobody: why, logged, kept as ``nothing_aggregated`` and written to the audit log."""
         self.nothing_aggregated = reason
@@ -926,12 +953,21 @@ class HospitalStrategy(Strategy):
         aggregated any hospital returns its Result as Flower's loop does (the initial model in it), the reason
         logged, in the audit log and in ``nothing_aggregated``.
         """
+        self.claim_run_folder()
+        try:
+            return self.run_rounds(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                   evaluate_fn)
+        finally:
+            self.release_run_folder()
+
+    def run_rounds(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                   timeout: float | None, train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
+                   evaluate_fn: EvaluateFn | None) -> Result:
+        """:meth:`start` once the run folder is this run's."""
         num_rounds = num_rounds or self.job.num_server_rounds
         timeout = timeout or self.job.round_timeout
         if num_rounds != self.job.num_server_rounds or timeout != self.job.round_timeout:
-            self.job = self.job.model_copy(update={"num_server_rounds": num_rounds, "round_timeout": timeout})
-            if self._engine is not None:  # built already (initial_arrays()): the server's schedules follow too
-                self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
+            self.change_job(num_server_rounds=num_rounds, round_timeout=timeout)
         if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
             self.engine.adopt_global_arrays(arrays_of(initial_arrays, copy=False), "initial_arrays")
         train_config = train_config or ConfigRecord()
