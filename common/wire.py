@@ -325,3 +325,23 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
 def message_nbytes(message: Message) -> int:
     """Bytes of the serialised message: every object Flower deflates to send it (content and metadata)."""
     return int(sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values()))
+
+
+def from_flower_reply(content: RecordDict, limit: int | None = None, max_tensors: int | None = None,
+                      copy: bool = True, with_arrays: bool = True) -> Payload:
+    """The payload of a reply under Flower's FedAvg contract, from a ClientApp that trained the model itself: exactly
+    one ArrayRecord (the model, one Array per tensor under its own names; none for an evaluate reply,
+    ``with_arrays=False``) and exactly one MetricRecord (its sample count among the metrics), whatever their names, as
+    Flower's ``validate_message_reply_consistency`` asks; ConfigRecords pass. MalformedPayload says what differs."""
+    arrays = [(name, r) for name, r in content.items() if isinstance(r, ArrayRecord)]
+    metrics = [(name, r) for name, r in content.items() if isinstance(r, MetricRecord)]
+    wanted = 1 if with_arrays else 0
+    if len(arrays) != wanted or len(metrics) != 1:
+        raise MalformedPayload(f"a Flower ClientApp's {'training' if with_arrays else 'evaluation'} reply holds "
+                               f"{len(arrays)} ArrayRecord(s) {[n for n, _ in arrays]} and {len(metrics)} "
+                               f"MetricRecord(s) {[n for n, _ in metrics]}; Flower's FedAvg contract is {wanted} "
+                               "ArrayRecord (the model) and 1 MetricRecord (with the sample count)")
+    canonical = RecordDict({METRICS_RECORD: metrics[0][1]})
+    if arrays:
+        canonical[MODEL_RECORD] = arrays[0][1]
+    return from_recorddict(canonical, limit, DEFAULT_KEYS, max_tensors, copy)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
@@ -34,11 +34,19 @@ from common.audit import SERVER_HEAD_KEY, AuditLog, head_in_reason, message_dige
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.logs import fedmed_logger_prints
-from common.methods.base import CROSS_SITE_KEY, HospitalInfo
+from common.methods.base import CROSS_SITE_KEY, TRAINS_ITSELF, HospitalInfo
+from common.payload import Payload
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.run_lock import claim_run_name, release
 from common.screening import brief, cut, declared_count_problem
-from common.wire import MalformedPayload, RecordKeys, from_recorddict, message_nbytes, to_recorddict
+from common.wire import (
+    MalformedPayload,
+    RecordKeys,
+    from_flower_reply,
+    from_recorddict,
+    message_nbytes,
+    to_recorddict,
+)
 from strategies.registry import method_spec, method_tasks, methods
 
 from .outcome import why_nothing_aggregated
@@ -163,6 +171,10 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     flat.update({key: value for key, value in settings.items() if value is not None})
     return load_job_config(flat)
 
+
+#: Flower's ClientApp error for a message type it has no handler for (``flwr/clientapp/client_app.py``): a node that
+#: answers the identity query with it is a standard Flower ClientApp that trains the model itself.
+NO_QUERY_HANDLER = "No query function registered"
 
 #: What a hospital may declare about itself besides its name and size (modalities, bit-width...), and how long.
 MAX_PROPERTIES = 32
@@ -456,6 +468,9 @@ class HospitalStrategy(Strategy):
         sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
         claimed = None if reply.has_error() else reply.content.config_records.get("hospital", {}).get("name")
         self.audit_message("received", reply, 0, claimed if isinstance(claimed, str) else None, node)
+        if reply.has_error() and NO_QUERY_HANDLER in str(reply.error.reason):
+            self.learn_flower_clientapp(node)
+            return
         if reply.has_error():
             log.warning("node %d did not say which hospital it is: %s", node, cut(reply.error.reason))
             self.unusable[node] = time.time()
@@ -494,6 +509,38 @@ class HospitalStrategy(Strategy):
         log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
                  hospital.properties or "")
 
+    def learn_flower_clientapp(self, node: int) -> None:
+        """``node`` answered the identity query with Flower's "No query function registered": a standard Flower
+        ClientApp that trains the model itself. For a method whose hospital step is plain local training
+        (``MethodSpec.flower_contract``) it is hospital ``node-<id>``, sent Flower's own messages, its sample count
+        bounded by ``screening.max-samples``; for the others it is refused, saying what to add."""
+        problem = self.trains_itself_problem("a Flower ClientApp that trains the model itself (it has no query "
+                                             "handler)")
+        if problem:
+            log.warning("node %d is not asked to train: %s", node, problem)
+            self.unusable[node] = time.time()
+            self._refusals[node] = problem
+            return
+        self._refusals.pop(node, None)
+        self.hospitals[node] = HospitalInfo(f"node-{node}", self.job.screening.max_samples, {TRAINS_ITSELF: True})
+        log.info("node %d is a Flower ClientApp that trains the model itself: hospital node-%d, sent Flower's own "
+                 "messages", node, node)
+
+    def trains_itself_problem(self, what: str) -> str | None:
+        """Why a hospital that trains the model itself under Flower's contract cannot serve this job (None: it can)."""
+        method = self.job.strategy
+        if not method_spec(method).flower_contract:
+            return (f"{what}, but {method}'s hospitals run fedmed's {method} step: add fedmed's hospital mod to its "
+                    "ClientApp, ClientApp(mods=[hospital_mod]) with hospital_mod from client_app.hospital_mod "
+                    "(docs/own-clientapp.md)")
+        if self.secure_aggregation is not None:
+            return (f"{what}, but secure aggregation runs fedmed's protocol at every hospital: give it fedmed's "
+                    "ClientApp, or one of its own built on client_app.api (docs/own-clientapp.md)")
+        if self.job.hospital_keys and what.startswith("a Flower ClientApp"):
+            return (f"{what}, but hospital-keys is set and it cannot sign its name: add fedmed's hospital mod to its "
+                    "ClientApp (it signs with the node's identity-key)")
+        return None
+
     def identity_of(self, node: int, reply: Message) -> HospitalInfo:
         """The hospital an identity reply describes, every field checked (ValueError says which is wrong)."""
         try:
@@ -503,6 +550,11 @@ class HospitalStrategy(Strategy):
         name, count = info.get("name"), info.get("num-examples")
         if not isinstance(name, str) or not SAFE_RUN_NAME.match(name) or len(name) > 120:
             raise ValueError(f"name={brief(name)} is not a hospital name (letters, digits, '.', '_', '-')")
+        if info.get(f"property.{TRAINS_ITSELF}") is True:  # fedmed's mod in a ClientApp that trains itself
+            problem = self.trains_itself_problem(f"{name} trains the model itself (its ClientApp's own train)")
+            if problem:
+                raise ValueError(problem)
+            count = self.job.screening.max_samples if count is None else count
         problem = declared_count_problem(count, self.job.screening.max_samples)
         if problem:
             raise ValueError(f"{name}: {problem}")
@@ -529,17 +581,39 @@ class HospitalStrategy(Strategy):
         layout = self.message_layout()
         messages = []
         shared: dict = {}  # one record of the global model for every hospital that receives it, not a copy each
+        config = {**dict(config or {}), **(self.flower_train_config() if message_type == MessageType.TRAIN else {})}
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
-            payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {}),
-                              "message-arrays": layout}  # the hospital replies in the same layout
-            content = to_recorddict(payload, layout, self.records, shared)
+            if info.properties.get(TRAINS_ITSELF):
+                content = self.flower_content(server_round, payload, config, shared)
+            else:
+                payload.config = {**payload.config, **self.hospital_config(server_round), **config,
+                                  "message-arrays": layout}  # the hospital replies in the same layout
+                content = to_recorddict(payload, layout, self.records, shared)
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             self._bytes_down[info.name] = message_nbytes(message)
             messages.append(message)
             self.audit_message("sent", message, server_round, info.name, node_of[info.name],
                                nbytes=self._bytes_down[info.name])
         return messages
+
+    def flower_content(self, server_round: int, payload: Payload, config: Mapping[str, Any],
+                       shared: dict) -> RecordDict:
+        """A message to a hospital that trains the model itself, as Flower's FedAvg builds it: the model as one
+        ArrayRecord of one Array per tensor (``arrayrecord_key``; ``to_torch_state_dict()`` loads it) and the train
+        or evaluate config with ``server-round`` (``configrecord_key``), nothing of fedmed's protocol."""
+        arrays = payload.arrays.get("model", {})
+        same = ("flower", tuple((name, id(value)) for name, value in arrays.items()))
+        if same not in shared:  # one record for every such hospital of the round
+            shared[same] = (tuple(arrays.values()), ArrayRecord({name: Array(np.require(value, requirements="C"))
+                                                                 for name, value in arrays.items()}))
+        return RecordDict({self.records.arrays: shared[same][1],
+                           self.records.config: ConfigRecord({**config, "server-round": server_round})})
+
+    def flower_train_config(self) -> dict[str, Any]:
+        """What a train message's config carries for the method beside the user's train config, as Flower's strategy
+        of the same name sends it (FedProx: ``proximal-mu``); none by default."""
+        return {}
 
     def message_layout(self) -> str:
         """How this round's arrays travel: ``message-arrays``, where that is 'auto' flat in our own round loop
@@ -608,9 +682,10 @@ class HospitalStrategy(Strategy):
         DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
         self.refuse_unfit_wrappers()
         self.claim_run_folder()  # under Flower's loop (a DP wrapper's start): held until the ServerApp process ends
-        if len(arrays):
-            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
-                                            f"arrays given for round {server_round}")
+        if len(arrays) and not self.engine.history and not self.engine.own_network:  # Flower's loop: initial_arrays
+            self.adopt_initial_arrays(arrays, f"arrays given for round {server_round}")
+        elif len(arrays):
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), f"arrays given for round {server_round}")
         self._grid = grid
         asked_from = time.time()
         self.discover(grid)
@@ -658,12 +733,24 @@ class HospitalStrategy(Strategy):
             return RoundReply(hospital, None, cut(message.error.reason), 0)
         up = message_nbytes(message)
         try:  # streamed (not keep_arrays): views into the message, which is released once the reply is screened
-            payload = from_recorddict(message.content, limit, self.records, tensors, copy=keep_arrays)
+            payload = self.decode_reply(hospital, message.content, limit, tensors, copy=keep_arrays)
         except MalformedPayload as error:
             return RoundReply(hospital, None, f"malformed reply: {error}", up)
         self._replies[hospital.name] = message.content if keep_arrays else RecordDict(
             {name: record for name, record in message.content.items() if not isinstance(record, ArrayRecord)})
         return RoundReply(hospital, payload, None, up)
+
+    def decode_reply(self, hospital: HospitalInfo, content: RecordDict, limit: int, tensors: int,
+                     copy: bool = True, training: bool = True) -> Payload:
+        """A reply's payload: fedmed's records, or for a hospital that trains the model itself Flower's contract (one
+        ArrayRecord, one MetricRecord, any names), its model's tensors sorted into the method's array groups
+        (``ServerMethod.flower_reply_arrays``). MalformedPayload says what does not fit."""
+        if not hospital.properties.get(TRAINS_ITSELF):
+            return from_recorddict(content, limit, self.records, tensors, copy=copy)
+        payload = from_flower_reply(content, limit, tensors, copy, with_arrays=training)
+        if training:
+            payload.arrays = self.engine.method.flower_reply_arrays(payload.arrays["model"])
+        return payload
 
     def reply_folder(self) -> Path | None:
         """Where a round's accepted replies wait, on disk, for the round to close (``<run>/.round-<n>``, removed
@@ -795,12 +882,39 @@ class HospitalStrategy(Strategy):
         own loop (a DP wrapper's ``start``): the round's recorded scores (``arrays`` were released to the method in
         ``configure_evaluate``); round 0 scores ``arrays`` as given."""
         if server_round == 0:
-            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), "initial arrays")
+            self.adopt_initial_arrays(arrays, "initial arrays")
+            if self.engine.test_data is None:  # no test set, or a network the server does not build
+                return None
             return MetricRecord(numbers(self.engine.method.evaluate(self.engine.test_data)))
         for record in reversed(self.engine.history):
             if record["round"] == server_round:
                 return MetricRecord(numbers(record.get("test", {}))) if record.get("test") else None
         return None
+
+    def adopt_initial_arrays(self, arrays: ArrayRecord, what: str) -> None:
+        """``arrays`` as the model round 1 starts from. Where they are not the method's model of the run config's
+        network: with no network named (``model`` unset) a method of Flower's contract (``MethodSpec.flower_contract``:
+        FedAvg, FedProx, FedBN) takes the network's shape from them, as Flower's strategies do; otherwise a ConfigError
+        says which network they were compared with and what to change."""
+        named = arrays_of(arrays, copy=False)
+        try:
+            self.engine.adopt_global_arrays(named, what)
+            return
+        except ValueError as error:
+            mismatch = str(error)
+        method, network = self.job.strategy, self.engine.method.task.network_name
+        if not self.job.model and method_spec(method).flower_contract:
+            self.engine.adopt_own_network(named, what)
+            return
+        if self.job.model:
+            raise ConfigError(f"{mismatch}: {what} are not a {method} model of the network the run config names "
+                              f"(model={network!r}); give {what} of that network, or leave model unset (FedAvg, "
+                              f"FedProx and FedBN then take the network from {what})")
+        raise ConfigError(f"{mismatch}: {what} are not a {method} model of the run config's network, which names none "
+                          f"(model unset: the {self.job.task} task's default, {network!r}). {method} builds its model "
+                          "around the network, so the server needs the network itself: name yours in the run config, "
+                          "model='package.module:Net' (docs/own-serverapp.md), and pass initial_arrays="
+                          "strategy.initial_arrays() or none")
 
     def round_ended(self, record: dict[str, Any]) -> None:
         """Hand the finished round to ``on_round_end`` (checkpoint, result files), unless the run was stopped.
@@ -846,8 +960,8 @@ class HospitalStrategy(Strategy):
                             cut(message.error.reason))
                 continue
             try:
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
-                                          self.reply_tensor_limit()).metrics
+                metrics = self.decode_reply(hospital, message.content, self.reply_limit(), self.reply_tensor_limit(),
+                                            training=False).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
@@ -870,7 +984,8 @@ class HospitalStrategy(Strategy):
         messages; ``HospitalMethod.cross_site``): ``scores[hospital][model][metric]``, with the hospitals that
         failed (and why) or did not answer within ``timeout`` named. Also kept as ``self.cross_site``."""
         self.discover(grid)
-        hospitals = sorted(self.hospitals.values(), key=lambda h: h.name)
+        hospitals = sorted((h for h in self.hospitals.values() if not h.properties.get(TRAINS_ITSELF)),
+                           key=lambda h: h.name)  # a ClientApp that trains itself has no cross-site handler
         rnd = self.engine.next_round  # what the hospitals would receive next: the final models
         self._evaluated = hospitals
         messages = self.hospital_messages(rnd, hospitals, ConfigRecord({CROSS_SITE_KEY: True}), MessageType.EVALUATE)
@@ -969,7 +1084,7 @@ class HospitalStrategy(Strategy):
         if num_rounds != self.job.num_server_rounds or timeout != self.job.round_timeout:
             self.change_job(num_server_rounds=num_rounds, round_timeout=timeout)
         if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
-            self.engine.adopt_global_arrays(arrays_of(initial_arrays, copy=False), "initial_arrays")
+            self.adopt_initial_arrays(initial_arrays, "initial_arrays")
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
         self.nothing_aggregated = None

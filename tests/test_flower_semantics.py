@@ -2,7 +2,7 @@
 its own works; what ``configure_train`` is given is the current global model and what ``aggregate_train`` returns
 (a subclass's change, a DP wrapper's noise) is the next one, the one scored, saved and sent; ``(None, None)`` when
 nothing was accepted; the server's test metrics in ``evaluate_metrics_serverapp``; Flower's attributes; settings
-given in Python reach the hospitals; a run that aggregated nobody fails."""
+given in Python reach the hospitals; a run that aggregated nobody returns a Result that says why."""
 
 from __future__ import annotations
 
