@@ -148,3 +148,68 @@ def test_a_method_with_a_hospital_step_refuses_a_clientapp_that_trains_itself_sa
     with pytest.raises(ConfigError, match=r"node 101: a Flower ClientApp that trains the model itself .*but fedproin's "
                                           r"hospitals run fedmed's fedproin step: add fedmed's hospital mod"):
         strategy.start(FakeGrid(quickstart_nodes(2)), num_rounds=1)
+
+
+class BatchNormNet(torch.nn.Module):
+    """A small network with a BatchNorm layer, for FedBN."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+
+def fedbn_clientapp(message: Message, context) -> Message:
+    """A Flower ClientApp for FedBN as Flower's FedBN examples write one: the shared weights loaded with
+    strict=False over its own BatchNorm layers (kept in context.state between rounds), its whole state sent back."""
+    from quickstart.task import load_data
+
+    if message.metadata.message_type != MessageType.TRAIN:
+        raise ValueError("No query function registered with name 'default'")
+    model = BatchNormNet()
+    if "bn" in context.state:
+        model.load_state_dict(context.state["bn"].to_torch_state_dict(), strict=False)
+    model.load_state_dict(message.content["arrays"].to_torch_state_dict(), strict=False)
+    trainloader, _ = load_data(context.node_config["partition-id"], 2, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.train()
+    for batch in trainloader:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(batch["img"]), batch["label"]).backward()
+        optimizer.step()
+    context.state["bn"] = ArrayRecord({k: v for k, v in model.state_dict().items() if k.startswith("bn.")})
+    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                               "metrics": MetricRecord({"num-examples": len(trainloader.dataset)})}), reply_to=message)
+
+
+def test_fedbn_serves_a_clientapp_that_trains_itself_and_keeps_its_normalisation_layers(tmp_path):
+    from strategies import FedBNStrategy
+
+    nodes = {101 + pid: flower_clientapp_node(fedbn_clientapp, {}, {"partition-id": pid}, 101 + pid) for pid in (0, 1)}
+    grid = FakeGrid(nodes)
+    initial = ArrayRecord(BatchNormNet().state_dict())
+    result = FedBNStrategy(settings=fedmed_job(tmp_path)).start(grid, initial_arrays=initial, num_rounds=2)
+    for message in grid.sent_of_type(MessageType.TRAIN):  # the shared weights only: BatchNorm stays at each hospital
+        assert sorted(message.content["arrays"]) == ["conv.bias", "conv.weight", "fc.bias", "fc.weight"]
+    replies = train_replies(grid, 2)
+    assert all("bn.running_mean" in reply.content["arrays"] for reply in replies.values())
+    expected = np.mean([r.content["arrays"]["conv.weight"].numpy() for r in replies.values()], axis=0)
+    np.testing.assert_allclose(result.arrays["conv.weight"].numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(result.arrays["bn.running_var"].numpy(), initial["bn.running_var"].numpy())
+    assert list(result.arrays) == list(initial)  # loads into the network as it is, counters included
+
+
+def test_a_robust_aggregate_takes_the_median_of_clientapps_that_train_themselves(tmp_path):
+    grid = FakeGrid(quickstart_nodes(3))
+    strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3,
+                              settings={**fedmed_job(tmp_path), "screening.robust-aggregate": "median"})
+    result = strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()),
+                            train_config=ConfigRecord({"lr": 0.05}), num_rounds=1)
+    replies = train_replies(grid, 1)
+    for name in Net().state_dict():
+        median = np.median([reply.content["arrays"][name].numpy() for reply in replies.values()], axis=0)
+        np.testing.assert_allclose(result.arrays[name].numpy(), median, rtol=1e-6, atol=1e-7)

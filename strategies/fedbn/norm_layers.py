@@ -23,9 +23,10 @@ def norm_layer_names(model: torch.nn.Module) -> set[str]:
 
 def norm_names_of(arrays: NamedArrays) -> set[str]:
     """The normalisation layers' entries of a state dict whose network is not at hand: every layer with running
-    statistics (``<layer>.running_mean``), its affine weights and its buffers."""
+    statistics (``<layer>.running_mean``), its affine weights and its buffers, its step counter included (the
+    state dict is the user's network's as it is: all of the layer stays at the hospital)."""
     layers = {name.removesuffix(".running_mean") for name in arrays if name.endswith(".running_mean")}
-    return {name for name in arrays if name.rpartition(".")[0] in layers and is_exchanged(name)}
+    return {name for name in arrays if name.rpartition(".")[0] in layers}
 
 
 def split_norm_layers(arrays: NamedArrays, norm_names: set[str]) -> tuple[NamedArrays, NamedArrays]:
