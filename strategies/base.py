@@ -165,9 +165,8 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     those are left to the app (logged once); a key that looks like one of ours misspelt is refused."""
     base = run_config.to_flat() if isinstance(run_config, JobConfig) else fedmed_keys_of(run_config or {})
     flat = {**base, "strategy": method}
-    tasks = method_tasks(method)
-    if "task" not in flat and JobConfig.model_fields["task"].default not in tasks:
-        flat["task"] = tasks[0]  # QFedPolypStrategy() is for polyp segmentation, whatever the default task
+    if "task" not in flat:  # the method's first task: QFedPolypStrategy() is for polyp segmentation
+        flat["task"] = method_tasks(method)[0]
     flat.update({key: value for key, value in settings.items() if value is not None})
     return load_job_config(flat)
 
@@ -514,8 +513,8 @@ class HospitalStrategy(Strategy):
         ClientApp that trains the model itself. For a method whose hospital step is plain local training
         (``MethodSpec.flower_contract``) it is hospital ``node-<id>``, sent Flower's own messages, its sample count
         bounded by ``screening.max-samples``; for the others it is refused, saying what to add."""
-        problem = self.trains_itself_problem("a Flower ClientApp that trains the model itself (it has no query "
-                                             "handler)")
+        problem = self.trains_itself_problem("a Flower ClientApp that trains the model itself (it answered the "
+                                             f"identity query with Flower's '{NO_QUERY_HANDLER}')")
         if problem:
             log.warning("node %d is not asked to train: %s", node, problem)
             self.unusable[node] = time.time()
@@ -530,15 +529,15 @@ class HospitalStrategy(Strategy):
         """Why a hospital that trains the model itself under Flower's contract cannot serve this job (None: it can)."""
         method = self.job.strategy
         if not method_spec(method).flower_contract:
-            return (f"{what}, but {method}'s hospitals run fedmed's {method} step: add fedmed's hospital mod to its "
-                    "ClientApp, ClientApp(mods=[hospital_mod]) with hospital_mod from client_app.hospital_mod "
-                    "(docs/own-clientapp.md)")
+            return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
+                    "HospitalClientApp (from client_app.hospital_mod: Flower's ClientApp with fedmed's hospital mod "
+                    "and query handler; docs/own-clientapp.md)")
         if self.secure_aggregation is not None:
             return (f"{what}, but secure aggregation runs fedmed's protocol at every hospital: give it fedmed's "
                     "ClientApp, or one of its own built on client_app.api (docs/own-clientapp.md)")
         if self.job.hospital_keys and what.startswith("a Flower ClientApp"):
-            return (f"{what}, but hospital-keys is set and it cannot sign its name: add fedmed's hospital mod to its "
-                    "ClientApp (it signs with the node's identity-key)")
+            return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
+                    "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
         return None
 
     def identity_of(self, node: int, reply: Message) -> HospitalInfo:
@@ -903,6 +902,11 @@ class HospitalStrategy(Strategy):
         except ValueError as error:
             mismatch = str(error)
         method, network = self.job.strategy, self.engine.method.task.network_name
+        built = self.engine.method.model_from_network(named)  # the network's own state: FedProIn's encoder
+        if built is not None:
+            self.engine.adopt_global_arrays(built, what)
+            log.info("%s: %s are the network's own state; %s's model is built from them", method, what, method)
+            return
         if not self.job.model and method_spec(method).flower_contract:
             self.engine.adopt_own_network(named, what)
             return
@@ -1124,12 +1128,14 @@ class HospitalStrategy(Strategy):
                     rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
                 if evaluated is not None:
                     result.evaluate_metrics_clientapp[rnd] = evaluated
+                    log.info("round %d: the hospitals' evaluation: %s", rnd, metrics_text(evaluated))
                 central = numbers(record.get("test", {}))
                 if evaluate_fn is not None:
                     own = evaluate_fn(rnd, arrays)
                     if own is not None:
                         record["central"] = dict(own)
                         central.update(dict(own))
+                        log.info("round %d: evaluate_fn: %s", rnd, metrics_text(own))
                 if central:
                     result.evaluate_metrics_serverapp[rnd] = MetricRecord(central)
                 self.round_ended(record)
@@ -1158,6 +1164,11 @@ def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The finite numbers of a metrics dict, as a MetricRecord takes them."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
             and v == v and abs(v) != float("inf")}
+
+
+def metrics_text(metrics: Mapping[str, Any]) -> str:
+    """``accuracy=0.8125, loss=0.4310``: a round's numbers for its log line (lists left out)."""
+    return ", ".join(f"{key}={value:.4g}" for key, value in numbers(metrics).items()) or "no numbers"
 
 
 def drain(messages: list[Message]) -> Iterator[Message]:

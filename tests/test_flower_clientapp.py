@@ -145,8 +145,9 @@ def test_initial_arrays_that_do_not_fit_the_named_network_say_so(tmp_path):
 
 def test_a_method_with_a_hospital_step_refuses_a_clientapp_that_trains_itself_saying_what_to_add(tmp_path):
     strategy = FedProInStrategy(settings={**fedmed_job(tmp_path), "model": "small-cnn"})
-    with pytest.raises(ConfigError, match=r"node 101: a Flower ClientApp that trains the model itself .*but fedproin's "
-                                          r"hospitals run fedmed's fedproin step: add fedmed's hospital mod"):
+    with pytest.raises(ConfigError, match=r"node 101: a Flower ClientApp that trains the model itself .*but "
+                                          r"fedproin's hospitals run fedmed's fedproin step: make its ClientApp a "
+                                          r"HospitalClientApp"):
         strategy.start(FakeGrid(quickstart_nodes(2)), num_rounds=1)
 
 

@@ -98,6 +98,12 @@ class ServerMethod(ABC):
         Only the methods whose server averages named arrays (``MethodSpec.flower_contract``) are asked to."""
         self.global_arrays = {name: np.array(value, copy=True) for name, value in arrays.items()}
 
+    def model_from_network(self, arrays: NamedArrays) -> NamedArrays | None:
+        """The method's global model made from ``arrays``, the state of the network itself (a Flower user's
+        ``ArrayRecord(Net().state_dict())``), where the method's model is built around the network (FedProIn: its
+        encoder from them); None where it is not (default)."""
+        return None
+
     def flower_reply_arrays(self, arrays: NamedArrays) -> dict[str, NamedArrays]:
         """The array groups of a reply from a Flower ClientApp that trained the model itself (its whole state dict in
         one ArrayRecord): the model, less the local-only counters (BatchNorm's ``num_batches_tracked``) where the
