@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
-from flwr.app import Context, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, MessageType, RecordDict
 
 from common.launch import run_log, submit_run, wait_for_run
 from strategies.own_network import into_network
@@ -95,6 +95,58 @@ def test_each_diff_of_the_docs_runs_the_quickstart_app_with_our_strategy(tmp_pat
     model = into_network(state, task.Net())  # the Result loads into the app's network (FedProIn: built on it)
     loss, accuracy = task.test(model, task.load_centralized_dataset(), torch.device("cpu"))
     assert 0.0 <= accuracy <= 1.0 and loss > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["fedavg", "moon", "fedproto"])
+def test_the_same_hospitalclientapp_serves_moon_fedproto_and_trains_itself_for_fedavg(tmp_path, monkeypatch,
+                                                                                      app_modules, method):
+    """The FedProIn diff's app, unchanged, under other strategies: MOON and FedProto run fedmed's step on its Net and
+    loader; for FedAvg the mod says the app trains itself, so its own train loop answers, under its own name."""
+    from strategies import FedAvgStrategy, FedProtoStrategy, MoonStrategy
+
+    app = variant(tmp_path, "fedproin")
+    monkeypatch.chdir(tmp_path)
+    _, client, task = app_modules(app)
+    config = app_config(app)
+    grid = FakeGrid({101 + pid: flower_clientapp_node(client.app, config, {"partition-id": pid, "num-partitions": 2},
+                                                      101 + pid) for pid in range(2)})
+    chosen = {"fedavg": FedAvgStrategy, "moon": MoonStrategy, "fedproto": FedProtoStrategy}[method]
+    strategy = chosen(settings={"model": "quickstart.task:Net", "dataset": "quickstart.task:fedmed_data"})
+    result = strategy.start(grid, initial_arrays=ArrayRecord(task.Net().state_dict()),
+                            train_config=ConfigRecord({"lr": 0.05}), num_rounds=1)
+    record = strategy.engine.history[0]
+    assert record["aggregated"] == ["hospital-00", "hospital-01"] and "skipped" not in record  # named by the mod
+    train = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
+    assert all(("train_loss" in m.content["metrics"]) == (method == "fedavg") for m in train)  # whose loop ran
+    task.Net().load_state_dict(result.arrays.to_torch_state_dict())  # MOON's and FedAvg's: Net's own tensors
+    if method != "fedproto":
+        assert 0.0 <= result.evaluate_metrics_serverapp[1]["accuracy"] <= 1.0  # the server's test set: fedmed_data
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_hospitalclientapp_serves_fedmepd_with_fedmeds_step_on_the_jobs_data(tmp_path):
+    """FedMEPD's hospitals run its step on the built-in brain network: a ClientApp of one's own needs nothing more
+    than HospitalClientApp; its own train handler is never asked."""
+    from client_app.hospital_mod import HospitalClientApp
+    from strategies import FedMEPDStrategy
+
+    from .test_strategies import SMALL_BRAIN, run_config
+
+    app = HospitalClientApp()
+
+    @app.train()
+    def own_train(message, context):
+        raise AssertionError("FedMEPD's rounds are fedmed's step, not the app's own training")
+
+    config = run_config(tmp_path, SMALL_BRAIN)
+    nodes = {101 + pid: flower_clientapp_node(app, config, {"partition-id": pid, "num-partitions": 2}, 101 + pid)
+             for pid in range(2)}
+    grid = FakeGrid(nodes)
+    strategy = FedMEPDStrategy(run_config=config)
+    strategy.start(grid, num_rounds=1)
+    assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01"]
+    assert not [m for m in grid.replies if m.has_error()]
 
 
 @pytest.mark.integration
