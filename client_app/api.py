@@ -37,16 +37,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
-from common.audit import AUDIT_HEAD_MARK, SERVER_HEAD_KEY, AuditLog, message_digest
+from common.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.payload import Payload
+from common.secure_aggregation.messages import COLLECT, STAGE_KEY
 from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 
 from .secure_aggregation import secure_train
@@ -87,11 +89,12 @@ class Hospital:
         except (Exception, SystemExit) as error:  # reported to the server, which logs it and carries on
             what = "" if type(error).__name__ == "WorkerFailed" else f"{type(error).__name__}: "  # already says
             reason = f"hospital {self.name}: {what}{error}"
-            log.error("%s\n%s", reason, traceback.format_exc())
-            reply = Message(Error(code=HOSPITAL_ERROR, reason=with_audit_head(reason, audit)), reply_to=message)
+            log.error("%s\n%s", reason, traceback.format_exc())  # here in full; what leaves names no local path
+            reply = Message(Error(code=HOSPITAL_ERROR, reason=with_audit_head(without_local_paths(reason), audit)),
+                            reply_to=message)
         if audit is not None:
             try:
-                audit.append("message", direction="sent", **about, **message_digest(reply))
+                audit.append("message", direction="sent", **about, **reply_about(reply), **message_digest(reply))
             except Exception as error:  # the reply is not sent unlogged
                 reason = f"hospital {self.name}: {type(error).__name__}: {error}"
                 log.error("%s", reason)
@@ -107,7 +110,10 @@ class Hospital:
         return AuditLog(path, f"hospital:{node.name}") if path is not None else None
 
     def query(self, message: Message) -> Message:
-        identity = self.payload_answer("query", from_recorddict(message.content))
+        payload = from_recorddict(message.content)
+        if payload.config.get("query") == RUN_ENDED_QUERY:  # its log recorded the server's last head: all it needs
+            return Message(RecordDict({"hospital": ConfigRecord({"run-ended": True})}), reply_to=message)
+        identity = self.payload_answer("query", payload)
         return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
 
     def train(self, message: Message) -> Message:
@@ -145,6 +151,23 @@ def stamp_audit_head(reply: Message, head: str) -> None:
         return
 
 
+#: An absolute path in a reason (POSIX, or home-relative), up to a quote, space, bracket or separator of the text.
+_LOCAL_PATH = re.compile(r"(?<![\w:/.])(?:~|/)[^\s'\"(),;\[\]<>]*")
+
+
+def without_local_paths(reason: str) -> str:
+    """``reason`` with every absolute path cut to its last part (``/var/lib/fedmed/st-olav/privacy-ledger.json`` ->
+    ``<...>/privacy-ledger.json``): a refusal names the file at fault without telling the server the hospital's
+    folders; the hospital's own log keeps the full reason."""
+    def short(match: re.Match) -> str:
+        path = match.group(0).rstrip(".:")
+        tail = match.group(0)[len(path):]
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        return f"<...>/{name}{tail}" if name and name != "~" else f"<...>{tail}"
+
+    return _LOCAL_PATH.sub(short, reason)
+
+
 def with_audit_head(reason: str, audit: AuditLog | None) -> str:
     """An error reply's reason with the hospital's audit head at its end (a Flower error reply carries no records),
     so the server's log anchors refusals as it anchors answers (:func:`common.audit.head_in_reason`)."""
@@ -158,17 +181,29 @@ def with_audit_head(reason: str, audit: AuditLog | None) -> str:
 
 def message_about(message: Message, kind: str) -> dict[str, Any]:
     """What an audit line says of a message besides its digest: the run, round and method it names, its kind, the
-    Flower run, the peer that sent it and the head of the server's audit log the message carries."""
+    secure-aggregation stage, the Flower run, the peer that sent it and the head of the server's audit log the
+    message carries."""
     config: dict[str, Any] = {}
     if not message.has_error():
         for record in message.content.config_records.values():
-            config.update({k: record[k] for k in ("run-name", "server-round", "strategy", SERVER_HEAD_KEY)
+            config.update({k: record[k] for k in ("run-name", "server-round", "strategy", SERVER_HEAD_KEY, STAGE_KEY)
                            if k in record})
     head = config.get(SERVER_HEAD_KEY)
     return {"kind": kind, "run": config.get("run-name"), "round": config.get("server-round"),
-            "method": config.get("strategy"), "flower-run": message.metadata.run_id,
+            "method": config.get("strategy"), "stage": config.get(STAGE_KEY), "flower-run": message.metadata.run_id,
             "peer-node": message.metadata.src_node_id, "peer": "server",
             "peer-audit-head": head if isinstance(head, str) else None}
+
+
+def reply_about(reply: Message) -> dict[str, Any]:
+    """What the hospital's log says of a reply it sends, for its data-protection officer (``fedmed console``): the
+    names of the metrics that leave in it, and whether its arrays are masked (secure aggregation's collect stage)."""
+    if reply.has_error():
+        return {}
+    records = list(reply.content.values())  # not .metric_records, whose view holds the message in a cycle
+    names = sorted({key for record in records if isinstance(record, MetricRecord) for key in record})
+    stages = {record.get(STAGE_KEY) for record in records if isinstance(record, ConfigRecord)}
+    return {"metrics": names, "masked": COLLECT in stages}
 
 
 def uses_worker(context: Context) -> bool:

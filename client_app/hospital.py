@@ -7,9 +7,11 @@ Flower keeps that process alive between messages) or in the hospital's warm work
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Mapping
 
+from common.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside, offline
 from common.audit import AuditLog
 from common.code_gate import CodeGate, split_list
 from common.config import JobConfig, hospital_job_config
@@ -80,13 +82,26 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
     run, rnd = str(payload.config.get("run-name", "")), int(payload.config.get("server-round", 0))
     where = {"run": run, "round": rnd, "method": cfg.strategy, "kind": kind}
     gate = code_gate(node, enforcer)
-    refused = gate.problems(cfg)
+    refused = gate.problems(cfg) + ([] if node.virtual else argument_problems_at(node, cfg, enforcer))
     if refused:
         if enforcer is not None:
             raise enforcer.refuse("; ".join(refused), **where)
         raise PolicyRefusal(f"refused: {'; '.join(refused)}")
-    with gate.enforced():
+    with gate.enforced(), (contextlib.nullcontext() if node.virtual else offline()):
         return answer_within(kind, payload, cfg, node, enforcer, where)
+
+
+def argument_problems_at(node: NodeConfig, cfg: JobConfig, enforcer: Enforcer | None) -> list[str]:
+    """Why the server's arguments would reach outside this deployed hospital (common/argument_gate.py): its own
+    folders are its data-dir, state folder and its policy's argument-folders; its limits its policy's or the
+    defaults."""
+    policy = enforcer.policy if enforcer is not None else None
+    folders = (node.data_dir, str(node.state_root(cfg.state_dir)), *(policy.argument_folders if policy else ()))
+    problems = argument_problems(cfg, folders, bool(policy and policy.allow_pretrained),
+                                 policy.limits if policy else DEFAULT_JOB_LIMITS)
+    if not node.data_dir and cfg.data_dir and not inside(cfg.data_dir, folders):  # its data: the node config's
+        problems.append("data-dir names a folder outside this hospital's own folders, so it was not read")
+    return problems
 
 
 def answer_within(kind: str, payload: Payload, cfg: JobConfig, node: NodeConfig, enforcer: Enforcer | None,

@@ -3,10 +3,18 @@
 Deployment: ``hospital``, ``data-dir`` and ``state-dir`` name the site's own folders. Simulation:
 Flower sets ``partition-id``/``num-partitions`` and the hospital takes that partition of the
 job's data set. Unknown keys and wrong types are refused with the key named.
+
+Only a hospital of Flower's simulation engine is *virtual* (it takes the run config's import paths, since one
+operator writes the run config and runs every hospital): its node config is exactly the one the engine sets and
+its ClientApp runs inside the engine (:func:`inside_simulation_engine`). A SuperNode started by hand with the same
+keys, or any node config with more, gets a deployed hospital's rules.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -16,6 +24,37 @@ from common.config import ConfigError, JobConfig, Section, describe_validation_e
 
 #: A deployed hospital works in its warm worker unless its node config says ``warm-worker=false``.
 WARM_WORKER_BY_DEFAULT = True
+
+#: The node config Flower's simulation engine gives each virtual node (``flwr/server/superlink/fleet/vce/vce_api.py``).
+SIMULATION_ENGINE_FIELDS = frozenset({"partition_id", "num_partitions"})
+
+_EVERY_HOSPITAL_IN_THIS_PROCESS = contextvars.ContextVar("fedmed_every_hospital_in_this_process", default=False)
+
+
+def inside_simulation_engine() -> bool:
+    """Whether this ClientApp runs inside Flower's simulation engine: in one of the Ray actors of its ClientApp
+    pool (``flwr.simulation.ray_transport.ray_actor``), or in a process that runs every hospital itself
+    (:func:`every_hospital_in_this_process`). A SuperNode started by hand runs its ClientApps in no Ray actor."""
+    if _EVERY_HOSPITAL_IN_THIS_PROCESS.get():
+        return True
+    ray = sys.modules.get("ray")
+    if ray is None or "flwr.simulation.ray_transport.ray_actor" not in sys.modules:
+        return False
+    try:
+        return bool(ray.is_initialized()) and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # an older or half-started Ray: not known to be the engine
+        return False
+
+
+@contextlib.contextmanager
+def every_hospital_in_this_process():
+    """While inside, hospitals answered here are the operator's own virtual hospitals (a test's or benchmark's
+    in-process federation, as Flower's simulation engine runs them): nothing a message says can set this."""
+    token = _EVERY_HOSPITAL_IN_THIS_PROCESS.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_HOSPITAL_IN_THIS_PROCESS.reset(token)
 
 
 class NodeConfig(Section):
@@ -98,9 +137,10 @@ class NodeConfig(Section):
 
     @property
     def virtual(self) -> bool:
-        """A virtual hospital of Flower's simulation engine: no data folder or policy of its own, so the run
-        config's author (the operator of the one machine) decides its data and code."""
-        return not self.data_dir and not self.policy_file
+        """A virtual hospital of Flower's simulation engine: exactly the node config the engine sets (nothing of its
+        own: no name, folders, lists or policy), answered inside the engine, so the run config's author (the
+        operator of the one machine) decides its data and code."""
+        return self.model_fields_set == SIMULATION_ENGINE_FIELDS and inside_simulation_engine()
 
     def pinned_keys(self) -> dict[str, str]:
         """Run-config keys this hospital sets itself, over whatever a message says: its data loader, when pinned
@@ -112,9 +152,14 @@ class NodeConfig(Section):
         return self.hospital or f"hospital-{self.partition_id:02d}"
 
     def state_root(self, run_state_dir: str) -> Path:
-        """The hospital's own state folder (its runs' folders, its privacy ledger, its audit log): ``state-dir``, or
-        ``<run config state-dir>/<hospital>`` (simulation)."""
-        return Path(self.state_dir) if self.state_dir else Path(run_state_dir or "state") / self.name
+        """The hospital's own state folder (its runs' folders, its privacy ledger, its audit log, its secure-
+        aggregation memory): ``state-dir``, or ``<run config state-dir>/<hospital>`` inside Flower's simulation
+        engine. A hospital elsewhere without ``state-dir`` keeps it in ``state/<hospital>`` of its working folder:
+        the run config is the server's, and a server that chose where a hospital keeps its ledger could start it
+        afresh."""
+        if self.state_dir:
+            return Path(self.state_dir)
+        return Path((run_state_dir or "state") if inside_simulation_engine() else "state") / self.name
 
     def state_folder(self, cfg: JobConfig, run_name: str) -> Path:
         return self.state_root(cfg.state_dir) / run_name

@@ -25,6 +25,8 @@ from typing import Any, Iterator
 
 GENESIS = "0" * 64  #: ``prev`` of a log's first line
 SERVER_HEAD_KEY = "server-audit-head"  #: message config: the server's audit head when it built the message
+#: a query's ``query`` value at the end of a run: it carries the server's last audit head for the hospitals to record
+RUN_ENDED_QUERY = "run-ended"
 AUDIT_HEAD_MARK = "[audit-head "  #: an error reply's reason ends with "[audit-head <hash>]" (no records in errors)
 RESERVED = ("seq", "time", "prev", "hash")  #: fields every line has; an event's own fields may not use them
 MAX_TEXT = 2000  #: characters kept of any text field (a refusal's reason, an error)

@@ -8,6 +8,7 @@
     fedmed evaluate --run results/<run-name> --data external-site/   # a run's model on a labelled folder
     fedmed evaluate --run results/<run-name> --data external-site/ --best   # its best round's (select-by)
     fedmed runs --results results                # the runs of a results folder, newest first
+    fedmed console --state state --results results   # a read-only page of both (docs/privacy.md)
 
 Ctrl-C, SIGTERM or --timeout stop a simulation or the demo and every process it started (exit code 130, 143
 or 124; partial results stay in the run folder); a run that did not complete exits 1; a refused config or
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
@@ -68,6 +70,77 @@ def usable_path(what: str, value: str | Path) -> Path:
         raise ConfigError(f"{what}: {str(value)!r} cannot be used as a path: it leads into a symbolic link "
                           "loop") from None
     return path
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusals are one line naming the option and value (no usage block: --help has it)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def positive(kind: type, least: float = 1):
+    """An argparse type: a number of ``kind`` of at least ``least`` (the error names the value)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value >= least or value != value:
+            raise argparse.ArgumentTypeError(f"{text!r}: it must be at least {least:g}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def check_app_keys(values: dict[str, Any], app_dir: Path | None = None) -> None:
+    """Run-config keys Flower would refuse for this app (only ``[tool.flwr.app.config]`` of its pyproject.toml may
+    be set): ConfigError naming the key, before anything starts."""
+    from common.config import misspelt_key
+    from common.launch import PROJECT_ROOT
+    from common.settings import ConfigError
+
+    listed = tomllib.loads(((app_dir or PROJECT_ROOT) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    known = set(flatten_keys(listed))
+    for key in values:
+        if key not in known:
+            hint = misspelt_key(key) or "the app's pyproject.toml [tool.flwr.app.config] lists every key it takes"
+            raise ConfigError(f"--run-config: {key!r} is not a run-config key of this app ({hint})")
+
+
+def flatten_keys(table: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        keys += flatten_keys(value, f"{name}.") if isinstance(value, dict) else [name]
+    return keys
+
+
+def check_federation_keys(values: dict[str, Any]) -> None:
+    """``--federation-config`` keys Flower's simulation engine does not know: ConfigError naming them."""
+    from flwr.proto.federation_config_pb2 import SimulationConfig
+
+    from common.settings import ConfigError
+
+    fields = [field.name.replace("_", "-") for field in SimulationConfig.DESCRIPTOR.fields]
+    unknown = sorted(key for key in values if key not in fields)
+    if unknown:
+        raise ConfigError(f"--federation-config: {', '.join(map(repr, unknown))} is not a key of Flower's simulation "
+                          f"engine ({', '.join(fields)})")
+    if "num-supernodes" in values:
+        raise ConfigError("--federation-config: num-supernodes is --hospitals here")
+
+
+def check_named_code(cfg) -> None:
+    """Every network and loader the job names can be imported and is one (common/code_gate.py's rules): a
+    ConfigError naming the key, here, before Flower starts (the ServerApp would fail on it after)."""
+    from common.code_gate import resolution_problems
+    from common.settings import ConfigError
+
+    problems = resolution_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def is_path_key(key: str) -> bool:
@@ -199,6 +272,9 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
         run_dir = Path(run_config["results-dir"]) / run_config["run-name"]
     check_flower_config("--run-config", run_config)
     check_flower_config("--federation-config", engine)
+    check_app_keys(overrides)
+    check_federation_keys(engine)
+    check_named_code(cfg)
 
     from common.launch import (
         FlowerHome,
@@ -422,14 +498,13 @@ PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_di
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (server_app/audit_cli.py,
     client_app/site_cli.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
-    parser = argparse.ArgumentParser(prog="fedmed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="fedmed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="local training, FedAvg and FedProIn side by side on generated non-IID "
                           "hospitals (Flower simulation; a few minutes on a CPU)")
     demo.add_argument("--hospitals", type=int, default=3)
-    demo.add_argument("--rounds", type=int, default=10)
+    demo.add_argument("--rounds", type=positive(int), default=10)
     demo.add_argument("--seed", type=int, default=42, help="the data, its split and the training's random draws")
     demo.add_argument("--results", type=Path, default=Path("results"),
                       help="folder for the demo's folder, demo-<time>/ (default: results)")
@@ -456,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--calibration-dir", type=Path, default=None,
                         help="images to calibrate activation ranges on (default: the run's training data); with a "
                         "loader of the run's own, a folder it reads as a hospital's data")
-    export.add_argument("--calibration-images", type=int, default=64)
+    export.add_argument("--calibration-images", type=positive(int), default=64)
     export.add_argument("--engine", choices=("auto", "pt2e", "onnxruntime", "openvino"), default="auto",
                         help="pt2e: PyTorch's quantisation (torchao; concatenations in int8 or float, whichever runs "
                         "faster here), a .pt2 compiled when it runs; onnxruntime: ONNX "
@@ -478,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--run", type=Path, required=True, help="run folder (or one of its checkpoint files)")
     evaluation.add_argument("--data", type=Path, required=True,
                             help="labelled folder: HAM10000 layout, npz, images/ + masks/, or BraTS case folders")
-    evaluation.add_argument("--round", type=int, default=None, help="the checkpoint after this round (default: last)")
+    evaluation.add_argument("--round", type=positive(int), default=None,
+                            help="the checkpoint after this round (default: last)")
     evaluation.add_argument("--model", type=Path, default=None, help="an INT8 model from `fedmed export-int8`")
     evaluation.add_argument("--modalities", default="", help="brain task: the MRI modalities to give the model")
     evaluation.add_argument("--hospital", default="", help="FedProto: this hospital's own model")
@@ -493,6 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--app-dir", type=Path, default=None, help="the folder holding the run's own network and loader "
                        "modules (model/dataset='package.module:name'), when the one the run recorded is gone")
 
+    # their own parsers (server_app/audit_cli.py, client_app/site_cli.py); here so that --help lists them
+    sub.add_parser("audit", help="verify an audit log's chain (and against the other end's), rebuild a privacy "
+                   "ledger: fedmed audit --help", add_help=False)
+    sub.add_parser("app-hash", help="an app bundle's SHA-256 and files, for a hospital to review and approve",
+                   add_help=False)
+    sub.add_parser("policy", help="what a hospital's policy and node config allow: fedmed policy check --help",
+                   add_help=False)
     runs = sub.add_parser("runs", help="the runs in a results folder, newest first")
     runs.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results)")
     runs.add_argument("--metric", default="", help="e.g. test.dice, min:test.loss, train.val-accuracy (default: the "
@@ -500,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for p in (demo, sim):
         p.add_argument("--home", type=Path, default=Path(".flwr"), help="FLWR_HOME for the local SuperLink")
-        p.add_argument("--timeout", type=float, default=6 * 3600,
+        p.add_argument("--timeout", type=positive(float, 1), default=6 * 3600,
                        help="seconds the whole run may take; then it is stopped (exit code 124)")
     return parser
 
@@ -514,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
         from client_app.site_cli import main as site_main
 
         return site_main(sys.argv[1:] if argv is None else list(argv))
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["console"]:  # the read-only page (docs/privacy.md)
+        from console.cli import main as console_main
+
+        return console_main(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "export-int8" and args.out is None and not args.best:
@@ -555,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as stopped:  # after the run's processes were ended (simulate's finally)
         print(f"fedmed: stopped ({stopped})", file=sys.stderr)
         return EXIT_STOPPED[stopped.signum]
+    except Exception as error:  # anything else: one line, the traceback only when asked for
+        if os.environ.get("FEDMED_DEBUG"):
+            raise
+        print(f"fedmed {args.command}: {type(error).__name__}: {error} (FEDMED_DEBUG=1 shows where)",
+              file=sys.stderr)
+        return 1
     return 1
 
 

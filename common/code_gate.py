@@ -13,7 +13,8 @@ the server, so a hospital that imported whatever they name would run whatever th
 a message, :func:`common.models.networks.load_factory` asks :func:`refusal` again before each import, so a path
 that reaches it some other way is refused too. A virtual hospital of Flower's simulation engine (node config of
 only ``partition-id``/``num-partitions``, no policy) takes the run config's paths: there one operator writes the
-run config and runs every hospital on their own machine (docs/privacy.md).
+run config and runs every hospital on their own machine (docs/privacy.md); only that engine's own node config
+is virtual (``client_app/node_config.py``).
 """
 
 from __future__ import annotations
@@ -88,8 +89,13 @@ class CodeGate:
                 f"that wants it lists it under '{kind}' in its node config or policy")
 
     def problems(self, cfg: Any) -> list[str]:
-        """Every refusal for the code ``cfg`` names (empty: all approved)."""
-        return [reason for key, name in named_code(cfg) if (reason := self.refusal(key, name))]
+        """Every refusal for the code ``cfg`` names (empty: all approved); once every name is approved, what each
+        resolves to is checked too (:func:`resolution_problems`: approved modules are then imported)."""
+        refused = [reason for key, name in named_code(cfg) if (reason := self.refusal(key, name))]
+        if refused:
+            return refused
+        with self.enforced():
+            return resolution_problems(cfg)
 
     @contextlib.contextmanager
     def enforced(self) -> Iterator[None]:
@@ -109,6 +115,72 @@ def refusal(key: str, name: str) -> str | None:
     (the server, benchmarks, in-process runs) or when it is approved."""
     gate = _GATE.get()
     return None if gate is None else gate.refusal(key, name)
+
+
+#: Callables that turn a string into an object, module or code run (MONAI's ``instantiate``, ``pydoc.locate``,
+#: ``importlib.import_module``...): never a network or loader, whatever pattern they match, since with
+#: ``model-args`` they reach anything (``{"__path": "os.system", ...}``). Anything defined in Python's standard
+#: library is refused too (``os:system``, ``builtins:eval``).
+BUILDER_NAMES = frozenset({"instantiate", "locate", "import_module", "optional_import", "import_string", "get_class",
+                           "get_obj", "get_object", "load_submodules", "dynamic_import", "load_class", "call",
+                           "eval", "exec", "compile", "getattr", "__import__"})
+#: Packages whose callables build objects from names or text (a config parser's classes included).
+BUILDER_MODULES = ("monai.bundle", "monai.utils.module", "hydra", "omegaconf", "importlib", "pydoc", "runpy",
+                   "torch.hub", "torch.package", "yaml", "pickle", "dill", "cloudpickle", "jsonpickle")
+
+
+def kind_problem(kind: str, name: str, obj: object) -> str | None:
+    """Why the object ``name`` resolved to is not a network (``models``) or data loader (``datasets``) of its
+    module (None: it is): it must be defined in the module the name imports (or a submodule of it: not re-exported
+    from elsewhere), be a class (a ``torch.nn.Module`` subclass for a network) or a function, and build no object
+    from a name (:data:`BUILDER_NAMES`, :data:`BUILDER_MODULES`, the standard library)."""
+    import inspect
+    import sys
+
+    module = name.partition(":")[0]
+    defined_in = str(getattr(obj, "__module__", "") or "")
+    what = "network" if kind == MODELS else "data loader"
+    if defined_in.split(".")[0] in sys.stdlib_module_names or defined_in == "builtins":
+        return f"{name!r} is Python's own {defined_in}.{getattr(obj, '__name__', '?')}, not a {what}"
+    if defined_in != module and not defined_in.startswith(module + "."):
+        return (f"{name!r} is defined in {defined_in or 'no module'}, not in {module} (a name the module imported "
+                f"from elsewhere is not its {what})")
+    short = str(getattr(obj, "__name__", "")).lower()
+    if short in BUILDER_NAMES or any(defined_in == m or defined_in.startswith(m + ".") for m in BUILDER_MODULES):
+        return f"{name!r} builds objects from names ({defined_in}.{getattr(obj, '__name__', '?')}), not a {what}"
+    if inspect.isclass(obj):
+        if kind == MODELS:
+            import torch
+
+            if not issubclass(obj, torch.nn.Module):
+                return f"{name!r} is a class but not a torch.nn.Module, so not a network"
+        return None
+    if not inspect.isfunction(obj):
+        return f"{name!r} is a {type(obj).__name__}, neither a class nor a function"
+    return None
+
+
+def resolution_problems(cfg: Any) -> list[str]:
+    """Why a network or loader ``cfg`` names by import path is none (it cannot be imported, or it resolves to what
+    :func:`kind_problem` refuses); empty when each is one. Imports the modules (those a gate in force allows)."""
+    from common.data.loaders import BUILT_IN as FORMATS
+    from common.models.networks import BUILT_IN, is_import_path, load_factory
+    from common.settings import ConfigError
+
+    problems = []
+    for key, name in named_code(cfg):
+        if is_import_path(name) and name not in BUILT_IN and name not in FORMATS:
+            try:
+                load_factory(name, key)
+            except ConfigError as error:
+                problems.append(str(error))
+    return problems
+
+
+def wide_patterns(patterns: tuple[str, ...]) -> list[str]:
+    """The approved patterns that match modules the hospital has not named one by one (``monai.*``, ``my_site*``):
+    every module of a package, including its helpers (``fedmed policy check`` warns about them)."""
+    return [pattern for pattern in patterns if any(c in pattern.partition(":")[0] for c in "*?[")]
 
 
 def split_list(text: str) -> tuple[str, ...]:

@@ -22,6 +22,8 @@ run fails, so :func:`wait_for_run` polls the run's status until it is finished.
 from __future__ import annotations
 
 import atexit
+import functools
+import hashlib
 import json
 import os
 import signal
@@ -508,6 +510,8 @@ def start_supernode(home: FlowerHome, superlink: str, port: int, node_config: Ma
     SuperNode); False: plain ``flower-supernode``, whose SuperExec starts a ClientApp process per message.
     """
     command = [sys.executable, str(SUPERNODE_WITH_EXECUTOR)] if executor else [str(BIN / "flower-supernode")]
+    if executor and "approved-apps" not in node_config and "policy-file" not in node_config:
+        node_config = {**node_config, "approved-apps": project_app_hash()}  # as deploy/start_supernode.sh approves
     args = [*command, "--superlink", superlink, "--host", host, "--port", str(port),
             "--node-config", format_config(node_config)]
     if root_certificates is None:
@@ -521,6 +525,14 @@ def start_supernode(home: FlowerHome, superlink: str, port: int, node_config: Ma
         args = ["ip", "netns", "exec", netns, *args]
     return start_process(name or f"supernode-{port}", args, home.path, log_dir or home.path / "logs",
                          {**home.env, **dict(env or {})}, cwd=PROJECT_ROOT)
+
+
+@functools.lru_cache(maxsize=1)
+def project_app_hash() -> str:
+    """The SHA-256 of this checkout's app bundle, as `flwr run .` builds it (`fedmed app-hash .`)."""
+    from flwr.cli.build import build_fab_from_disk
+
+    return hashlib.sha256(build_fab_from_disk(PROJECT_ROOT)).hexdigest()
 
 
 def format_config(values: Mapping[str, Any]) -> str:

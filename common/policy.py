@@ -106,6 +106,15 @@ class Policy(Section):
     min_hospitals_per_sum: int = Field(2, ge=2, description=(
         "Under secure aggregation: the fewest hospitals a round and a survivor set (the hospitals in the sum) may "
         "have; fewer are refused (docs/secure-aggregation.md)."))
+    allow_pretrained: bool = Field(False, description=(
+        "Networks and loaders may be asked for pretrained weights (from the hospital's own cache: nothing is "
+        "downloaded while it answers). Default: such flags in model-args or dataset-args are refused."))
+    argument_folders: list[str] = Field(default_factory=list, description=(
+        "Folders besides data-dir and state-dir that paths in model-args, dataset-args and encoder-weights may "
+        "name (a folder of reviewed weights, say); any other path is refused (common/argument_gate.py)."))
+    job_limits: dict[str, int] = Field(default_factory=dict, description=(
+        "The most a job may ask of this hospital, by run-config key (local-epochs, batch-size, data-workers, "
+        "image-size, ...); keys left out keep common/argument_gate.py's DEFAULT_JOB_LIMITS."))
     min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
         "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
         "least one half, which holds without a policy too: a server telling two groups different survivor sets "
@@ -139,6 +148,25 @@ class Policy(Section):
             raise ValueError(f"{bad[0]!r} is not the SHA-256 of an app bundle (64 hex digits; `fedmed app-hash APP` "
                              "prints it)")
         return [item.lower() for item in value]
+
+    @field_validator("job_limits")
+    @classmethod
+    def _known_limits(cls, value: dict[str, int]) -> dict[str, int]:
+        from common.argument_gate import DEFAULT_JOB_LIMITS
+
+        for key, most in value.items():
+            if key not in DEFAULT_JOB_LIMITS:
+                raise ValueError(f"{key!r} is not a job key with a limit ({', '.join(DEFAULT_JOB_LIMITS)})")
+            if most < 1:
+                raise ValueError(f"{key}={most}: a limit is at least 1")
+        return value
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """The most each job key may ask of this hospital: the policy's ``job-limits`` over the defaults."""
+        from common.argument_gate import DEFAULT_JOB_LIMITS
+
+        return {**DEFAULT_JOB_LIMITS, **self.job_limits}
 
     @property
     def counts_releases(self) -> bool:
@@ -266,6 +294,21 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 RELEASE_EVENT = "privacy-release"  #: the audit line of one training, the ledger's entry
 RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier")  #: what the ledger and the audit log must agree on
+#: How far a ledger entry's time may be from its audit line's (entries written before both shared one time were
+#: stamped a moment apart); a clock set back further, to train past max-trainings-per-day, stops training.
+TIME_TOLERANCE_SECONDS = 120.0
+
+
+def _seconds(stamp: Any) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
+def _same_time(ledger: Any, logged: Any) -> bool:
+    a, b = _seconds(ledger), _seconds(logged)
+    return a is not None and b is not None and abs(a - b) <= TIME_TOLERANCE_SECONDS
 
 
 class PrivacyLedger:
@@ -320,8 +363,13 @@ class PrivacyLedger:
         key = [tuple(r.get(f) for f in RELEASE_FIELDS) for r in releases]
         logged_key = [tuple(r.get(f) for f in RELEASE_FIELDS) for r in logged]
         if key == logged_key:
-            return
-        if len(key) < len(logged_key) and logged_key[:len(key)] == key:
+            moved = next((i for i, (r, l) in enumerate(zip(releases, logged)) if not _same_time(r.get("time"),
+                                                                                                l.get("time"))), None)
+            if moved is None:
+                return
+            what = (f"says training {moved + 1} was at {releases[moved].get('time')}, its audit log at "
+                    f"{logged[moved].get('time')}: the ledger's clock was edited")
+        elif len(key) < len(logged_key) and logged_key[:len(key)] == key:
             what = (f"holds {len(key)} trainings, its audit log {len(logged_key)}: the ledger was deleted or rolled "
                     "back")
         elif len(key) > len(logged_key) and key[:len(logged_key)] == logged_key:
@@ -344,8 +392,8 @@ class PrivacyLedger:
             return
         releases = self.releases()
         if self.audit is not None:
-            self.audit.append(RELEASE_EVENT, **{f: entry[f] for f in RELEASE_FIELDS},
-                              ledger=str(self.path))
+            line = self.audit.append(RELEASE_EVENT, **{f: entry[f] for f in RELEASE_FIELDS}, ledger=str(self.path))
+            entry["time"] = line["time"]  # one time for both, so the ledger's clock is checked against the log's
         self._write(releases + [entry])
 
     def _write(self, releases: list[dict[str, Any]]) -> None:
@@ -361,15 +409,12 @@ class PrivacyLedger:
         return sum(1 for r in self.releases() if r.get("run") == run)
 
     def trainings_since(self, seconds: float) -> int:
-        """Trainings done in the last ``seconds``, whatever the run."""
+        """Trainings done in the last ``seconds``, whatever the run (their times agree with the audit log's)."""
         since = time.time() - seconds
         count = 0
         for release in self.releases():
-            try:
-                when = calendar.timegm(time.strptime(str(release.get("time")), "%Y-%m-%dT%H:%M:%SZ"))
-            except ValueError:
-                when = math.inf  # an entry whose time cannot be read counts
-            count += when >= since
+            when = _seconds(release.get("time"))
+            count += 1 if when is None else int(when >= since)  # an entry whose time cannot be read counts
         return count
 
     def epsilon(self, delta: float, extra: list[float | None] = ()) -> float:
@@ -396,6 +441,11 @@ def audit_releases(path: str | Path) -> list[dict[str, Any]]:
 def rebuild_ledger(audit_path: str | Path, folder: str | Path) -> int:
     """An operator's repair: the privacy ledger in ``folder`` written anew from the audit log's releases (its chain
     must verify). The old ledger is kept beside it. Returns how many trainings the ledger now holds."""
+    path = Path(audit_path)
+    if not path.is_file() or path.stat().st_size == 0:
+        raise PolicyRefusal(f"the audit log {path} is {'empty' if path.is_file() else 'missing'}: there is nothing "
+                            "to rebuild the ledger from, and a ledger started afresh would forget every training "
+                            "(name the hospital's audit.jsonl; a damaged one is kept beside it as audit.jsonl.1)")
     releases = audit_releases(audit_path)
     ledger = PrivacyLedger(folder)
     if ledger.path.exists():

@@ -11,4 +11,21 @@ for secret in /certs/*.key /keys/*; do
   fi
 done
 mkdir -p "$FLWR_HOME" "$FEDMED_CACHE_DIR"
+# FEDMED_WAIT_FOR=host:port: wait (up to 10 minutes) until it accepts connections, e.g. a hospital for its SuperLink
+# after `docker-compose start`, instead of a restart loop
+if [ -n "${FEDMED_WAIT_FOR:-}" ]; then
+  python3 - "$FEDMED_WAIT_FOR" <<'PY' || exit 75
+import socket, sys, time
+host, _, port = sys.argv[1].rpartition(":")
+deadline = time.time() + 600
+while True:
+    try:
+        socket.create_connection((host, int(port)), 3).close()
+        break
+    except OSError:
+        if time.time() > deadline:
+            sys.exit(f"fedmed-entrypoint: {sys.argv[1]} did not answer within 10 minutes")
+        time.sleep(2)
+PY
+fi
 exec "$@"

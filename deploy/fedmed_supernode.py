@@ -24,8 +24,9 @@ What a fresh process per message guaranteed still holds:
 
 The hospital approves the apps it runs: a FAB whose SHA-256 is not among its node config's ``approved-apps`` and
 its policy file's ``apps`` is refused before it is installed or loaded, with an error reply naming the hash
-(``fedmed app-hash APP_DIR`` shows an app's hash and files for review). Without either list any app runs, as in
-Flower, and the SuperNode says so when it starts. Flower's own ``--trusted-entities`` checks signatures that only
+(``fedmed app-hash APP_DIR`` shows an app's hash and files for review). Without either list it does not start:
+only ``--any-app`` (a closed test network's opt-out, logged as a warning at start and with every task) runs
+whatever app the SuperLink sends, as Flower does. Flower's own ``--trusted-entities`` checks signatures that only
 apps fetched from Flower Hub carry; it still applies to those.
 
 Flower's SuperNode itself runs in this script's own process (``--fedmed-supernode``) with shorter waits
@@ -58,6 +59,11 @@ POLL = float(os.environ.get("FEDMED_EXECUTOR_POLL", "0.05"))
 #: set for the app while it answers a task: when the executor acquired it (time.time()), for overhead attribution
 TASK_ACQUIRED_ENV = "FEDMED_TASK_ACQUIRED"
 EXECUTOR_FLAG = "--fedmed-executor"  # the executor's own command line (started by the supervisor below)
+#: the opt-out of app approval, for closed test networks only: any app the SuperLink sends is installed and run
+ANY_APP_FLAG = "--any-app"
+ANY_APP_WARNING = ("--any-app: this hospital runs ANY app bundle its SuperLink sends, unreviewed; whoever controls "
+                   "the SuperLink runs code here. Only for a closed test network: approve apps by hash instead "
+                   "(node config approved-apps, policy apps; `fedmed app-hash APP_DIR`)")
 SUPERNODE_FLAG = "--fedmed-supernode"  # Flower's SuperNode with shorter waits, in a process of this script
 #: "flower": the SuperNode keeps Flower's own waits (3 s between empty polls of the SuperLink, ...)
 POLL_MODE = os.environ.get("FEDMED_SUPERNODE_POLL", "short")
@@ -187,15 +193,18 @@ def read_table(path: Path) -> Any:
     return tomllib.loads(data.decode())
 
 
-def app_refusal(fab: Any, approved: frozenset[str] | None) -> str | None:
+def app_refusal(fab: Any, approved: frozenset[str] | None, any_app: bool = False) -> str | None:
     """Why this hospital does not run ``fab`` (None: it does): its content must hash to the hash the SuperLink
-    gave, and that hash must be approved."""
+    gave, and that hash must be approved (``approved`` None: no list, so nothing is, unless ``any_app``)."""
     import hashlib
 
     content = getattr(fab, "content", b"") or b""
     if content and hashlib.sha256(content).hexdigest() != fab.hash_str:
         return (f"the app bundle's content does not hash to the {fab.hash_str} it was sent as: it was not "
                 "installed")
+    if approved is None and not any_app:
+        return (f"app bundle {fab.hash_str} was neither installed nor run: this hospital approved no app (node "
+                "config approved-apps, policy apps)")
     if approved is not None and fab.hash_str.lower() not in approved:
         return (f"app bundle {fab.hash_str} is not among the apps this hospital approved (node config approved-apps, "
                 "policy apps), so it was neither installed nor run; to approve it, review it with `fedmed app-hash "
@@ -228,7 +237,19 @@ def runtime_address(supernode_args: list[str]) -> str:
 
 
 def supervise(supernode_args: list[str]) -> int:
-    """Run the SuperNode and keep an executor beside it; end with the SuperNode, or both on SIGTERM/SIGINT."""
+    """Run the SuperNode and keep an executor beside it; end with the SuperNode, or both on SIGTERM/SIGINT. It does
+    not start without approved apps (or ``--any-app``)."""
+    any_app = ANY_APP_FLAG in supernode_args
+    supernode_args = [arg for arg in supernode_args if arg != ANY_APP_FLAG]
+    node_config = node_config_of(supernode_args)
+    if any_app:
+        log.warning(ANY_APP_WARNING)
+    elif approved_apps(node_config) is None:
+        log.error("no approved-apps in the node config and no apps in its policy, so this hospital would run no app: "
+                  "review the app, then add its hash (`fedmed app-hash APP_DIR`) as node config approved-apps='...' "
+                  "or to the policy's apps (deploy/start_supernode.sh and docker-compose.yml do it for the checkout "
+                  "they start from); %s only on a closed test network", ANY_APP_FLAG)
+        return 2
     address = runtime_address(supernode_args)
     args = supernode_args if any(a.startswith("--isolation") for a in supernode_args) \
         else ["--isolation", "process", *supernode_args]
@@ -236,17 +257,13 @@ def supervise(supernode_args: list[str]) -> int:
 
     secret = supernode_flags(supernode_args).superexec_auth_secret_file  # the SuperNode then asks the executor for it
 
-    node_config = node_config_of(supernode_args)
-    if approved_apps(node_config) is None:
-        log.warning("no approved-apps in the node config and no apps in its policy: this hospital runs any app the "
-                    "SuperLink sends (list the apps it approved: `fedmed app-hash APP_DIR` prints an app's hash)")
-
     def start_executor() -> subprocess.Popen:
         import json
 
         return subprocess.Popen([sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address", address,
                                  "--parent-pid", str(supernode.pid), "--node-config-json", json.dumps(node_config),
-                                 *(["--superexec-auth-secret-file", secret] if secret else [])])
+                                 *(["--superexec-auth-secret-file", secret] if secret else []),
+                                 *([ANY_APP_FLAG] if any_app else [])])
 
     stopping = threading.Event()
 
@@ -288,13 +305,14 @@ class Executor:
     """Acquires the SuperNode's ClientApp tasks and answers them one at a time in this process."""
 
     def __init__(self, address: str, auth_secret: bytes | None = None,
-                 node_config: dict[str, Any] | None = None) -> None:
+                 node_config: dict[str, Any] | None = None, any_app: bool = False) -> None:
         from flwr.supercore.interceptors import SuperExecAuthHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
 
         self.address = address
         self.node_config = dict(node_config or {})  #: the SuperNode's: which apps the hospital approved
+        self.any_app = any_app  #: --any-app: a closed test network's opt-out of app approval
         self.fab_hash: str | None = None  # the FAB whose code this process has loaded, and its ClientApp
         self.app: Any = None
         # with --superexec-auth-secret-file only who holds the secret may take the hospital's tasks, as in Flower
@@ -363,9 +381,12 @@ class Executor:
         try:
             message, context, run, fab = pull_task_input(client)
             pulled = time.time()
-            refused = app_refusal(fab, approved_apps(self.node_config))
+            approved = approved_apps(self.node_config)
+            refused = app_refusal(fab, approved, self.any_app)
             if refused:
                 raise AppRefused(refused)
+            if approved is None:
+                log.warning("app bundle %s runs unreviewed: %s", fab.hash_str, ANY_APP_WARNING)
             if fab.hash_str != self.fab_hash:
                 if self.fab_hash is not None:  # the task named no FAB before its pull, and its message is taken
                     other_fab = fab.hash_str
@@ -473,6 +494,7 @@ def run_executor(argv: list[str]) -> None:
     parser.add_argument("--token", help="a task acquired by the process this one replaced")
     parser.add_argument("--superexec-auth-secret-file", type=Path, help="the SuperNode's, if it has one")
     parser.add_argument("--node-config-json", default="{}", help="the SuperNode's node config (approved apps)")
+    parser.add_argument(ANY_APP_FLAG, action="store_true", help="run any app (a closed test network's opt-out)")
     args = parser.parse_args(argv)
     from flwr.supercore.app_utils import start_parent_process_monitor
 
@@ -483,7 +505,7 @@ def run_executor(argv: list[str]) -> None:
     secret = args.superexec_auth_secret_file.read_bytes() if args.superexec_auth_secret_file else None
     import json
 
-    Executor(args.runtime_api_address, secret, json.loads(args.node_config_json)).serve(args.token)
+    Executor(args.runtime_api_address, secret, json.loads(args.node_config_json), args.any_app).serve(args.token)
 
 
 def main() -> None:

@@ -2,30 +2,59 @@
 # Start one hospital's SuperNode beside its data, with TLS and its authentication key, as fedmed-supernode
 # (deploy/fedmed_supernode.py: Flower's SuperNode with one long-lived ClientApp process instead of one per message).
 #
-#   deploy/start_supernode.sh HOSPITAL SUPERLINK_ADDRESS CA_CERT KEY DATA_DIR STATE_DIR [EXTRA_NODE_CONFIG]
-#   deploy/start_supernode.sh --insecure HOSPITAL SUPERLINK_ADDRESS - - DATA_DIR STATE_DIR [...]
+#   deploy/start_supernode.sh [--approve APP_HASH] HOSPITAL SUPERLINK_ADDRESS CA_CERT KEY PEER_KEYS DATA_DIR STATE_DIR \
+#       [EXTRA_NODE_CONFIG]
+#   deploy/start_supernode.sh --insecure [--any-app] HOSPITAL SUPERLINK_ADDRESS - - - DATA_DIR STATE_DIR [...]
 #
-# EXTRA_NODE_CONFIG adds node-config entries, e.g. "device='cuda' modalities='flair,t1ce'" or
-# "bit-width=8". The hospital's data never leaves DATA_DIR; what it must remember between rounds
-# goes to STATE_DIR (keep it on persistent storage).
+# The hospital runs only the app it reviewed: by default the app of the checkout this script lies in (its hash,
+# `fedmed app-hash`, goes into the node config's approved-apps), or the hash given with --approve (comma-separated
+# for several). PEER_KEYS is a folder of the consortium's registered public keys, <hospital>.pub (the files the
+# coordinator registers with deploy/register_hospitals.sh, this hospital's own included): under secure aggregation
+# every other hospital must prove it holds one of them, so the coordinator cannot invent hospitals.
+# EXTRA_NODE_CONFIG adds node-config entries, e.g. "device='cuda' modalities='flair,t1ce'" or "policy-file='...'".
+# The hospital's data never leaves DATA_DIR; what it must remember between rounds (its audit log, privacy ledger,
+# secure-aggregation memory) goes to STATE_DIR (keep it on persistent storage).
+# --insecure (plain text, no keys) and --any-app (run whatever app the SuperLink sends) are for closed test
+# networks only.
 set -euo pipefail
-tls_mode=tls
-if [ "${1:-}" = "--insecure" ]; then tls_mode=insecure; shift; fi
-if [ $# -lt 6 ]; then
-  echo "usage: $0 [--insecure] HOSPITAL SUPERLINK_ADDRESS CA_CERT KEY DATA_DIR STATE_DIR [EXTRA_NODE_CONFIG]" >&2
+tls_mode=tls; approve=""; any_app=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --insecure) tls_mode=insecure; shift ;;
+    --approve) approve=$2; shift 2 ;;
+    --any-app) any_app=(--any-app); shift ;;
+    *) break ;;
+  esac
+done
+if [ $# -lt 7 ]; then
+  echo "usage: $0 [--insecure] [--approve APP_HASH] HOSPITAL SUPERLINK_ADDRESS CA_CERT KEY PEER_KEYS DATA_DIR STATE_DIR" \
+       "[EXTRA_NODE_CONFIG]" >&2
   exit 2
 fi
-hospital=$1; superlink=$2; ca=$3; key=$4; data=$5; state=$6; extra=${7:-}
+hospital=$1; superlink=$2; ca=$3; key=$4; peers=$5; data=$6; state=$7; extra=${8:-}
 port=${SUPERNODE_PORT:-9094}
+python=${FEDMED_PYTHON:-python3}  # the Python that has Flower and the project installed
+root=$(cd "$(dirname "$0")/.." && pwd)
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+if [ ${#any_app[@]} -eq 0 ]; then
+  if [ -z "$approve" ]; then  # the checkout beside this script: the app the hospital reviewed
+    approve=$("$python" -m common.cli app-hash --hash-only "$root")
+  fi
+  extra="approved-apps='$approve' $extra"
+fi
 mkdir -p "$state"
 if [ "$tls_mode" = insecure ]; then
-  echo "WARNING: plain-text connection to the SuperLink" >&2
+  echo "WARNING: plain-text connection to the SuperLink, no hospital key: a closed test network only" >&2
   security=(--insecure)
 else
+  if [ ! -d "$peers" ] || [ ! -f "$key" ]; then
+    echo "$0: KEY ($key) must be this hospital's private key and PEER_KEYS ($peers) the folder of the consortium's" \
+         "registered <hospital>.pub files" >&2
+    exit 2
+  fi
   security=(--root-certificates "$ca" --auth-supernode-private-key "$key")
-  extra="identity-key='$key' $extra"  # signs the hospital's name for runs with hospital-keys
+  # the key signs the hospital's name (hospital-keys) and its secure-aggregation messages; peer-keys checks the others'
+  extra="identity-key='$key' peer-keys='$peers' $extra"
 fi
-export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
-python=${FEDMED_PYTHON:-python3}  # the Python that has Flower and the project installed
-exec "$python" "$(dirname "$0")/fedmed_supernode.py" "${security[@]}" --superlink "$superlink" --host 127.0.0.1 --port "$port" \
-  --node-config "hospital='$hospital' data-dir='$data' state-dir='$state' $extra"
+exec "$python" "$root/deploy/fedmed_supernode.py" "${security[@]}" "${any_app[@]}" --superlink "$superlink" \
+  --host 127.0.0.1 --port "$port" --node-config "hospital='$hospital' data-dir='$data' state-dir='$state' $extra"

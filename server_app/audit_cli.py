@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from common.audit import cross_check, verify
+from common.cli import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["audit"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="fedmed audit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="fedmed audit", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("verify", help="check an audit log's SHA-256 chain, line by line")
     check.add_argument("log", help="the audit log (a hospital's audit.jsonl, or the server's <run>/audit.jsonl)")

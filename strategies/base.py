@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.audit import SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
+from common.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
 from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.logs import fedmed_logger_prints
@@ -1147,7 +1147,25 @@ class HospitalStrategy(Strategy):
             self.record_nothing_aggregated(why_nothing_aggregated(ran, first, num_rounds))
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
+        self.announce_end(grid, timeout)
         return result
+
+    def announce_end(self, grid: Grid, timeout: float) -> None:
+        """Tell every hospital of the run that it ended, with the head of the server's audit log as it stands then
+        (the hospital's log records it): every line the server wrote for the run before this message is anchored
+        at the hospitals, so a tail the server's operator cut off and rechained fails ``fedmed audit verify
+        --peer``. Hospitals that do not answer within a few seconds are not waited for."""
+        if self.audit_log() is None or not self.hospitals:
+            return
+        messages = []
+        for node, hospital in sorted(self.hospitals.items()):
+            config = ConfigRecord({"query": RUN_ENDED_QUERY, **self.hospital_config(self.engine.next_round - 1)})
+            messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
+                                    dst_node_id=node))
+            self.audit_message("sent", messages[-1], self.engine.next_round - 1, hospital.name, node)
+        for reply in send_and_receive(grid, messages, min(timeout, 30.0), messages_in_flight(self.job, grid, True)):
+            hospital = self.hospitals.get(reply.metadata.src_node_id)
+            self.audit_message("received", reply, self.engine.next_round - 1, hospital.name if hospital else None)
 
 
 def kept(server_round: int) -> str:

@@ -2,7 +2,8 @@
 
 Each node is a function from a message to its reply (``None``: the node never answers, as when it
 is killed mid-round). ``hospital_node`` answers with fedmed's real ClientApp handlers, in this
-process, on its partition of the job's data set.
+process, on its partition of the job's data set, as inside Flower's simulation engine (a node config of
+``partition-id``/``num-partitions`` only is a virtual hospital; any other gets a deployed hospital's gate).
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ class FakeGrid(LocalGrid):
 def hospital_node(run_config: Mapping[str, Any], node_config: Mapping[str, Any], node_id: int) -> NodeHandler:
     """A hospital answering with fedmed's ClientApp handlers (query, train, evaluate)."""
     from client_app import app as client
+    from client_app.node_config import every_hospital_in_this_process
 
     context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
                       run_config=dict(run_config))
     handlers = {MessageType.QUERY: client.query, MessageType.TRAIN: client.train, MessageType.EVALUATE: client.evaluate}
 
     def answer(message: Message) -> Message:
-        return handlers[message.metadata.message_type](message, context)
+        with every_hospital_in_this_process():  # one operator runs them all, as Flower's simulation engine does
+            return handlers[message.metadata.message_type](message, context)
 
     return answer
 

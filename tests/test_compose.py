@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -35,9 +36,14 @@ def mounts(service: dict) -> list[tuple[str, str, str]]:
 def test_compose_file_is_valid_for_docker_compose():
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose); .ci/run installs it")
+    environment = {k: v for k, v in os.environ.items() if k != "FEDMED_APPROVED_APPS"}
     done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                          cwd=ROOT)
+                          cwd=ROOT, env={**environment, "FEDMED_APPROVED_APPS": "a" * 64})
     assert done.returncode == 0, done.stderr
+    # no approved app, no consortium: the hospitals would otherwise run whatever app the SuperLink sends
+    done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
+                          cwd=ROOT, env=environment)
+    assert done.returncode != 0 and "compose_env.sh" in done.stderr, done.stderr
 
 
 def test_three_hospitals_each_mount_only_their_own_data_state_and_key():
@@ -53,7 +59,10 @@ def test_three_hospitals_each_mount_only_their_own_data_state_and_key():
         keys = [m for m in volume_list if m[1].startswith("/keys/")]
         assert keys == [(f"./deploy/keys/{name}", f"/keys/{name}", "ro")], f"{name}: only its own private key"
         assert all(m[0] == "./deploy/certs/ca.crt" for m in volume_list if m[1].startswith("/certs")), name
-        assert {m[1] for m in volume_list} == {"/data", "/state", f"/keys/{name}", "/certs/ca.crt"}, name
+        peers = {(f"./deploy/keys/{other}.pub", f"/peer-keys/{other}.pub", "ro") for other in found}
+        assert {m for m in volume_list if m[1].startswith("/peer-keys/")} == peers, f"{name}: every public key"
+        assert {m[1] for m in volume_list} == {"/data", "/state", f"/keys/{name}", "/certs/ca.crt",
+                                               *(m[1] for m in peers)}, name
         data_sources.add(data[0][0])
         state_sources.add(state[0][0])
     assert len(data_sources) == 3 and len(state_sources) == 3  # nobody shares a folder
@@ -78,5 +87,4 @@ def test_the_gpu_overlay_starts_each_hospital_as_the_base_file_does_plus_its_gpu
     for name, service in hospitals().items():
         base = " ".join(str(service["command"]).split())
         on_gpu = " ".join(str(overlay[name]["command"]).split())
-        assert on_gpu == base.replace("identity-key='/keys/" + name + "'\"",
-                                      "identity-key='/keys/" + name + "' device='cuda'\""), name
+        assert base.endswith("'\"") and on_gpu == base[:-1] + " device='cuda'\"", name

@@ -276,8 +276,9 @@ def check_fedmed(words: list[str], where: str) -> None:
     from common.cli import build_parser
 
     args = words[1:]
-    if args[:1] in (["audit"], ["app-hash"], ["policy"]):  # their own parsers, in their own modules
-        module = "server_app/audit_cli.py" if args[0] == "audit" else "client_app/site_cli.py"
+    if args[:1] in (["audit"], ["app-hash"], ["policy"], ["console"]):  # their own parsers, in their own modules
+        module = {"audit": "server_app/audit_cli.py", "console": "console/cli.py"}.get(args[0],
+                                                                                 "client_app/site_cli.py")
         source = (ROOT / module).read_text()
         action = args[1:2] if args[0] in ("audit", "policy") else []  # app-hash takes a path
         missing = [w for w in [*option_words(args), *action] if f'"{w}"' not in source]

@@ -224,6 +224,7 @@ def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None, t
     message it receives first (a hostile hospital ignoring what the server set); ``tamper_reply``: changes each
     reply it sends (a hostile hospital's own answers)."""
     from client_app import app as client
+    from client_app.node_config import every_hospital_in_this_process
 
     context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
                       run_config=dict(run_config))
@@ -239,7 +240,8 @@ def secure_node(run_config, node_config, node_id, silent_at=None, tamper=None, t
             tamper(message)
         handlers = {MessageType.TRAIN: client.train, MessageType.QUERY: client.query,
                     MessageType.EVALUATE: client.evaluate}
-        reply = handlers[kind](message, context)
+        with every_hospital_in_this_process():  # one operator runs them all, as Flower's simulation engine does
+            reply = handlers[kind](message, context)
         if tamper_reply is not None and not reply.has_error():
             tamper_reply(stage, reply)
         return reply

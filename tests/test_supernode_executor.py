@@ -150,7 +150,7 @@ def test_an_app_that_raises_becomes_an_error_reply_and_the_executor_goes_on(scri
         raise ValueError("hospital x: data.npz is broken")
 
     pushed = []
-    executor = script.Executor("127.0.0.1:1")
+    executor = script.Executor("127.0.0.1:1", node_config={"approved-apps": Fab.hash_str})
     executor.app, executor.fab_hash = broken_app, Fab.hash_str
     executor.task_client = lambda token: (runtime, make_simple_http_retry_invoker())
     monkeypatch.setattr(script, "pull_task_input", lambda client: (message, context, Run, Fab))
@@ -177,7 +177,7 @@ def test_a_task_that_turns_out_to_need_another_fab_is_refused_and_the_executor_r
         hash_str, content = "b" * 64, b""
 
     ran, pushed = [], []
-    executor = script.Executor("127.0.0.1:1")
+    executor = script.Executor("127.0.0.1:1", node_config={"approved-apps": f"{'a' * 64},{'b' * 64}"})
     executor.app, executor.fab_hash = (lambda message, context: ran.append(1)), "a" * 64
     executor.task_client = lambda token: (runtime, make_simple_http_retry_invoker())
     monkeypatch.setattr(script, "pull_task_input", lambda client: (message, context, None, Fab))
@@ -294,7 +294,7 @@ def test_an_app_whose_content_does_not_match_its_hash_is_refused(script, monkeyp
 
 
 def test_the_approved_list_comes_from_the_node_config_and_the_policy(script, tmp_path):
-    assert script.approved_apps({}) is None  # nothing listed: every app runs, as in Flower
+    assert script.approved_apps({}) is None  # nothing listed: no app runs (fedmed-supernode does not start)
     (tmp_path / "policy.toml").write_text('methods = ["fedavg"]\n')
     assert script.approved_apps({"policy-file": str(tmp_path / "policy.toml")}) is None
     (tmp_path / "listed.toml").write_text(f'apps = ["{"A" * 64}"]\n')

@@ -59,7 +59,7 @@ def load_factory(name: str, key: str = "model"):
     ConfigError naming ``key`` when it cannot be imported."""
     from importlib import import_module
 
-    from common.code_gate import refusal
+    from common.code_gate import kind_of, kind_problem, refusal
 
     path = BUILT_IN.get(name, name)
     module, _, attribute = path.partition(":")
@@ -77,6 +77,9 @@ def load_factory(name: str, key: str = "model"):
         raise ConfigError(f"{key}: {name!r}: module {module!r} has no {attribute!r}") from None
     if not callable(factory):
         raise ConfigError(f"{key}: {name!r} is not callable")
+    problem = kind_problem(kind_of(key), name, factory) if name not in BUILT_IN else None
+    if problem:
+        raise CodeRefused(f"{key}: {problem}; it was not run")
     return factory
 
 

@@ -1,0 +1,158 @@
+"""What the server may hand a hospital's network and data loader: arguments that stay inside the hospital.
+
+The code gate (``common/code_gate.py``) decides which code a hospital runs; its arguments come from the server too
+(``model-args``, ``dataset-args``, ``encoder-weights`` and the job's sizes). At a deployed hospital they may not:
+
+- **download** anything: a pretrained flag (``"pretrained": true``, ``"weights": "DEFAULT"``...) is refused unless the
+  hospital's policy says ``allow-pretrained = true`` (weights then come from the hospital's own cache), and while it
+  answers, :func:`offline` refuses every connection and name lookup and puts the model hubs' libraries offline;
+- **name a file** outside the hospital's own folders (data-dir, state-dir, the policy's ``argument-folders``): a path
+  anywhere else is refused with the same words whether or not it exists, so a refusal tells the server nothing of
+  the hospital's disk;
+- **size the job** past the hospital's limits (:data:`DEFAULT_JOB_LIMITS`, the policy's ``[job-limits]``):
+  ``local-epochs=1e9`` or ``data-workers=100000`` would take the hospital's machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+#: The most each job key may ask of a hospital unless its policy's ``[job-limits]`` says otherwise.
+DEFAULT_JOB_LIMITS: dict[str, int] = {
+    "local-epochs": 100, "batch-size": 1024, "data-workers": 16, "image-size": 1024, "synthetic-samples": 200_000,
+    "brain.crop-size": 256, "brain.crops-per-case": 64, "brain.synthetic-cases": 2000, "brain.synthetic-size": 256,
+}
+#: Argument names (any case, '-' or '_') that make a network or loader fetch weights or data.
+DOWNLOAD_FLAGS = frozenset({"pretrained", "pretrain", "use_pretrained", "pretrained_weights", "weights", "download",
+                            "from_pretrained", "pretrained_path", "weights_path", "checkpoint", "ckpt", "url",
+                            "hub", "repo_id"})
+#: A string argument is read as a path when it holds a separator, starts with '~', names a URL, or ends in a
+#: weights or data file's suffix.
+_PATH_LIKE = re.compile(r"[/\\]|^~|://|\.(pt|pth|ckpt|bin|safetensors|onnx|npz|npy|csv|tsv|json|ya?ml|toml|txt|nii"
+                        r"(\.gz)?|h5|hdf5|pkl|pickle|zip|tar(\.gz)?|png|jpe?g)$", re.IGNORECASE)
+#: The keys whose values are handed to the hospital's code as they are.
+ARGUMENT_KEYS = ("model-args", "dataset-args")
+
+
+def looks_like_path(value: str) -> bool:
+    return bool(_PATH_LIKE.search(value.strip()))
+
+
+def inside(value: str, folders: tuple[str | Path, ...]) -> bool:
+    """Whether ``value``, as the hospital's code would open it (links followed), lies in one of ``folders``."""
+    try:
+        resolved = Path(os.path.realpath(os.path.expanduser(value)))
+        roots = [Path(os.path.realpath(folder)) for folder in folders if folder]
+    except (OSError, ValueError):
+        return False
+    return any(resolved == root or root in resolved.parents for root in roots)
+
+
+def _flag_name(key: str) -> str:
+    return key.lower().replace("-", "_")
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "none", "no", "off")
+    return bool(value)
+
+
+def _walk(value: Any, where: str) -> Iterator[tuple[str, str, Any]]:
+    """(where, key, value) of every entry of a JSON value, nested ones included."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield f"{where}.{key}", str(key), item
+            yield from _walk(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield f"{where}[{index}]", "", item
+            yield from _walk(item, f"{where}[{index}]")
+
+
+def argument_problems(cfg: Any, folders: tuple[str | Path, ...], allow_pretrained: bool,
+                      limits: Mapping[str, int]) -> list[str]:
+    """Every reason the job ``cfg`` (the server's keys over the hospital's run config) reaches outside the hospital:
+    a download flag, a path outside ``folders``, a job key above ``limits``. Empty: it stays inside."""
+    from common.models.networks import parse_arguments
+
+    roots = tuple(folder for folder in folders if folder)
+    named = "its data-dir, state-dir and its policy's argument-folders"  # never the paths: they stay here
+    problems = []
+    flat = cfg.to_flat()
+    for key in ARGUMENT_KEYS:
+        text = flat.get(key) or ""
+        try:
+            arguments = parse_arguments(text, key) if text else {}
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        for where, name, value in _walk(arguments, key):
+            if name and _flag_name(name) in DOWNLOAD_FLAGS and _truthy(value) and not allow_pretrained:
+                problems.append(f"{where}={value!r} would fetch weights or data from outside the hospital; its "
+                                "policy does not allow-pretrained")
+            elif isinstance(value, str) and looks_like_path(value) and not inside(value, roots):
+                problems.append(f"{where} names a file or address outside this hospital's own folders "
+                                f"({named}), so it was not read")
+    weights = str(flat.get("encoder-weights") or "")
+    if weights and not inside(weights, roots):
+        problems.append(f"encoder-weights names a file outside this hospital's own folders ({named}), so it was "
+                        "not read")
+    for key, most in sorted(limits.items()):
+        value = flat.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > most:
+            problems.append(f"{key}={value:g} is more than this hospital allows ({most}; its policy's [job-limits] "
+                            "sets it)")
+    return problems
+
+
+# --- no connection while a hospital answers ---------------------------------------------------------------------------
+_OFFLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("fedmed_offline", default=False)
+_HOOKED = False
+#: Python's audit events that open a connection, look up a name or fetch a URL.
+_NETWORK_EVENTS = frozenset({"socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
+                             "socket.sendto", "urllib.Request", "http.client.connect", "ftplib.connect",
+                             "smtplib.connect"})
+#: Libraries that fetch models and data sets: told to use their local caches only.
+HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+class DownloadRefused(PermissionError):
+    """A hospital's code tried to reach the network while the hospital answered a message."""
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event not in _NETWORK_EVENTS or not _OFFLINE.get():
+        return
+    if event == "socket.connect":
+        import socket
+
+        family = getattr(args[0], "family", None)
+        if family == getattr(socket, "AF_UNIX", None):  # a local socket (a worker's, a data loader's queue)
+            return
+    raise DownloadRefused(f"{event}: a hospital reaches no network while it answers the server (nothing is "
+                          "downloaded: weights and data come from its own folders)")
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """While inside (this thread and what it calls), no connection, name lookup or URL fetch succeeds, and the
+    model hubs' libraries are told to stay offline. Python's audit hooks cannot be removed, so the hook is added
+    once and checks a context variable."""
+    global _HOOKED
+    if not _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED = True
+    for name, value in HUB_OFFLINE.items():
+        os.environ.setdefault(name, value)
+    token = _OFFLINE.set(True)
+    try:
+        yield
+    finally:
+        _OFFLINE.reset(token)

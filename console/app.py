@@ -1,0 +1,247 @@
+"""The console's web app (Starlette, Jinja2): the hospital and coordinator views over the folders it was given.
+
+Read-only by construction: its routes only GET pages, each page is read afresh from the files (so it follows a run
+that is still going, and refreshes itself while one is), a name in a URL is only ever looked up among the folders
+found inside the ones given (never joined onto a path), and nothing is written. Every page is self-contained (inline
+CSS, charts as inline SVG) and says so to the browser: its Content-Security-Policy forbids loading anything from
+anywhere. Bound beyond this machine it needs a token (``Authorization: Bearer``, or ``?token=`` once, which sets a
+cookie).
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Route
+from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import charts
+from .coordinator_view import SHOWN_KEYS, list_run_rows, read_run, run_folders
+from .hospital_view import hospital_folders, read_hospital, stage_words
+
+TOKEN_COOKIE = "fedmed-console-token"
+#: nothing may be loaded from anywhere: styles and charts are inline, there is no script
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; form-action 'none'; frame-ancestors 'none'"
+REFRESH_SECONDS = 5
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The folders and files the console was given: all it reads."""
+
+    state: Path | None = None
+    results: Path | None = None
+    policies: tuple[tuple[str, Path], ...] = ()  #: (hospital name, or "" for every hospital; its policy file)
+    node_config: str = ""
+    server_log: Path | None = None
+
+    def policy(self, hospital: str) -> Path | None:
+        named = dict(self.policies)
+        return named.get(hospital, named.get(""))
+
+    def hospitals(self) -> dict[str, Path]:
+        return hospital_folders(self.state) if self.state is not None and self.state.is_dir() else {}
+
+    def runs(self) -> dict[str, Path]:
+        return run_folders(self.results) if self.results is not None and self.results.is_dir() else {}
+
+    def server_logs(self) -> dict[str, Path]:
+        """run name -> the server's audit log of that run (in the results folder); ``""``: the one given."""
+        logs = {name: folder / "audit.jsonl" for name, folder in self.runs().items()
+                if (folder / "audit.jsonl").is_file()}
+        if self.server_log is not None:
+            logs[""] = self.server_log
+        return logs
+
+
+# --- formatting ------------------------------------------------------------------------------------------------------
+def human_bytes(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return ""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{int(value)} B"
+
+
+def utc(stamp: Any) -> str:
+    """``2026-12-06T21:42:21Z`` -> ``2026-12-06 21:42:21 UTC``; a time in seconds likewise."""
+    if isinstance(stamp, (int, float)):
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stamp)) if stamp else ""
+    text = str(stamp or "")
+    return text.replace("T", " ").replace("Z", " UTC") if text.endswith("Z") else text
+
+
+def epsilon_text(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and math.isinf(value):
+        return "infinite"
+    return f"{value:.2f}"
+
+
+def metric_text(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def templates() -> Jinja2Templates:
+    env = Environment(loader=PackageLoader("console", "templates"), autoescape=select_autoescape(["html"]))
+    env.filters.update(bytes=human_bytes, utc=utc, epsilon=epsilon_text, metric=metric_text, stage=stage_words,
+                       short=lambda h: (h or "")[:16])
+    return Jinja2Templates(env=env)
+
+
+# --- the token -------------------------------------------------------------------------------------------------------
+class TokenGate:
+    """Every request needs the token, as ``Authorization: Bearer TOKEN``, ``?token=TOKEN`` (which sets a cookie, so
+    links on the page work) or that cookie; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self.token = token.encode()
+
+    def _given(self, request: Request) -> tuple[bool, bool]:
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("bearer ") and hmac.compare_digest(header[7:].strip().encode(), self.token):
+            return True, False
+        query = request.query_params.get("token")
+        if query is not None and hmac.compare_digest(query.encode(), self.token):
+            return True, True
+        cookie = request.cookies.get(TOKEN_COOKIE)
+        return cookie is not None and hmac.compare_digest(cookie.encode(), self.token), False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        allowed, from_query = self._given(request)
+        if not allowed:
+            response: Response = PlainTextResponse("fedmed console: this page needs its token (start it with --token, "
+                                                   "open it with ?token=...)", status_code=401)
+            await response(scope, receive, send)
+            return
+        if from_query:  # drop the token from the address bar, keep it in a cookie
+            response = RedirectResponse(request.url.remove_query_params("token"), status_code=303)
+            response.set_cookie(TOKEN_COOKIE, self.token.decode(), httponly=True, samesite="strict")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class SecurityHeaders:
+    """No page loads anything from anywhere (CSP), is framed, or is cached."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers += [(b"content-security-policy", CSP.encode()), (b"x-content-type-options", b"nosniff"),
+                            (b"referrer-policy", b"no-referrer"), (b"cache-control", b"no-store")]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+# --- the app ---------------------------------------------------------------------------------------------------------
+def create_app(sources: Sources, token: str | None = None, refresh_seconds: int = REFRESH_SECONDS) -> Starlette:
+    """The console over ``sources``; ``token``: required on every request when given."""
+    pages = templates()
+
+    def page(request: Request, name: str, live: bool = False, status_code: int = 200, **context: Any) -> Response:
+        context.update(sources=sources, live=live, refresh=refresh_seconds if live else 0,
+                       hospitals=list(sources.hospitals()), run_names=list(sources.runs()))
+        return pages.TemplateResponse(request, name, context, status_code=status_code)
+
+    def not_found(request: Request, what: str) -> Response:
+        return page(request, "missing.html", what=what, status_code=404)
+
+    async def index(request: Request) -> Response:
+        hospitals = [read_hospital(folder, policy_file=sources.policy(name), node_config=sources.node_config,
+                                   server_logs=sources.server_logs()) for name, folder in sources.hospitals().items()]
+        runs = list_run_rows(sources.results) if sources.runs() else []
+        live = any(h.live for h in hospitals) or any(r["status"] == "running" for r in runs)
+        return page(request, "index.html", live=live, hospital_views=hospitals, runs=runs)
+
+    async def hospital(request: Request) -> Response:
+        folder = sources.hospitals().get(request.path_params["name"])
+        if folder is None:
+            return not_found(request, f"no hospital named {request.path_params['name']!r} in {sources.state}")
+        view = read_hospital(folder, policy_file=sources.policy(request.path_params["name"]),
+                             node_config=sources.node_config, server_logs=sources.server_logs())
+        return page(request, "hospital.html", live=view.live, view=view, chart=Markup(epsilon_chart(view)))
+
+    async def runs(request: Request) -> Response:
+        if sources.results is None:
+            return not_found(request, "no results folder was given (fedmed console --results FOLDER)")
+        rows = list_run_rows(sources.results)
+        return page(request, "runs.html", live=any(r["status"] == "running" for r in rows), runs=rows)
+
+    async def run(request: Request) -> Response:
+        folder = sources.runs().get(request.path_params["name"])
+        if folder is None:
+            return not_found(request, f"no run named {request.path_params['name']!r} in {sources.results}")
+        view = read_run(folder)
+        return page(request, "run.html", live=view.live, view=view, shown_keys=SHOWN_KEYS,
+                    charts=[Markup(chart) for chart in run_charts(view)])
+
+    async def failure(request: Request, error: Exception) -> Response:
+        return HTMLResponse(f"<!doctype html><title>fedmed console</title><p>fedmed console: a file could not be read: "
+                            f"{Markup.escape(str(error))}</p>", status_code=500)
+
+    middleware = [Middleware(SecurityHeaders)]
+    if token:
+        middleware.append(Middleware(TokenGate, token=token))
+    return Starlette(routes=[Route("/", index), Route("/hospital/{name}", hospital), Route("/runs", runs),
+                             Route("/runs/{name}", run)],
+                     middleware=middleware, exception_handlers={OSError: failure})
+
+
+def epsilon_chart(view) -> str:
+    privacy = view.privacy
+    points = [(t.number, t.epsilon_after) for t in privacy.trainings]
+    return charts.line_chart([charts.Series("epsilon spent", points)], title="Epsilon spent after each training "
+                             f"(delta={privacy.delta:g})" if privacy.delta else "Epsilon spent after each training",
+                             x_label="training number (privacy ledger)", y_label="epsilon", from_zero=True,
+                             limit=privacy.max_epsilon, limit_label=f"budget: max-epsilon {privacy.max_epsilon:g}"
+                             if privacy.max_epsilon else "")
+
+
+def run_charts(view) -> list[str]:
+    drawn = []
+    if view.curves:
+        drawn.append(charts.line_chart([charts.Series(k, v) for k, v in view.curves.items()
+                                        if "loss" not in k and "hd95" not in k] or
+                                       [charts.Series(k, v) for k, v in view.curves.items()],
+                                       title="Global model on the server's test set", x_label="round",
+                                       y_label="score", width=520))
+    if view.validation:
+        drawn.append(charts.line_chart([charts.Series(k, v) for k, v in view.validation.items()],
+                                       title="Hospitals' validation (mean), model after round", x_label="round",
+                                       y_label="value", width=520))
+    if view.rounds:
+        drawn.append(charts.line_chart(
+            [charts.Series("to the server (up)", [(r.round, r.bytes_up / 1e6) for r in view.rounds]),
+             charts.Series("to the hospitals (down)", [(r.round, r.bytes_down / 1e6) for r in view.rounds])],
+            title="Traffic per round", x_label="round", y_label="MB", width=520))
+    return drawn
