@@ -23,6 +23,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
+from common.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import TRAINS_ITSELF
 
 from .api import Hospital
@@ -33,7 +34,8 @@ def hospital_mod(message: Message, context: Context, call_next: Callable[[Messag
     config = fedmed_config(message)
     if config is None:  # Flower's own format: a Flower strategy's, or ours to a hospital that trains itself
         return call_next(message, context)
-    if message.metadata.message_type == MessageType.QUERY and trains_itself(config):
+    if message.metadata.message_type == MessageType.QUERY and config.get("query") == IDENTITY_QUERY \
+            and trains_itself(config):
         return identity_of_own_training(message, context, config)
     return Hospital(context).answer(message)
 
@@ -63,7 +65,6 @@ def identity_of_own_training(message: Message, context: Context, config: ConfigR
     simulation ``hospital-<partition>``), that it trains the model itself, and its signature of the server's nonce
     where the node config holds an ``identity-key``. Its sample count is its replies' (the server bounds it by
     ``screening.max-samples``)."""
-    from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 
     from .node_config import load_node_config
 

@@ -32,9 +32,9 @@ from flwr.superlink.grid import InMemoryGrid
 
 from common.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
-from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
+from common.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.logs import fedmed_logger_prints
-from common.methods.base import CROSS_SITE_KEY, TRAINS_ITSELF, HospitalInfo
+from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
 from common.payload import Payload
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.run_lock import claim_run_name, release
@@ -456,7 +456,7 @@ class HospitalStrategy(Strategy):
         for node in nodes:
             nonce = new_nonce()
             self._nonces.setdefault(node, []).append(nonce)  # a late reply to an earlier query still verifies
-            config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0), NONCE_KEY: nonce})
+            config = ConfigRecord({"query": IDENTITY_QUERY, **self.hospital_config(0), NONCE_KEY: nonce})
             messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
                                     dst_node_id=node))
             self.audit_message("sent", messages[-1], 0, node=node)
@@ -521,7 +521,8 @@ class HospitalStrategy(Strategy):
             self._refusals[node] = problem
             return
         self._refusals.pop(node, None)
-        self.hospitals[node] = HospitalInfo(f"node-{node}", self.job.screening.max_samples, {TRAINS_ITSELF: True})
+        self.hospitals[node] = HospitalInfo(f"node-{node}", self.job.screening.max_samples,
+                                            {TRAINS_ITSELF: True, FLOWER_ONLY: True})
         log.info("node %d is a Flower ClientApp that trains the model itself: hospital node-%d, sent Flower's own "
                  "messages", node, node)
 
@@ -1159,6 +1160,8 @@ class HospitalStrategy(Strategy):
             return
         messages = []
         for node, hospital in sorted(self.hospitals.items()):
+            if hospital.properties.get(FLOWER_ONLY):  # no audit log there, and no query handler to answer
+                continue
             config = ConfigRecord({"query": RUN_ENDED_QUERY, **self.hospital_config(self.engine.next_round - 1)})
             messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
                                     dst_node_id=node))

@@ -84,12 +84,15 @@ def flower_clientapp_node(app: Any, run_config: Mapping[str, Any], node_config: 
     reply, its reason as ``flwr/supernode/runtime/run_clientapp.py`` writes it."""
     from flwr.app import Error
 
+    from client_app.node_config import every_hospital_in_this_process
+
     context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
                       run_config=dict(run_config))
 
     def answer(message: Message) -> Message:
         try:
-            return app(message, context)
+            with every_hospital_in_this_process():  # one operator runs them all, as Flower's simulation engine does
+                return app(message, context)
         except Exception as error:
             reason = str(type(error)) + ":<'" + str(error) + "'>"
             return Message(Error(code=2, reason=reason), reply_to=message)

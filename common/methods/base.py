@@ -32,6 +32,8 @@ CROSS_SITE_KEY = "cross-site"
 #: A hospital property: it is a Flower ClientApp that trains the model itself, under Flower's FedAvg contract (one
 #: ArrayRecord of its own tensor names, one MetricRecord with its sample count; no round echoed), not fedmed's step.
 TRAINS_ITSELF = "trains-itself"
+#: A hospital property: a Flower ClientApp with nothing of fedmed (no query handler): it is sent no fedmed query.
+FLOWER_ONLY = "flower-only"
 
 
 @dataclass(frozen=True)
