@@ -94,6 +94,7 @@ def test_a_flower_clientapp_that_trains_itself_is_served_with_fedmeds_screening(
         assert not any(key.startswith("fedmed.") for key in config)
     replies = train_replies(grid, 2)
     assert all(list(reply.content["arrays"]) == names for reply in replies.values())  # per tensor, its own names
+    assert len(grid.sent_of_type(MessageType.QUERY)) == 3  # the identity query only: no end-of-run query to them
 
     for record in strategy.engine.history:  # the hostile node is refused by the update-norm rule, the others averaged
         assert record["aggregated"] == ["node-101", "node-102"] and "skipped" not in record
