@@ -65,7 +65,6 @@ def identity_of_own_training(message: Message, context: Context, config: ConfigR
     simulation ``hospital-<partition>``), that it trains the model itself, and its signature of the server's nonce
     where the node config holds an ``identity-key``. Its sample count is its replies' (the server bounds it by
     ``screening.max-samples``)."""
-
     from .node_config import load_node_config
 
     node = load_node_config(context.node_config)
