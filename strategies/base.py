@@ -514,7 +514,7 @@ class HospitalStrategy(Strategy):
         (``MethodSpec.flower_contract``) it is hospital ``node-<id>``, sent Flower's own messages, its sample count
         bounded by ``screening.max-samples``; for the others it is refused, saying what to add."""
         problem = self.trains_itself_problem("a Flower ClientApp that trains the model itself (it answered the "
-                                             f"identity query with Flower's '{NO_QUERY_HANDLER}')")
+                                             f"identity query with Flower's '{NO_QUERY_HANDLER}')", signs=False)
         if problem:
             log.warning("node %d is not asked to train: %s", node, problem)
             self.unusable[node] = time.time()
@@ -526,8 +526,9 @@ class HospitalStrategy(Strategy):
         log.info("node %d is a Flower ClientApp that trains the model itself: hospital node-%d, sent Flower's own "
                  "messages", node, node)
 
-    def trains_itself_problem(self, what: str) -> str | None:
-        """Why a hospital that trains the model itself under Flower's contract cannot serve this job (None: it can)."""
+    def trains_itself_problem(self, what: str, signs: bool = True) -> str | None:
+        """Why a hospital that trains the model itself under Flower's contract cannot serve this job (None: it can);
+        ``signs``: whether it can sign its name (HospitalClientApp can, a ClientApp with nothing of fedmed cannot)."""
         method = self.job.strategy
         if not method_spec(method).flower_contract:
             return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
@@ -536,7 +537,7 @@ class HospitalStrategy(Strategy):
         if self.secure_aggregation is not None:
             return (f"{what}, but secure aggregation runs fedmed's protocol at every hospital: give it fedmed's "
                     "ClientApp, or one of its own built on client_app.api (docs/own-clientapp.md)")
-        if self.job.hospital_keys and what.startswith("a Flower ClientApp"):
+        if self.job.hospital_keys and not signs:
             return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
         return None
