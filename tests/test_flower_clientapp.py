@@ -215,3 +215,17 @@ def test_a_robust_aggregate_takes_the_median_of_clientapps_that_train_themselves
     for name in Net().state_dict():
         median = np.median([reply.content["arrays"][name].numpy() for reply in replies.values()], axis=0)
         np.testing.assert_allclose(result.arrays[name].numpy(), median, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("setting,says", [
+    ({"secure-aggregation.enabled": True}, "secure aggregation runs fedmed's protocol at every hospital"),
+    ({"hospital-keys": "KEYS"}, "hospital-keys is set and it cannot sign its name: make its ClientApp a "
+                                "HospitalClientApp")], ids=["secure aggregation", "hospital-keys"])
+def test_a_clientapp_with_nothing_of_fedmed_is_refused_where_the_job_needs_fedmed_at_the_hospital(tmp_path, setting,
+                                                                                                 says):
+    (tmp_path / "keys").mkdir()
+    settings = {**fedmed_job(tmp_path), **{k: str(tmp_path / "keys") if v == "KEYS" else v for k, v in setting.items()}}
+    grid = FakeGrid(quickstart_nodes(2))
+    with pytest.raises(ConfigError, match=f"node 101: a Flower ClientApp that trains the model itself .*, but {says}"):
+        FedAvgStrategy(settings=settings).start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=1)
+    assert not grid.sent_of_type(MessageType.TRAIN)
