@@ -29,16 +29,20 @@ from common.secure_aggregation.hospital import (
     HospitalRound,
     HospitalRules,
     ReplayMemory,
+    SecureAggregationRefusal,
     check_turn,
     finished,
     hospital_stage,
     model_digest,
+    round_plan,
 )
 from common.secure_aggregation.messages import (
     COLLECT,
     LAYOUT_KEY,
     MASKED_ARRAY,
     MASKED_GROUP,
+    OWN_NAME_KEY,
+    OWN_WEIGHT_CAP_KEY,
     SETUP,
     STAGE_KEY,
     STAGES,
@@ -76,15 +80,27 @@ def hospital_policy(context: Context):
 
 
 def hospital_rules(context: Context):
-    """This hospital's rules (node config and policy, read afresh for every message) and its policy (None: none)."""
+    """This hospital's rules (node config and policy, read afresh for every message) and its policy (None: none).
+    Its replay memory is mirrored in its audit log; a deployed hospital whose policy requires secure aggregation
+    takes part only with the consortium's keys (``peer-keys``), so it counts only registered hospitals."""
+    from common.audit import AuditLog
+
     from .node_config import load_node_config
 
     node = load_node_config(context.node_config)
     policy = hospital_policy(context)
+    run_state = str(context.run_config.get("state-dir") or "state")
+    audit_path = node.audit_path(run_state)
+    audit = AuditLog(audit_path, f"hospital:{node.name}") if audit_path is not None else None
+    unusable = ""
+    if policy is not None and policy.require_secure_aggregation and not node.virtual and not node.peer_keys:
+        unusable = ("require-secure-aggregation in a deployment needs the consortium's registered keys (node config "
+                    "peer-keys and identity-key): without them the server could invent the other hospitals of a sum")
     rules = HospitalRules(node.name, node.identity_key, node.peer_keys,
                           policy.min_threshold_fraction if policy else MIN_THRESHOLD_FRACTION,
                           policy.min_hospitals_per_sum if policy else 2,
-                          ReplayMemory(node.state_root(str(context.run_config.get("state-dir") or "state"))))
+                          ReplayMemory(node.state_root(run_state), audit),
+                          policy.min_update_norm_bound if policy else 0.0, unusable)
     return rules, policy
 
 
@@ -138,6 +154,7 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     arrays replaced by the hospital's masked contribution (what its method sums, its update bounded to the round's
     norm bound); what the method keeps at the hospital, and what its policy withholds, are left out."""
     check_turn(state, COLLECT, config)
+    _, plan = round_plan(config, rules)  # the same for every hospital, within its policy's bounds, before training
     received = from_recorddict(message.content)
     digest = model_digest(received.arrays)
     rules.memory.check_model(digest)
@@ -148,8 +165,12 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     started = time.perf_counter()
     trained = from_recorddict(reply.content)
     method = secure_method(str(received.config.get("strategy", "")))
-    layout = Layout.from_json(config.get(LAYOUT_KEY))
-    values, metrics = method.contribution(received, trained, config, layout)
+    layout = Layout.from_json(plan.get(LAYOUT_KEY))
+    own = {OWN_NAME_KEY: rules.name, OWN_WEIGHT_CAP_KEY: policy.max_sample_weight if policy is not None else 0}
+    problem = method.check_plan(plan, rules.name, received, trained)
+    if problem:
+        raise SecureAggregationRefusal(f"the round plan: {problem}")
+    values, metrics = method.contribution(received, trained, {**plan, **own}, layout)
     vector = encode(layout, values, state.flower.clipping_range, state.flower.target_range)
     state, answer = hospital_stage(state, COLLECT, config, message.metadata.dst_node_id, rules, vector, digest)
     save_state(context, state)

@@ -88,27 +88,41 @@ class AuditLog:
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one line for ``event`` with ``fields``; returns the line as written (with its ``hash``)."""
-        clash = sorted(set(fields) & set(RESERVED))
-        if clash:
-            raise ValueError(f"audit event fields may not be named {', '.join(clash)}")
+        return self.append_many([(event, fields)])[0]
+
+    def append_many(self, events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Write one line per (event, fields), in order, under one lock and with one ``fsync`` (a stage's messages
+        to every hospital, say): the same chain as appending them one by one; returns the lines as written."""
+        for _, fields in events:
+            clash = sorted(set(fields) & set(RESERVED))
+            if clash:
+                raise ValueError(f"audit event fields may not be named {', '.join(clash)}")
+        if not events:
+            return []
         with self._locked() as fd:
             last = last_line(fd, self.path)
-            record: dict[str, Any] = {"seq": last["seq"] + 1 if last else 1,
-                                      "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                      "prev": last["hash"] if last else GENESIS, "event": event}
-            if self.writer:
-                record["writer"] = self.writer
-            record.update({k: _clean(v) for k, v in fields.items() if v is not None})
-            record["hash"] = line_hash(record)
-            data = (canonical(record) + "\n").encode()
+            seq, prev = (last["seq"], last["hash"]) if last else (0, GENESIS)
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            records, chunks = [], []
+            for event, fields in events:
+                seq += 1
+                record: dict[str, Any] = {"seq": seq, "time": now, "prev": prev, "event": event}
+                if self.writer:
+                    record["writer"] = self.writer
+                record.update({k: _clean(v) for k, v in fields.items() if v is not None})
+                record["hash"] = prev = line_hash(record)
+                records.append(record)
+                chunks.append(canonical(record) + "\n")
+            data = "".join(chunks).encode()
             try:
                 written = os.write(fd, data)
                 if written != len(data):
                     raise OSError(f"wrote {written} of {len(data)} bytes")
                 os.fsync(fd)
             except OSError as error:
-                raise AuditError(f"audit log {self.path}: line {record['seq']} not written ({error})") from None
-        return record
+                raise AuditError(f"audit log {self.path}: lines {records[0]['seq']}-{seq} not written ({error})") \
+                    from None
+        return records
 
     def head(self) -> str:
         """The hash of the last line (64 zeros for an empty or absent log); the last line is checked."""
@@ -278,10 +292,11 @@ def message_digest(message: Any, nbytes: int | None = None) -> dict[str, Any]:
     the same at both ends), ``bytes``, the whole message serialised as metrics.jsonl's traffic counts it
     (``common.wire.message_nbytes``; ``nbytes`` when the caller measured it already), and ``error`` for an error
     reply."""
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
-    if nbytes is None:
-        nbytes = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
-    if message.has_error():
-        return {"error": str(message.error.reason), "bytes": int(nbytes)}
-    return {"sha256": message.content.object_id, "bytes": int(nbytes)}
+    with no_object_id_recompute():  # each record serialised once for its id, not again inside every parent's
+        if nbytes is None:
+            nbytes = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+        if message.has_error():
+            return {"error": str(message.error.reason), "bytes": int(nbytes)}
+        return {"sha256": message.content.object_id, "bytes": int(nbytes)}

@@ -115,6 +115,12 @@ class Policy(Section):
     job_limits: dict[str, int] = Field(default_factory=dict, description=(
         "The most a job may ask of this hospital, by run-config key (local-epochs, batch-size, data-workers, "
         "image-size, ...); keys left out keep common/argument_gate.py's DEFAULT_JOB_LIMITS."))
+    min_update_norm_bound: float = Field(0.0, ge=0.0, description=(
+        "Under secure aggregation: the round plan's norm bound (every hospital clips its update to it) may not be "
+        "below this (0: any)."))
+    max_sample_weight: int = Field(0, ge=0, description=(
+        "Under secure aggregation: the most samples its own weight in a sum counts (0: its training samples, under "
+        "the round plan's common cap)."))
     min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
         "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
         "least one half, which holds without a policy too: a server telling two groups different survivor sets "

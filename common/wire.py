@@ -324,7 +324,10 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
 
 def message_nbytes(message: Message) -> int:
     """Bytes of the serialised message: every object Flower deflates to send it (content and metadata)."""
-    return int(sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values()))
+    from flwr.supercore.inflatable.inflatable_object import no_object_id_recompute
+
+    with no_object_id_recompute():  # each record serialised once for its id, not again inside every parent's
+        return int(sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values()))
 
 
 def from_flower_reply(content: RecordDict, limit: int | None = None, max_tensors: int | None = None,

@@ -1,6 +1,8 @@
 """``fedmed audit verify LOG [--head HASH] [--peer OTHER_LOG --name NAME]``: check an audit log's chain
-(``common/audit.py``, docs/privacy.md). ``fedmed audit rebuild-ledger LOG STATE_FOLDER``: a hospital operator's
-repair of a privacy ledger that no longer matches the audit log (the hospital refuses to train until then).
+(``common/audit.py``, docs/privacy.md). ``fedmed audit rebuild-ledger LOG STATE_FOLDER`` and ``fedmed audit
+rebuild-secagg-memory LOG STATE_FOLDER``: a hospital operator's repair of a privacy ledger or a secure-aggregation
+memory that no longer matches the audit log (the hospital refuses to train, or to take part in secure rounds, until
+then).
 
 Exit status 0 when the chain is intact (and the recorded hashes are found), 1 when a line was edited, inserted,
 removed, reordered or cut short (each named by its line number), or when NAME is in no line of OTHER_LOG; 2 when
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
                        "(peer-audit-head: the server's log records each hospital's); needs --name")
     check.add_argument("--name", default="", help="with --peer: the hospital whose log LOG is, as the server "
                        "names it (hospital-00)")
+    memory = sub.add_parser("rebuild-secagg-memory", help="write a hospital's secure-aggregation memory (the rounds "
+                            "and models it took part in) anew from its audit log")
+    memory.add_argument("log", help="the hospital's audit log (its chain must verify)")
+    memory.add_argument("folder", help="the hospital's state folder, where secure-aggregation.json lives (the old one "
+                        "is kept beside it)")
     rebuild = sub.add_parser("rebuild-ledger", help="write a hospital's privacy ledger anew from its audit log")
     rebuild.add_argument("log", help="the hospital's audit log (its chain must verify)")
     rebuild.add_argument("folder", help="the hospital's state folder, where privacy-ledger.json lives (the old one "
@@ -47,6 +54,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedmed audit rebuild-ledger: {error}", file=sys.stderr)
             return 2
         print(f"{args.folder}: privacy ledger rebuilt from {args.log}: {count} training(s)")
+        return 0
+    if args.command == "rebuild-secagg-memory":
+        from common.secure_aggregation.hospital import SecureAggregationRefusal, rebuild_memory
+
+        try:
+            counts = rebuild_memory(args.log, args.folder)
+        except (OSError, SecureAggregationRefusal) as error:
+            print(f"fedmed audit rebuild-secagg-memory: {error}", file=sys.stderr)
+            return 2
+        print(f"{args.folder}: secure-aggregation memory rebuilt from {args.log}: {counts['rounds']} round(s), "
+              f"{counts['revealed']} model(s) revealed")
         return 0
     if args.peer and not args.name:
         parser.error("--peer needs --name (the hospital whose log is checked, as the other log names it)")

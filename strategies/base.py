@@ -388,8 +388,20 @@ class HospitalStrategy(Strategy):
         the content, the hospital and its node, and the hospital's own audit head where its reply carries one.
         An AuditError (a damaged log, a full disk) stops the run: nothing is exchanged unlogged."""
         audit = self.audit_log()
-        if audit is None:
-            return
+        if audit is not None:
+            audit.append_many([self.audit_line(direction, message, server_round, hospital, node, cross_site, nbytes)])
+
+    def audit_messages(self, lines: list[tuple]) -> None:
+        """Lines of :meth:`audit_message` (each its arguments as a tuple) under one lock and one ``fsync``: a key
+        stage's messages to every hospital, or their replies (the same chain, written at once)."""
+        audit = self.audit_log()
+        if audit is not None:
+            audit.append_many([self.audit_line(*line) for line in lines])
+
+    def audit_line(self, direction: str, message: Message, server_round: int, hospital: str | None = None,
+                   node: int | None = None, cross_site: bool = False,
+                   nbytes: int | None = None) -> tuple[str, dict[str, Any]]:
+        """The audit event and fields that record a message sent or received."""
         received = direction == "received"
         head = None
         if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
@@ -398,11 +410,12 @@ class HospitalStrategy(Strategy):
             heads = [record.get("audit-head") for record in message.content.values()  # not .config_records, whose
                      if isinstance(record, ConfigRecord)]  # view holds the message in a cycle until Python's collector
             head = next((h for h in heads if isinstance(h, str)), None)
-        audit.append("message", direction=direction, kind=message.metadata.message_type.split(".")[0],
-                     run=self.job.run_name, round=server_round, method=self.job.strategy, peer=hospital,
-                     **{"peer-node": message.metadata.src_node_id if received else node or message.metadata.dst_node_id,
-                        "flower-run": message.metadata.run_id if received else None, "peer-audit-head": head,
-                        "cross-site": cross_site or None}, **message_digest(message, nbytes))
+        return "message", {"direction": direction, "kind": message.metadata.message_type.split(".")[0],
+                           "run": self.job.run_name, "round": server_round, "method": self.job.strategy,
+                           "peer": hospital, "peer-node": message.metadata.src_node_id if received
+                           else node or message.metadata.dst_node_id,
+                           "flower-run": message.metadata.run_id if received else None, "peer-audit-head": head,
+                           "cross-site": cross_site or None, **message_digest(message, nbytes)}
 
     # --- hospitals --------------------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:

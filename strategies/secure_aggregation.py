@@ -143,6 +143,7 @@ class SecureAggregation:
                 list(progress.hospitals), self.settings, [strategy.job.seed, server_round], plan.layout.size,
                 plan.modulus, plan.quantization_range, {n: h.name for n, h in progress.hospitals.items()},
                 strategy.job.run_name, server_round)
+            protocol.plan_text = plan.text()  # one plan, the same text for every hospital
             largest = plan.layout.largest(plan.quantization_range)
             if len(chosen) * largest >= plan.modulus:
                 raise ValueError(f"{len(chosen)} hospitals x {largest} (the largest value one adds) does not stay "
@@ -170,8 +171,7 @@ class SecureAggregation:
                 continue
             name = progress.name(node)
             config: ConfigRecord = message.content.config_records[strategy.records.config]
-            for key, value in {STAGE_KEY: COLLECT, **collect_config(protocol, node),
-                               **plan.hospital_config[name]}.items():
+            for key, value in {STAGE_KEY: COLLECT, **collect_config(protocol, node)}.items():
                 config[key] = value
             strategy._bytes_down[name] = message_nbytes(message)
             prepared.append(message)
@@ -211,32 +211,36 @@ class SecureAggregation:
         strategy, job, protocol = self.strategy, self.strategy.job, progress.protocol
         base = {**strategy.records.as_config(), "server-round": progress.rnd, "run-name": job.run_name,
                 "strategy": job.strategy, STAGE_KEY: stage}
-        audit = getattr(strategy, "audit_message", None)
+        audit = getattr(strategy, "audit_messages", None)  # a stage's lines at once: one lock, one fsync
         started, down, up = time.time(), 0, 0
-        messages = []
+        messages, lines = [], []
         for node, config in configs.items():
             content = to_recorddict(Payload(config={**base, **config}), keys=strategy.records)
             message = Message(content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(progress.rnd))
-            size = message_nbytes(message)
+            size = message_nbytes(message)  # measured once: the traffic record and the audit line share it
             progress.traffic[progress.name(node)]["down"] += size
             down += size
-            if audit is not None:
-                audit("sent", message, progress.rnd, progress.name(node), node)
+            lines.append(("sent", message, progress.rnd, progress.name(node), node, False, size))
             messages.append(message)
+        if audit is not None:
+            audit(lines)
         timeout = self.settings.stage_timeout or job.round_timeout
         replies = send_and_receive(self.grid, messages, timeout, messages_in_flight(job, self.grid, queries=True))
         answers: dict[int, dict] = {}
+        lines, kept = [], {}
         for reply in replies:
             node = reply.metadata.src_node_id
-            if node not in configs or node in answers:
+            if node not in configs or node in kept:
                 continue
+            kept[node] = reply, message_nbytes(reply)
+            lines.append(("received", reply, progress.rnd, progress.name(node), None, False, kept[node][1]))
+        if audit is not None:
+            audit(lines)
+        for node, (reply, size) in kept.items():
             name = progress.name(node)
-            if audit is not None:
-                audit("received", reply, progress.rnd, name)
             if reply.has_error():
                 protocol.lost.setdefault(node, f"{stage}: {cut(reply.error.reason)}")
                 continue
-            size = message_nbytes(reply)
             progress.traffic[name]["up"] += size
             up += size
             try:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -94,8 +95,8 @@ def consortium(tmp_path, image):
     (project / "results").mkdir()
     port = free_port()
     name = f"fedmedtest{uuid.uuid4().hex[:6]}"
-    (project / ".env").write_text(f"FEDMED_UID={os.getuid()}\nFEDMED_GID={os.getgid()}\nFEDMED_IMAGE={image}\n"
-                                  f"FEDMED_PORT={port}\nCOMPOSE_PROJECT_NAME={name}\n")
+    env = sh("bash", str(ROOT / "deploy" / "compose_env.sh"), env={"FEDMED_PYTHON": sys.executable}).stdout
+    (project / ".env").write_text(f"{env}FEDMED_IMAGE={image}\nFEDMED_PORT={port}\nCOMPOSE_PROJECT_NAME={name}\n")
     compose = ["docker-compose", "-p", name]
     try:
         sh(*compose, "up", "-d", cwd=project, timeout=600)
@@ -206,3 +207,29 @@ def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     assert [r["round"] for r in history] == list(range(1, len(history) + 1))
     remembered = back[0]["hospital_metrics"]["hospital-c"]["state-from-round"]  # its memory from before the kill
     assert 1 <= remembered < back[0]["round"]
+
+
+@pytest.mark.docker
+@pytest.mark.integration
+@pytest.mark.slow
+def test_compose_consortium_comes_back_after_down_and_up_and_after_stop_and_start(consortium):
+    """docs/deployment.md's restarts: `docker-compose down` (volumes kept) then `up -d`, and `stop` then `start`,
+    bring the same consortium back (the registration step keeps the keys the SuperLink holds, the hospitals wait
+    for it); each time a run completes with every hospital, and the hospitals keep their audit logs."""
+    project, compose, home = consortium
+    for attempt, (down, up) in enumerate([(None, None), (["down"], ["up", "-d"]), (["stop"], ["start"])]):
+        if down is not None:
+            sh(*compose, *down, cwd=project, timeout=300)
+            sh(*compose, *up, cwd=project, timeout=600)
+        name = f"compose-back-{attempt}"
+        run = submit_run(home, "consortium", run_config(name, 1))
+        status = wait_for_run(home, "consortium", run, 600)
+        assert status == "finished:completed", run_log(home, "consortium", run)[-4000:]
+        assert sorted(history_of(project, name)[0]["aggregated"]) == list(HOSPITALS), attempt
+        states = sh(*compose, "ps", cwd=project).stdout
+        assert "Restarting" not in states, states
+    registrations = sh(*compose, "logs", "--no-color", "register-hospitals", cwd=project, check=False).stdout
+    assert "registered already" in registrations  # the second and third start found the keys in place
+    audit = sh(*compose, "exec", "-T", "hospital-a", "cat", "/state/hospital/audit.jsonl", cwd=project).stdout
+    runs = {line.split('"run":"')[1].split('"')[0] for line in audit.splitlines() if '"run":"compose-back' in line}
+    assert runs == {"compose-back-0", "compose-back-1", "compose-back-2"}  # one log across the restarts

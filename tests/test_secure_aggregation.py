@@ -6,6 +6,7 @@ What it costs is benchmarks/secure_aggregation/run.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -194,7 +195,7 @@ def test_fedproin_secure_nia_equals_plain_nia_within_the_quantisation_error():
         received = Payload(arrays={"model": glob})
         reply = Payload(arrays={"model": trained[i]}, metrics={"num-examples": hospital.num_examples,
                                                                 "influence": influences[i].ravel().tolist()})
-        values, _ = fedproin_contribution(received, reply, plan.hospital_config[hospital.name], plan.layout)
+        values, _ = fedproin_contribution(received, reply, plan.common, plan.layout)
         vectors[i + 1] = encode(plan.layout, values, settings.clipping_range, settings.quantization_range)
     protocol, total = run_protocol([1, 2, 3], vectors, settings)
     sums = decode_sum(plan.layout, total, 3, settings.clipping_range, settings.quantization_range)
@@ -363,20 +364,28 @@ def test_below_the_threshold_the_round_is_skipped_with_its_reason(tmp_path, capl
     assert not [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of(m) == UNMASK]
 
 
-@pytest.mark.parametrize("key,value,why", [("secagg.weight-share", 5.0, "weights sum to"),
-                                           ("secagg.norm-bound", 0.0, "exceeds the norm bound")])
-def test_a_sum_no_honest_hospitals_could_have_sent_is_refused(tmp_path, key, value, why):
-    """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself above its share, or
-    skips the norm bound, gives a sum the server refuses (FedAvg family)."""
-    def hostile(message: Message) -> None:
-        if stage_of(message) == COLLECT:
-            message.content["config"][key] = value
+@pytest.mark.parametrize("breaks,why", [("its weight", "weights sum to"), ("the norm bound", "exceeds the norm bound")])
+def test_a_sum_no_honest_hospitals_could_have_sent_is_refused(tmp_path, monkeypatch, breaks, why):
+    """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself five times above
+    its samples, or skips the norm bound, gives a sum the server refuses (FedAvg family)."""
+    import strategies.fedavg.secure as fedavg_secure
+    from common.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY
 
+    honest = fedavg_secure.SECURE.contribution
+
+    def contribution(received, reply, params, layout):
+        if params.get(OWN_NAME_KEY) != "hospital-02":
+            return honest(received, reply, params, layout)
+        if breaks == "the norm bound":
+            return honest(received, reply, {**params, NORM_BOUND_KEY: 0.0}, layout)
+        values, metrics = honest(received, reply, params, layout)
+        return {k: 5.0 * v for k, v in values.items()}, metrics
+
+    monkeypatch.setattr(fedavg_secure, "SECURE", dataclasses.replace(fedavg_secure.SECURE, contribution=contribution))
     config = config_of(tmp_path, SMALL_CLASSIFICATION, "hostile")
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config,
                                                        secure_aggregation={"update-norm-bound": 1e-3})
     nodes = secure_hospitals(config, 3)
-    nodes[103] = secure_node(config, {"partition-id": 2, "num-partitions": 3}, 103, tamper=hostile)
     before = arrays_of(strategy.initial_arrays())
     strategy.start(FakeGrid(nodes), num_rounds=1)
     record = strategy.engine.history[0]

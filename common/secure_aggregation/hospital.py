@@ -7,11 +7,18 @@ memory). Flower's ``_setup`` and ``_share_keys`` make the key pairs and Shamir s
 agreed secret (:mod:`.masks`). Besides Flower's checks a hospital refuses:
 
 - a plan whose threshold is half its shares or fewer (more than ``min-threshold-fraction`` of them, default 0.5), or
-  fewer hospitals than its ``min-hospitals-per-sum``;
-- a second protocol run for a (run, round) it took part in, and training from a model it already revealed shares
-  for (:class:`ReplayMemory`, in its state folder, kept across restarts);
+  fewer hospitals than its ``min-hospitals-per-sum``; in a deployment whose policy requires secure aggregation, any
+  round without the consortium's keys (``peer-keys``);
+- a round plan (the collect stage's ``secagg.plan``: layout, norm bound, weight cap, what each part sums) below its
+  policy's bounds, or with a part that fewer than ``min-hospitals-per-sum`` hospitals add to; the plan is one text
+  for every hospital: its SHA-256 binds the pairwise masks (hospitals shown different plans add masks that do not
+  cancel) and is signed with the survivor set;
+- a second protocol run for a (run, round) it took part in, and training from, or revealing shares for a sum
+  trained from, a model it already revealed shares for, checked at collect and again at unmask
+  (:class:`ReplayMemory`, in its state folder and its audit log, kept across restarts);
 - with the consortium's keys (``peer-keys``): a neighbour whose public keys are not signed by that hospital's
-  registered key, and an unmask request without at least threshold valid signatures on the survivor set;
+  registered key, and an unmask request unless every hospital in the survivor set signed that set and the same
+  round plan with its registered key (no invented or padded survivors, no plan told to some hospitals only);
 - an unmask request that is not exactly what the survivor set it signed implies: every neighbour's mask-seed share
   if it survived, key share if it did not, never both, and only once (its secrets are erased when it answers).
 """
@@ -37,6 +44,8 @@ from .messages import (
     KEYS_SIGNATURE_PREFIX,
     NAME_KEY,
     NAME_PREFIX,
+    PARTS_KEY,
+    PLAN_KEY,
     SESSION_KEY,
     SETUP,
     SHARE_DIGESTS_KEY,
@@ -82,8 +91,9 @@ class ReplayMemory:
     does not stop a run): unmasking needs threshold hospitals' shares, so a second sum from the same model lacks at
     least those hospitals, and the difference of two sums is a sum of at least threshold updates, never one."""
 
-    def __init__(self, folder: str | Path | None):
+    def __init__(self, folder: str | Path | None, audit: Any = None):
         self.path = Path(folder) / MEMORY_FILE if folder else None
+        self.audit = audit  #: the hospital's AuditLog: every entry is first a line of it, as the privacy ledger's
         self._memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
 
     @contextlib.contextmanager
@@ -111,16 +121,46 @@ class ReplayMemory:
             os.close(fd)
 
     def _read(self) -> dict[str, list[dict[str, Any]]]:
-        if not self.path.exists():
-            return {"rounds": [], "revealed": []}
-        try:
-            memory = json.loads(self.path.read_text())
-            if not all(isinstance(memory.get(key), list) for key in ("rounds", "revealed")):
-                raise ValueError("it lacks the lists 'rounds' and 'revealed'")
-        except (OSError, ValueError, AttributeError) as error:  # never forget its rounds by accident
-            raise SecureAggregationRefusal(f"its memory of past rounds {self.path} cannot be read ({error}); it takes "
-                                           "part in no secure round until an operator repairs it") from None
+        memory = {"rounds": [], "revealed": []}
+        if self.path.exists():
+            try:
+                memory = json.loads(self.path.read_text())
+                if not all(isinstance(memory.get(key), list) for key in ("rounds", "revealed")):
+                    raise ValueError("it lacks the lists 'rounds' and 'revealed'")
+            except (OSError, ValueError, AttributeError) as error:  # never forget its rounds by accident
+                raise SecureAggregationRefusal(
+                    f"its memory of past rounds {self.path} cannot be read ({error}); it takes part in no secure "
+                    f"round until an operator rebuilds it: {self.rebuild_command()}") from None
+        if self.audit is not None:
+            self._check_against_log(memory)
         return memory
+
+    def rebuild_command(self) -> str:
+        log = self.audit.path if self.audit is not None else "AUDIT_LOG"
+        return f"fedmed audit rebuild-secagg-memory {log} {self.path.parent}"
+
+    def _check_against_log(self, memory: dict[str, list[dict[str, Any]]]) -> None:
+        """The memory must hold exactly the entries its audit log holds (a deleted, rolled-back or edited memory
+        would let a round or a model through again); SecureAggregationRefusal otherwise."""
+        logged = memory_in_log(self.audit.path)
+        for kind in ("rounds", "revealed"):
+            mine = [entry_key(kind, entry) for entry in memory[kind]]
+            theirs = [entry_key(kind, entry) for entry in logged[kind]]
+            if mine != theirs:
+                what = ("holds fewer entries than its audit log: it was deleted or rolled back" if len(mine) <
+                        len(theirs) and theirs[:len(mine)] == mine else "and its audit log differ: it was edited, or "
+                        "the log was replaced")
+                raise SecureAggregationRefusal(
+                    f"its memory of past rounds {self.path} {what} ({kind}: {len(mine)} here, {len(theirs)} in "
+                    f"{self.audit.path}); it takes part in no secure round until an operator rebuilds it from the "
+                    f"log: {self.rebuild_command()}")
+
+    def _remember(self, memory: dict[str, list[dict[str, Any]]], kind: str, entry: dict[str, Any]) -> None:
+        """One entry, in the audit log first (so that a crash between the two errs towards remembering)."""
+        if self.audit is not None:
+            line = self.audit.append(MEMORY_EVENT, memory=kind, **{f: entry[f] for f in MEMORY_FIELDS[kind]})
+            entry = {**entry, "time": line["time"]}
+        memory[kind].append(entry)
 
     def claim_round(self, run: str, rnd: int, session: str) -> None:
         """Take part in (run, round) once: SecureAggregationRefusal if it did before."""
@@ -131,10 +171,11 @@ class ReplayMemory:
                         f"it already took part in secure aggregation for run {run!r} round {rnd} (session "
                         f"{entry.get('session')}, {entry.get('time')}); a repeated round could let the server "
                         "subtract two sums")
-            memory["rounds"].append({"run": run, "round": rnd, "session": session, "time": _now()})
+            self._remember(memory, "rounds", {"run": run, "round": rnd, "session": session, "time": _now()})
 
     def check_model(self, digest: str) -> None:
-        """SecureAggregationRefusal if it revealed unmask shares for a sum trained from this model."""
+        """SecureAggregationRefusal if it revealed unmask shares for a sum trained from this model (asked at collect
+        and again at unmask: another run may have been unmasked in between)."""
         with self._locked() as memory:
             for entry in memory["revealed"]:
                 if entry.get("model") == digest:
@@ -144,8 +185,65 @@ class ReplayMemory:
                         "the server subtract two sums")
 
     def revealed(self, digest: str, run: str, rnd: int) -> None:
+        """Remember the model whose sum it is about to help unmask, unless it did so already (then refused)."""
         with self._locked() as memory:
-            memory["revealed"].append({"model": digest, "run": run, "round": rnd, "time": _now()})
+            for entry in memory["revealed"]:
+                if entry.get("model") == digest:
+                    raise SecureAggregationRefusal(
+                        f"it already helped unmask a sum trained from this model (run {entry.get('run')!r} round "
+                        f"{entry.get('round')}, model SHA-256 {digest[:16]}...); revealing shares for a second "
+                        "sum from it would let the server subtract the two")
+            self._remember(memory, "revealed", {"model": digest, "run": run, "round": rnd, "time": _now()})
+
+
+MEMORY_EVENT = "secure-aggregation-memory"  #: the audit line of one entry of the replay memory
+#: what the memory and its audit log must agree on, per kind of entry
+MEMORY_FIELDS = {"rounds": ("run", "round", "session"), "revealed": ("model", "run", "round")}
+
+
+def entry_key(kind: str, entry: Mapping[str, Any]) -> tuple:
+    return tuple(entry.get(field) for field in MEMORY_FIELDS[kind])
+
+
+def memory_in_log(path: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """The replay memory's entries as the hospital's audit log holds them (its chain checked:
+    SecureAggregationRefusal when it is broken)."""
+    from common.audit import records_of, verify
+
+    memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
+    path = Path(path)
+    if not path.exists():
+        return memory
+    result = verify(path)
+    if not result.ok:
+        line, what = result.problems[0]
+        raise SecureAggregationRefusal(f"its audit log {path} does not verify (line {line} {what}), so its memory of "
+                                       "past rounds cannot be checked; it takes part in no secure round until an "
+                                       "operator repairs the log")
+    for _, record in records_of(path):
+        if record.get("event") == MEMORY_EVENT and record.get("memory") in memory:
+            kind = record["memory"]
+            memory[kind].append({**{f: record.get(f) for f in MEMORY_FIELDS[kind]}, "time": record.get("time")})
+    return memory
+
+
+def rebuild_memory(audit_path: str | Path, folder: str | Path) -> dict[str, int]:
+    """An operator's repair: the replay memory in ``folder`` written anew from the audit log's entries (its chain
+    must verify; a missing or empty log is refused). The old file is kept beside it. Returns the entries of each
+    kind."""
+    path = Path(audit_path)
+    if not path.is_file() or path.stat().st_size == 0:
+        raise SecureAggregationRefusal(f"the audit log {path} is {'empty' if path.is_file() else 'missing'}: there is "
+                                       "nothing to rebuild the memory from")
+    memory = memory_in_log(path)
+    target = Path(folder) / MEMORY_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        os.replace(target, target.with_name(f"{MEMORY_FILE}.{time.strftime('%Y%m%dT%H%M%S')}.replaced"))
+    partial = target.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(memory, indent=1))
+    os.replace(partial, target)
+    return {kind: len(entries) for kind, entries in memory.items()}
 
 
 def _now() -> str:
@@ -176,6 +274,9 @@ class HospitalRules:
     min_threshold_fraction: float = MIN_THRESHOLD_FRACTION
     min_hospitals_per_sum: int = 2
     memory: ReplayMemory = field(default_factory=lambda: ReplayMemory(None))
+    min_norm_bound: float = 0.0  #: its policy's min-update-norm-bound: a plan's norm bound may not be below it
+    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without peer-keys)
+    unusable: str = ""
 
     def sign(self, statement: bytes) -> bytes:
         """Its signature of ``statement`` (empty without an identity key)."""
@@ -206,6 +307,8 @@ class HospitalRound:
     names: dict[int, str] = field(default_factory=dict)  #: its neighbours' names (itself included)
     survivors: list[int] = field(default_factory=list)  #: the survivor set it signed
     model: str = ""  #: SHA-256 of the model it trained from
+    plan: str = ""  #: SHA-256 of the round plan it masked under (signed with the survivor set)
+    parts: dict[str, list[str]] = field(default_factory=dict)  #: the plan's parts and who adds to each
 
     @classmethod
     def new(cls) -> "HospitalRound":
@@ -223,12 +326,13 @@ class HospitalRound:
 
         self.flower = SecAggPlusState()
         self.flower.current_stage = UNMASK
-        self.names, self.survivors, self.model = {}, [], ""
+        self.names, self.survivors, self.model, self.plan, self.parts = {}, [], "", "", {}
 
     def to_records(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Two ConfigRecord-able dicts: Flower's state and ours."""
         ours_ = {"run": self.run, "round": self.rnd, "session": self.session, "names:K": list(self.names),
-                 "names:V": list(self.names.values()), "survivors": list(self.survivors), "model": self.model}
+                 "names:V": list(self.names.values()), "survivors": list(self.survivors), "model": self.model,
+                 "plan": self.plan, "parts": json.dumps(self.parts)}
         return self.flower.to_dict(), ours_
 
     @classmethod
@@ -240,7 +344,7 @@ class HospitalRound:
         names = dict(zip([int(k) for k in extra.get("names:K", [])], extra.get("names:V", [])))
         return cls(SecAggPlusState(**dict(flower)), str(extra.get("run", "")), int(extra.get("round", -1)),
                    str(extra.get("session", "")), names, [int(n) for n in extra.get("survivors", [])],
-                   str(extra.get("model", "")))
+                   str(extra.get("model", "")), str(extra.get("plan", "")), json.loads(extra.get("parts") or "{}"))
 
 
 # --- the stages -------------------------------------------------------------------------------------------------------
@@ -263,8 +367,11 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
         if stage == COLLECT:
             if vector is None:
                 raise ValueError("the collect stage masks a vector: none was given")
-            state.flower.current_stage, state.model = COLLECT, model
-            return state, {"masked": mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY))}
+            digest, plan = round_plan(config, rules)
+            state.flower.current_stage, state.model, state.plan = COLLECT, model, digest
+            state.parts = plan.get(PARTS_KEY) or {}
+            return state, {"masked": mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY),
+                                                 digest.encode())}
         if stage == CONSISTENCY:
             return consistency(state, rules, config)
         return unmask(state, rules, flower, config)
@@ -319,6 +426,8 @@ def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_i
 
 def plan_problem(flower: "SecAggPlusState", rules: HospitalRules) -> str | None:
     """Why a hospital will not run a round with these parameters (None: it will)."""
+    if rules.unusable:
+        return rules.unusable
     threshold, shares, hospitals = flower.threshold, flower.share_num, flower.sample_num
     if not 2 <= threshold <= shares <= hospitals:
         return (f"threshold {threshold}, shares {shares} and hospitals {hospitals} must satisfy "
@@ -338,12 +447,49 @@ def plan_problem(flower: "SecAggPlusState", rules: HospitalRules) -> str | None:
     return None
 
 
+def round_plan(config: Mapping[str, Any], rules: HospitalRules) -> tuple[str, dict[str, Any]]:
+    """The collect stage's round plan: its SHA-256 and its keys; SecureAggregationRefusal when it is missing,
+    below the hospital's bounds (the norm bound), or has a part fewer than min-hospitals-per-sum hospitals add
+    to."""
+    from .messages import NORM_BOUND_KEY
+
+    text = config.get(PLAN_KEY)
+    try:
+        plan = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        plan = None
+    if not isinstance(plan, dict):
+        raise SecureAggregationRefusal("the collect stage carries no round plan (secagg.plan, one JSON text)")
+    bound = plan.get(NORM_BOUND_KEY, 0.0)
+    if rules.min_norm_bound > 0 and not (isinstance(bound, (int, float)) and bound >= rules.min_norm_bound):
+        raise SecureAggregationRefusal(f"the round plan's norm bound {bound!r} is below its policy's "
+                                       f"min-update-norm-bound={rules.min_norm_bound:g}")
+    parts = plan.get(PARTS_KEY) or {}
+    if not isinstance(parts, dict) or not all(isinstance(v, list) for v in parts.values()):
+        raise SecureAggregationRefusal("the round plan's parts are not lists of hospitals")
+    few = parts_problem(parts, None, rules.min_hospitals_per_sum)
+    if few:
+        raise SecureAggregationRefusal(f"the round plan: {few}")
+    return hashlib.sha256(text.encode()).hexdigest(), plan
+
+
+def parts_problem(parts: Mapping[str, list[str]], among: set[str] | None, least: int) -> str | None:
+    """Why a part of the sum would hold fewer than ``least`` hospitals' contributions (of those ``among``, when
+    given: the survivors); None when every part holds enough."""
+    for part, hospitals in sorted(parts.items()):
+        count = len(set(hospitals) & among) if among is not None else len(set(hospitals))
+        if 0 < count < least:  # a part nobody adds to sums nothing
+            return (f"part {part!r} of the sum would hold {count} hospital(s)' contributions, fewer than "
+                    f"{least} (min-hospitals-per-sum): it would give them away")
+    return None
+
+
 def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[str, Any]) -> tuple[
         HospitalRound, dict]:
-    """Every neighbour's keys checked (its name, its signature with the consortium's keys), then Flower's
-    ``_share_keys``; the reply adds the signed SHA-256 of the mask seed (what the server checks rebuilt seeds
-    against)."""
-    from flwr.client.mod.secure_aggregation.secaggplus_mod import _share_keys, check_configs
+    """Every neighbour's keys checked (its name, its signature with the consortium's keys), then its secrets shared
+    (:func:`split_secrets`); the reply adds the signed SHA-256 of the mask seed (what the server checks rebuilt seeds
+    against) and of every share."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
 
     check_configs(SHARE_KEYS, flower)
     own, keys = state.flower, {int(nid): tuple(value) for nid, value in flower.items()}
@@ -365,40 +511,62 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
                 raise SecureAggregationRefusal(f"the public keys of neighbour {names[nid]!r} (node {nid}) are not "
                                                f"signed by its registered key: {problem}")
     own.current_stage = SHARE_KEYS
-    answer = _share_keys(own, flower)
+    answer, holders, digests = split_secrets(own, keys)
     state.names = names
     commitment = hashlib.sha256(own.rd_seed).digest()
-    holders, digests = share_digests(own, answer)
     signature = rules.sign(commitment_statement(state.run, state.rnd, state.session, own.nid, commitment, holders,
                                                 digests))
     return state, {**ours(answer), COMMITMENT_KEY: commitment, SHARE_HOLDERS_KEY: holders,
                    SHARE_DIGESTS_KEY: digests, SIGNATURE_KEY: signature}
 
 
-def share_digests(own: "SecAggPlusState", answer: Mapping[str, Any]) -> tuple[list[int], list[bytes]]:
-    """Who holds each of its shares and the SHA-256 of each (mask-seed share, key share), read back from the
-    ciphertexts ``_share_keys`` made: the server checks every share returned at unmasking against them, and each
-    holder checks its own on receipt, so a share changed later is its sender's, named."""
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+def split_secrets(own: "SecAggPlusState", keys: dict[int, tuple[bytes, bytes]]) -> tuple[dict, list[int],
+                                                                                            list[bytes]]:
+    """Flower's ``_share_keys`` with :mod:`.sharing`: its checks, a fresh mask seed, Shamir shares of the seed and of
+    its first private key (as its scalar), one pair per neighbour encrypted for it; and who holds each pair with the
+    SHA-256 of each (the server checks every share returned at unmasking against them, and each holder checks its
+    own on receipt, so a share changed later is its sender's, named)."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt, generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
-    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-    holders, digests = [own.nid], [share_digest(own.rd_seed_share_dict[own.nid], own.sk1_share_dict[own.nid])]
-    for destination, ciphertext in zip(answer[Key.DESTINATION_LIST], answer[Key.CIPHERTEXT_LIST], strict=True):
-        _, _, seed_share, key_share = share_keys_plaintext_separate(decrypt(own.ss2_dict[destination], ciphertext))
-        holders.append(int(destination))
-        digests.append(share_digest(seed_share, key_share))
-    return holders, digests
+    from .sharing import create_shares, key_secret
+
+    own.public_keys_dict = keys
+    if len(keys) < own.threshold:
+        raise ValueError("Available neighbours number smaller than threshold")
+    public = [key for pair in keys.values() for key in pair]
+    if len(set(public)) != len(public):
+        raise ValueError("Some public keys are identical")
+    own.rd_seed = os.urandom(32)
+    seed_shares = create_shares(own.rd_seed, own.threshold, own.share_num)
+    key_shares = create_shares(key_secret(own.sk1), own.threshold, own.share_num)
+    private = bytes_to_private_key(own.sk2)
+    destinations, ciphertexts, holders, digests = [], [], [], []
+    for index, (nid, (_, pk2)) in enumerate(keys.items()):
+        holders.append(nid)
+        digests.append(share_digest(seed_shares[index], key_shares[index]))
+        if nid == own.nid:
+            own.rd_seed_share_dict[nid], own.sk1_share_dict[nid] = seed_shares[index], key_shares[index]
+            continue
+        shared = generate_shared_key(private, bytes_to_public_key(pk2))
+        own.ss2_dict[nid] = shared
+        destinations.append(nid)
+        ciphertexts.append(encrypt(shared, share_keys_plaintext_concat(own.nid, nid, seed_shares[index],
+                                                                       key_shares[index])))
+    return {Key.DESTINATION_LIST: destinations, Key.CIPHERTEXT_LIST: ciphertexts}, holders, digests
 
 
 def share_digest(seed_share: bytes, key_share: bytes) -> bytes:
     return hashlib.sha256(seed_share).digest() + hashlib.sha256(key_share).digest()
 
 
-def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: Any) -> np.ndarray:
+def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: Any, plan: bytes = b"") -> np.ndarray:
     """Flower's ``_collect_masked_vectors`` for an integer vector of ours: decrypt and check the neighbours' key
     shares (each against the digest its sender committed to, ``digests`` in the order of the sources), then add the
-    private mask and one pairwise mask per neighbour, each expanded from its whole secret."""
+    private mask and one pairwise mask per neighbour, each expanded from its whole secret (the pairwise ones bound
+    to the round plan's SHA-256, ``plan``)."""
     from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
@@ -437,7 +605,7 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: A
     own_key = bytes_to_private_key(state.sk1)
     for node in available:
         shared = generate_shared_key(own_key, bytes_to_public_key(state.public_keys_dict[node][0]))
-        pairwise = expand_mask(shared, state.mod_range, vector.size)
+        pairwise = expand_mask(shared, state.mod_range, vector.size, plan)
         masked = masked + pairwise if state.nid > node else masked - pairwise
     return np.mod(masked, state.mod_range)
 
@@ -457,7 +625,8 @@ def consistency(state: HospitalRound, rules: HospitalRules, config: Mapping[str,
         raise SecureAggregationRefusal(f"{len(set(survivors) & known)} of its neighbours survived, fewer than the "
                                        f"threshold {own.threshold}")
     own.current_stage, state.survivors = CONSISTENCY, survivors
-    return state, {SIGNATURE_KEY: rules.sign(survivors_statement(state.run, state.rnd, state.session, survivors))}
+    return state, {SIGNATURE_KEY: rules.sign(survivors_statement(state.run, state.rnd, state.session, survivors,
+                                                                 state.plan))}
 
 
 def survivor_list(config: Mapping[str, Any]) -> list[int]:
@@ -488,18 +657,37 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
             f"asked for the mask-seed shares of {sorted(active)} and the key shares of {sorted(dead)}, but the "
             f"survivor set it signed calls for seeds of {sorted(known & set(survivors))} and keys of "
             f"{sorted(known - set(survivors))} (never both for one hospital)")
-    if rules.peer_keys:  # the set is vouched for by registered hospitals, enough of them to be the only one
-        statement = survivors_statement(state.run, state.rnd, state.session, survivors)
-        signed = [nid for nid in sorted(known & set(survivors))
-                  if rules.signature_problem(state.names[nid], statement,
-                                             config.get(f"{SURVIVORS_SIGNATURE_PREFIX}{nid}")) is None]
-        needed = max(own.threshold, rules.min_hospitals_per_sum)
-        if len(signed) < needed:
+    names = survivor_names(state, survivors, config)
+    if rules.peer_keys:  # every survivor a registered hospital that signed this set and this plan
+        statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
+        unsigned = [nid for nid in survivors if rules.signature_problem(
+            names.get(nid, ""), statement, config.get(f"{SURVIVORS_SIGNATURE_PREFIX}{nid}")) is not None]
+        if unsigned or len(set(names.values())) != len(survivors):
             raise SecureAggregationRefusal(
-                f"only {len(signed)} of its surviving neighbours signed the survivor set (registered keys), fewer "
-                f"than {needed} (the threshold {own.threshold}, min-hospitals-per-sum "
-                f"{rules.min_hospitals_per_sum}): the server may have told others a different set")
-    answer = _unmask(own, flower)
-    if state.model:
+                f"{len(survivors) - len(unsigned)} of the {len(survivors)} survivors signed the survivor set and "
+                f"the round plan it signed with their registered keys (not: nodes {unsigned[:5]}), or two have one "
+                "name: a hospital the consortium did not register, or one told another set or plan, is in the sum")
+    if len(survivors) < rules.min_hospitals_per_sum:
+        raise SecureAggregationRefusal(f"the sum would hold {len(survivors)} hospitals, fewer than its policy's "
+                                       f"min-hospitals-per-sum={rules.min_hospitals_per_sum}")
+    few = parts_problem(state.parts, set(names.values()), rules.min_hospitals_per_sum)
+    if few:
+        raise SecureAggregationRefusal(f"among the survivors, {few}")
+    if state.model:  # not revealed for this model meanwhile (another run), and remembered before anything leaves
         rules.memory.revealed(state.model, state.run, state.rnd)
+    answer = _unmask(own, flower)
     return finished(), ours(answer)
+
+
+def survivor_names(state: HospitalRound, survivors: list[int], config: Mapping[str, Any]) -> dict[int, str]:
+    """Each survivor's hospital name: its neighbours' as they were when it shared keys, the others' as the unmask
+    request names them (``secagg.name.<node>``: with peer-keys, each checked through its signature)."""
+    names = {}
+    for nid in survivors:
+        given = config.get(f"{NAME_PREFIX}{nid}")
+        name = state.names.get(nid, given if isinstance(given, str) else "")
+        if nid in state.names and isinstance(given, str) and given != state.names[nid]:
+            raise SecureAggregationRefusal(f"the unmask request calls node {nid} {given!r}, which shared keys as "
+                                           f"{state.names[nid]!r}")
+        names[nid] = name or f"node {nid}"
+    return names

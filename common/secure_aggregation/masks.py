@@ -21,25 +21,27 @@ MASK_INFO = b"fedmed secure-aggregation mask v1"  #: HKDF's info: these keys are
 NONCE = bytes(16)  #: every secret is fresh per round (new key pairs, a new seed), so one key stream per key
 
 
-def mask_key(secret: bytes) -> bytes:
-    """The ChaCha20 key of the mask expanded from ``secret`` (any length; every byte counts)."""
+def mask_key(secret: bytes, context: bytes = b"") -> bytes:
+    """The ChaCha20 key of the mask expanded from ``secret`` (any length; every byte counts) for ``context``."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
     if not isinstance(secret, bytes) or len(secret) < 16:
         raise ValueError("a mask secret is at least 16 bytes (128 bits)")
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=MASK_INFO).derive(secret)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=MASK_INFO + context).derive(secret)
 
 
-def expand_mask(secret: bytes, modulus: int, size: int) -> np.ndarray:
-    """``size`` values uniform in [0, ``modulus``) (a power of 2 up to 2^62) from ``secret``, as int64."""
+def expand_mask(secret: bytes, modulus: int, size: int, context: bytes = b"") -> np.ndarray:
+    """``size`` values uniform in [0, ``modulus``) (a power of 2 up to 2^62) from ``secret``, as int64. A pairwise
+    mask takes the round plan's SHA-256 as ``context``: two hospitals told different plans add masks that do not
+    cancel, so a sum over hospitals that were shown different plans stays masked."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     if modulus < 2 or modulus & (modulus - 1) or modulus > 2**62:
         raise ValueError(f"modulus {modulus} is not a power of 2 up to 2^62")
     width = 4 if modulus <= 2**32 else 8
     words = np.empty(size + 16 // width, dtype=f"<u{width}")  # room for a block more, as update_into asks
-    encryptor = Cipher(algorithms.ChaCha20(mask_key(secret), NONCE), mode=None).encryptor()
+    encryptor = Cipher(algorithms.ChaCha20(mask_key(secret, context), NONCE), mode=None).encryptor()
     encryptor.update_into(bytes(size * width), memoryview(words).cast("B"))
     words = words[:size]
     if modulus != 2 ** (8 * width):

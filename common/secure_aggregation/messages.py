@@ -30,11 +30,18 @@ SURVIVORS_SIGNATURE_PREFIX = PREFIX + "survivors-sig."  #: unmask stage: + a nod
 MASKED_GROUP = "secagg.masked"  #: the reply's array group holding the packed masked vector
 MASKED_ARRAY = "vector"
 
-# what the server sets per hospital for its method's contribution (the methods' own keys live in their packages)
+#: collect stage: the round plan, one canonical JSON text the same for every hospital (its SHA-256 is signed with the
+#: survivor set and binds the pairwise masks): the layout, the norm bound, the weight cap, each method's own keys
+PLAN_KEY = PREFIX + "plan"
+# keys of the round plan (the methods' own keys live in their packages)
 LAYOUT_KEY = PREFIX + "layout"
 NORM_BOUND_KEY = PREFIX + "norm-bound"
-WEIGHT_SHARE_KEY = PREFIX + "weight-share"  #: the hospital's share of the mean (from the declared counts)
-WEIGHT_COUNT_KEY = PREFIX + "weight-count"  #: the count it declared: fewer samples scale its share down
+WEIGHT_CAP_KEY = PREFIX + "weight-cap"  #: the most samples any hospital's weight counts (the same for all)
+#: part of the sum -> the hospitals that add to it, where not every hospital does (FedMEPD's modality encoders and
+#: decoder filters): each hospital checks every part holds at least its min-hospitals-per-sum
+PARTS_KEY = PREFIX + "parts"
+OWN_WEIGHT_CAP_KEY = "own.weight-cap"  #: at the hospital only: its policy's max-sample-weight, never from a message
+OWN_NAME_KEY = "own.name"  #: at the hospital only: its own name (its row of a plan that names hospitals)
 
 
 def next_stage(stage: str | None) -> str:
@@ -101,5 +108,6 @@ def commitment_statement(run: str, rnd: int, session: str, node: int, commitment
                      [[int(h), d.hex()] for h, d in zip(holders, digests)])
 
 
-def survivors_statement(run: str, rnd: int, session: str, survivors: list[int]) -> bytes:
-    return statement("survivors", run, rnd, session, sorted(int(n) for n in survivors))
+def survivors_statement(run: str, rnd: int, session: str, survivors: list[int], plan: str = "") -> bytes:
+    """A survivor set and the SHA-256 of the round plan (``plan``) the signer trained and masked under."""
+    return statement("survivors", run, rnd, session, sorted(int(n) for n in survivors), str(plan))

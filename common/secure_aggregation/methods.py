@@ -1,7 +1,13 @@
 """What a method sums under secure aggregation: the :class:`SecureMethod` each method's package declares
 (``strategies/<method>/secure.py``, named by its ``MethodSpec.secure``), the :class:`MethodPlan` its server half
-makes each round, and the parts the FedAvg family shares (sample weights capped by the server, updates clipped to
-the round's norm bound, the mean update from two sums, the bounds the server can still check). NumPy only."""
+makes each round, and the parts the FedAvg family shares (each hospital's own sample weight, updates clipped to the
+round's norm bound, the mean update from two sums, the bounds the server can still check). NumPy only.
+
+Nothing the server sends one hospital alone decides what that hospital adds to a sum: the plan of a round
+(:attr:`MethodPlan.common`: the layout, the norm bound, the weight cap, what each method needs) is one JSON text,
+the same for every hospital, which each hospital checks against its policy, binds its pairwise masks to and signs
+with the survivor set (``common/secure_aggregation/hospital.py``); a hospital weighs its own contribution with its
+own sample count (:func:`own_weight`) and adds that weight to the sum, which the server divides by."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import numpy as np
 
 from common.payload import NamedArrays, Payload
 
-from .messages import LAYOUT_KEY, NORM_BOUND_KEY, WEIGHT_COUNT_KEY, WEIGHT_SHARE_KEY
+from .messages import LAYOUT_KEY, NORM_BOUND_KEY, OWN_WEIGHT_CAP_KEY, PARTS_KEY, WEIGHT_CAP_KEY
 from .settings import SecureAggregationSettings
 from .vector import Entry, Layout
 
@@ -24,14 +30,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class MethodPlan:
-    """What one round sums, set by the server: the layout, the modulus and quantisation range, the collect-stage
-    config each hospital gets, and what the server needs to turn the sums into its state."""
+    """What one round sums, set by the server: the layout, the modulus and quantisation range, the plan every
+    hospital gets alike (``common``: keys a method's ``contribution`` reads, JSON values), and what the server needs
+    to turn the sums into its state (``context``, never sent)."""
 
     layout: Layout
     modulus: int
     quantization_range: int
-    hospital_config: dict[str, dict[str, Any]]  #: hospital name -> its collect-stage keys
+    common: dict[str, Any]  #: the round plan, the same for every hospital (its layout under LAYOUT_KEY)
     context: dict[str, Any] = field(default_factory=dict)
+    #: part -> the hospitals whose contribution it holds (a part every hospital adds to needs no entry): each
+    #: hospital checks every part holds at least its min-hospitals-per-sum, also among the survivors
+    parts: dict[str, list[str]] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """The plan as the hospitals receive it: canonical JSON, whose SHA-256 they sign."""
+        return plan_text({**self.common, LAYOUT_KEY: self.layout.to_json(), PARTS_KEY: self.parts})
+
+
+def plan_text(plan: Mapping[str, Any]) -> str:
+    import json
+
+    return json.dumps(plan, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 Contribution = tuple[dict[str, np.ndarray], dict[str, float]]  #: the parts to sum, and metrics sent in the clear
@@ -43,7 +63,8 @@ class SecureMethod:
     parts, from the message it received and its method's reply), ``apply`` (server: the sums into its state, given
     the hospitals in the sum as updates holding only what they said in the clear), ``hidden_metrics`` (reply metrics
     that never leave the hospital in the clear), ``refuse`` (why a job's settings cannot run it securely),
-    ``sum_problem`` (why the survivors' sums must not be unmasked: a part only one of them contributed to)."""
+    ``sum_problem`` (why the survivors' sums must not be unmasked: a part only one of them contributed to),
+    ``check_plan`` (hospital side: why the round plan misstates this hospital's own row)."""
 
     plan: Callable[..., MethodPlan]
     contribution: Callable[[Payload, Payload, Mapping[str, Any], Layout], Contribution]
@@ -51,6 +72,9 @@ class SecureMethod:
     hidden_metrics: frozenset[str] = frozenset()
     refuse: Callable[["JobConfig"], str | None] = lambda job: None
     sum_problem: Callable[[MethodPlan, list["HospitalInfo"]], str | None] = lambda plan, hospitals: None
+    #: hospital side: why the round plan misstates what this hospital (named) holds, e.g. FedMEPD's modalities
+    check_plan: Callable[[Mapping[str, Any], str, Payload, Payload], str | None] = \
+        lambda plan, name, received, reply: None
 
 
 def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
@@ -76,24 +100,44 @@ def model_change(received: Mapping[str, np.ndarray], trained: Mapping[str, np.nd
     return change
 
 
-def sample_weight(reply: Payload, params: Mapping[str, Any]) -> float:
-    """The hospital's share of the mean, as the server set it from the counts declared when the hospitals joined,
-    scaled down if it trained on fewer samples than it declared (never up)."""
+def own_weight(reply: Payload, params: Mapping[str, Any]) -> float:
+    """The hospital's own weight in the sum: the samples it trained on, capped by the round plan's common cap and
+    by its policy's (``max-sample-weight``, passed as ``OWN_WEIGHT_CAP_KEY``), over the plan's cap (so in (0, 1]).
+    Nothing the server sends this hospital alone enters it."""
     count = reply.metrics.get("num-examples")
     if isinstance(count, bool) or not isinstance(count, (int, float)) or not count > 0:
         raise ValueError(f"the reply's num-examples {count!r} is not a positive count")
-    declared = float(params[WEIGHT_COUNT_KEY])
-    return float(params[WEIGHT_SHARE_KEY]) * min(float(count), declared) / declared
+    cap = float(params[WEIGHT_CAP_KEY])
+    if not math.isfinite(cap) or cap < 1:
+        raise ValueError(f"the plan's weight cap {cap!r} is not a count of at least 1")
+    own = float(params.get(OWN_WEIGHT_CAP_KEY) or math.inf)
+    return min(float(count), cap, own) / cap
 
 
-def sample_shares(job: "JobConfig", hospitals: list["HospitalInfo"]) -> list[float]:
-    """Each hospital's share of the round's mean (summing to 1), from the counts they declared when they joined,
-    under the screening rules the server applies to reported counts (``screening.sample-ratio-limit``,
-    ``screening.max-hospital-weight``): the shares a plain round of honest hospitals gives them."""
-    from common.screening import capped_shares, ratio_capped_weights
+def common_weight_cap(job: "JobConfig", hospitals: list["HospitalInfo"]) -> float:
+    """The most samples any hospital's weight counts this round, the same for all: the largest cap under which
+    the declared counts meet the rules the server applies to a plain round's counts (``screening.sample-ratio-
+    limit`` x their median, and no hospital above ``screening.max-hospital-weight`` of the total)."""
+    counts = np.asarray([float(h.num_examples) for h in hospitals], dtype=np.float64)
+    cap = float(counts.max())
+    limit = job.screening.sample_ratio_limit
+    if limit > 0 and len(counts) > 1:
+        cap = min(cap, limit * float(np.median(counts)))
+    share = max(job.screening.max_hospital_weight, 1.0 / len(counts))
+    low, high = float(counts.min()), cap
+    if high <= low or np.minimum(counts, high).max() / np.minimum(counts, high).sum() <= share + 1e-12:
+        return max(1.0, high)
+    for _ in range(60):  # the largest cap whose biggest share is within the limit
+        middle = (low + high) / 2
+        capped = np.minimum(counts, middle)
+        low, high = (middle, high) if capped.max() / capped.sum() <= share + 1e-12 else (low, middle)
+    return max(1.0, low)
 
-    weights, _ = ratio_capped_weights([float(h.num_examples) for h in hospitals], job.screening.sample_ratio_limit)
-    return [float(share) for share in capped_shares(weights, job.screening.max_hospital_weight)]
+
+def declared_weights(hospitals: list["HospitalInfo"], cap: float) -> dict[str, float]:
+    """The weight each hospital adds if it trains on the samples it declared (the bound the server checks sums
+    against)."""
+    return {h.name: min(float(h.num_examples), cap) / cap for h in hospitals}
 
 
 def float_entries(arrays: Mapping[str, np.ndarray], prefix: str = "model/", skip: tuple[str, ...] = ()) -> list[Entry]:
@@ -102,31 +146,29 @@ def float_entries(arrays: Mapping[str, np.ndarray], prefix: str = "model/", skip
 
 def weighted_plan(method: "ServerMethod", hospitals: list["HospitalInfo"], settings: SecureAggregationSettings,
                   norm_bound: float, arrays: Mapping[str, np.ndarray], extra: tuple[Entry, ...] = (),
-                  skip: tuple[str, ...] = (), extra_config: Mapping[str, Any] | None = None) -> MethodPlan:
-    """FedAvg family: each hospital sums w_i x its update and w_i, w_i its share of the mean."""
-    shares = sample_shares(method.cfg, hospitals)
+                  skip: tuple[str, ...] = (), extra_common: Mapping[str, Any] | None = None) -> MethodPlan:
+    """FedAvg family: each hospital sums w_i x its update and w_i, w_i its own weight (:func:`own_weight`) under
+    the plan's common cap."""
+    cap = common_weight_cap(method.cfg, hospitals)
     layout = Layout((Entry("weight", ()), *float_entries(arrays, skip=skip), *extra))
-    config = {h.name: {WEIGHT_SHARE_KEY: share, WEIGHT_COUNT_KEY: float(h.num_examples),
-                       NORM_BOUND_KEY: float(norm_bound), LAYOUT_KEY: layout.to_json(), **dict(extra_config or {})}
-              for h, share in zip(hospitals, shares)}
-    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config,
-                      {"shares": {h.name: share for h, share in zip(hospitals, shares)},
-                       "norm-bound": float(norm_bound), "step": 2 * settings.clipping_range /
-                       settings.quantization_range})
+    common = {NORM_BOUND_KEY: float(norm_bound), WEIGHT_CAP_KEY: cap, **dict(extra_common or {})}
+    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, common,
+                      {"declared": declared_weights(hospitals, cap), "norm-bound": float(norm_bound),
+                       "step": 2 * settings.clipping_range / settings.quantization_range})
 
 
 def check_bounds(sums: Mapping[str, np.ndarray], plan: MethodPlan, updates: list) -> None:
     """What the server can still verify of a FedAvg-family sum (ValueError: some hospital sent a vector outside
-    its bounds, which masking hides but cannot undo): the weights add up to no more than the survivors' shares,
-    and the mean update, a convex combination of updates each clipped to the norm bound, is no longer than that
-    bound (plus the quantisation error)."""
+    its bounds, which masking hides but cannot undo): the weights add up to no more than the survivors' declared
+    counts allow, and the mean update, a convex combination of updates each clipped to the norm bound, is no longer
+    than that bound (plus the quantisation error)."""
     context, count = plan.context, len(updates)
     total = float(sums["weight"])
-    allowed = sum(context["shares"][u.hospital.name] for u in updates)
+    allowed = sum(context["declared"][u.hospital.name] for u in updates)
     slack = count * context["step"]
     if not 0 < total <= allowed + slack:
-        raise ValueError(f"the hospitals' weights sum to {total:.6g}, outside (0, {allowed:.6g}] that their shares "
-                         "allow: a hospital sent a vector outside its bounds")
+        raise ValueError(f"the hospitals' weights sum to {total:.6g}, outside (0, {allowed:.6g}] that their declared "
+                         "counts allow: a hospital sent a vector outside its bounds")
     bound = context["norm-bound"]
     if bound > 0:
         parts = [v for k, v in sums.items() if k.startswith("model/")]
@@ -139,11 +181,11 @@ def check_bounds(sums: Mapping[str, np.ndarray], plan: MethodPlan, updates: list
 
 def weighted_update_contribution(received: Payload, reply: Payload, params: Mapping[str, Any],
                                  layout: Layout) -> Contribution:
-    """(n_i/W) x the hospital's model update, clipped to the norm bound, and n_i/W."""
+    """w_i x the hospital's model update, clipped to the norm bound, and w_i (its own weight)."""
     names = [name.removeprefix("model/") for name in layout.names if name.startswith("model/")]
     change = model_change(received.arrays.get("model", {}), reply.arrays.get("model", {}), names)
     change, clipped = clip_update(change, float(params[NORM_BOUND_KEY]))
-    weight = sample_weight(reply, params)
+    weight = own_weight(reply, params)
     return ({"weight": np.asarray(weight), **{f"model/{k}": weight * v for k, v in change.items()}},
             {"secagg-clipped": int(clipped)})
 

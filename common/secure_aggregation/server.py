@@ -24,6 +24,7 @@ from .messages import (
     KEYS_SIGNATURE_PREFIX,
     NAME_KEY,
     NAME_PREFIX,
+    PLAN_KEY,
     PREFIX,
     PUBLIC_KEYS_PREFIX,
     SESSION_KEY,
@@ -38,6 +39,7 @@ from .messages import (
     survivors_statement,
 )
 from .settings import SecureAggregationSettings, share_plan
+from .sharing import combine_shares, secret_key
 
 #: (hospital name, statement, signature) -> why the signature is not that hospital's (None: it is)
 Verifier = Callable[[str, bytes, Any], "str | None"]
@@ -73,6 +75,12 @@ class ServerRound:
     total: np.ndarray | None = None
     lost: dict[int, str] = field(default_factory=dict)  #: node -> the stage it was lost in, and why
     hostile: dict[int, str] = field(default_factory=dict)  #: node -> the share it sent that did not fit, and why
+    plan_text: str = "{}"  #: the round plan every hospital gets alike in the collect stage (MethodPlan.text())
+
+    @property
+    def plan_digest(self) -> str:
+        """SHA-256 of the round plan: what the hospitals bind their pairwise masks to and sign."""
+        return hashlib.sha256(self.plan_text.encode()).hexdigest()
 
     @property
     def dropped(self) -> set[int]:
@@ -223,7 +231,8 @@ def collect_config(plan: ServerRound, node: int) -> dict[str, Any]:
 
     sources, ciphertexts = plan.forward[node]
     return {**ours({Key.CIPHERTEXT_LIST: list(ciphertexts), Key.SOURCE_LIST: list(sources)}),
-            SHARE_DIGESTS_KEY: [plan.share_digests[source][node] for source in sources], SESSION_KEY: plan.session}
+            SHARE_DIGESTS_KEY: [plan.share_digests[source][node] for source in sources], SESSION_KEY: plan.session,
+            PLAN_KEY: plan.plan_text}
 
 
 def add_masked_vector(plan: ServerRound, node: int, vector: np.ndarray) -> None:
@@ -245,9 +254,10 @@ def consistency_config(plan: ServerRound, node: int) -> dict[str, Any]:
 
 def receive_survivor_signatures(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]],
                                 verify: Verifier | None = None) -> None:
-    """Consistency replies: each survivor's signature of the survivor set (a survivor that does not answer stays in
-    the sum; its signature is missing)."""
-    statement = survivors_statement(plan.run, plan.rnd, plan.session, plan.survivors)
+    """Consistency replies: each survivor's signature of the survivor set and the round plan (a survivor that does
+    not answer stays in the sum; its signature is missing, and hospitals holding the consortium's keys then refuse
+    to unmask)."""
+    statement = survivors_statement(plan.run, plan.rnd, plan.session, plan.survivors, plan.plan_digest)
     for node in sorted(replies):
         signature = replies[node].get(SIGNATURE_KEY, b"")
         if node not in plan.survivors or not isinstance(signature, bytes):
@@ -262,17 +272,18 @@ def receive_survivor_signatures(plan: ServerRound, replies: Mapping[int, Mapping
 
 def unmask_config(plan: ServerRound, node: int) -> dict[str, Any]:
     """What ``node`` is asked in the unmask stage: the mask-seed shares of its neighbours in the sum and the key
-    shares of those that shared keys but whose vector is not in it, with the survivor set and its neighbours'
-    signatures of it."""
+    shares of those that shared keys but whose vector is not in it, with the survivor set, every survivor's name
+    and its signature of the set and the round plan."""
     from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     active = sorted(plan.neighbours[node] & plan.masked)
     dead = sorted(plan.neighbours[node] & plan.dropped)
     plan.asked[node] = set(active) | set(dead)
     signatures = {f"{SURVIVORS_SIGNATURE_PREFIX}{other}": plan.survivor_signatures[other]
-                  for other in active if other in plan.survivor_signatures}
+                  for other in plan.survivors if other in plan.survivor_signatures}
+    names = {f"{NAME_PREFIX}{other}": plan.name(other) for other in plan.survivors}
     return {**ours({Key.ACTIVE_NODE_ID_LIST: active, Key.DEAD_NODE_ID_LIST: dead}),
-            SURVIVORS_KEY: list(plan.survivors), SESSION_KEY: plan.session, **signatures}
+            SURVIVORS_KEY: list(plan.survivors), SESSION_KEY: plan.session, **signatures, **names}
 
 
 def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> np.ndarray:
@@ -282,7 +293,7 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
     ``plan.hostile`` either way."""
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+    from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
     if plan.total is None:
         raise ValueError("no masked vector was received")
@@ -302,10 +313,10 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
         if owner in plan.masked:  # its private mask seed
             total = total - expand_mask(secret, plan.modulus, plan.size)
             continue
-        private = bytes_to_private_key(secret)  # a node that dropped out: the pairwise masks its neighbours added
+        private = secret_key(secret)  # a node that dropped out: the pairwise masks its neighbours added
         for other in sorted(plan.neighbours[owner] & plan.masked):
             shared = generate_shared_key(private, bytes_to_public_key(plan.public_keys[other][0]))
-            pairwise = expand_mask(shared, plan.modulus, plan.size)
+            pairwise = expand_mask(shared, plan.modulus, plan.size, plan.plan_digest.encode())
             total = total + pairwise if owner > other else total - pairwise
     return np.mod(total, plan.modulus)
 
@@ -316,8 +327,6 @@ def rebuild(plan: ServerRound, owner: int, shares: Mapping[int, Any]) -> bytes:
     confirmed on receipt), a share that differs is set aside and its holder recorded in ``plan.hostile``, and the
     secret rebuilt from threshold of the others is checked against the owner's seed commitment or public key.
     ValueError when too few shares are left, or the owner's own shares do not rebuild what it committed to."""
-    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-
     what, part = ("mask seed", slice(0, 32)) if owner in plan.masked else ("key", slice(32, 64))
     committed = plan.share_digests.get(owner, {})
     good: dict[int, bytes] = {}
@@ -348,11 +357,11 @@ def seed_check(commitment: bytes) -> Callable[[bytes], bool]:
 
 
 def key_check(public_key: bytes) -> Callable[[bytes], bool]:
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, public_key_to_bytes
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
 
     def checks(secret: bytes) -> bool:
         try:
-            return public_key_to_bytes(bytes_to_private_key(secret).public_key()) == public_key
+            return public_key_to_bytes(secret_key(secret).public_key()) == public_key
         except Exception:  # not a key
             return False
 

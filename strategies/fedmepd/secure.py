@@ -1,7 +1,9 @@
 """FedMEPD under secure aggregation (and its federated-decoder and shared-encoder FedAvg baselines): each modality's
-encoder summed over the hospitals that have it (a modality only one hospital of the round has is not summed), the
-decoder per filter weighted by the server's per-filter weights (docs/secure-aggregation.md, "What each method
-sums"). The per-filter personalisation stays as it was: its rule needs each hospital's decoder change."""
+encoder summed over the hospitals that have it, the decoder per filter over the hospitals that share that filter
+(the others keep it personal), each weighted by the hospital's own weight (docs/secure-aggregation.md, "What each
+method sums"). Who has which modality and who shares which filter is in the round plan, the same for every hospital:
+each checks its own modalities there and that every summed part holds at least its min-hospitals-per-sum
+hospitals. The per-filter personalisation stays as it was: its rule needs each hospital's decoder change."""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from common.payload import Payload
-from common.secure_aggregation.messages import LAYOUT_KEY, NORM_BOUND_KEY, PREFIX
+from common.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY, PREFIX, WEIGHT_CAP_KEY
 from common.secure_aggregation.methods import (
     Contribution,
     MethodPlan,
     SecureMethod,
     clip_update,
+    common_weight_cap,
+    declared_weights,
     float_names,
     model_change,
-    sample_shares,
+    own_weight,
     weighted_update_contribution,
 )
 from common.secure_aggregation.vector import Entry, Layout
@@ -27,8 +31,11 @@ from strategies.fedavg.secure import fedavg_apply, fedavg_plan, fedavg_refuse
 if TYPE_CHECKING:
     from common.methods.base import HospitalInfo
 
-FILTER_WEIGHTS_KEY = PREFIX + "filter-weights"  #: the server's weight of each decoder filter for this hospital
+MODALITIES_KEY = PREFIX + "modalities"  #: hospital name -> the modalities it declared (each checks its own)
+FILTER_MASKS_KEY = PREFIX + "shared-filters"  #: hospital name -> per decoder filter, 1 if it shares it, 0 if personal
+BY_SAMPLES_KEY = PREFIX + "filters-by-samples"  #: decoder filters weighted by each hospital's own weight (else 1)
 ENCODERS = "encoders."
+FILTER_WEIGHT = "filter-weight/"  #: + a decoder layer: the sum of the weights behind each of its filters
 
 
 def modality_of(name: str) -> str:
@@ -37,35 +44,53 @@ def modality_of(name: str) -> str:
 
 def fedmepd_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     """Each modality's encoder as the sum of the updates of the hospitals that have it (a modality only one chosen
-    hospital has stays out: its sum would be that hospital's update; the server knows who has which), the decoder
-    per filter as the sum of w_k[f] x the update of filter f (w_k: the server's per-filter weights, 0 where
-    personal) with sum w_k[f] known to the server."""
+    hospital has stays out: its sum would be that hospital's update), the decoder per filter as the sum of w_i x
+    the update of filter f over the hospitals that share f, and per filter the sum of their w_i."""
     from strategies.fedmepd.decoder import DECODER
     from strategies.fedmepd.filter_personalisation import filter_layers
     from strategies.fedmepd.harness import hospital_modalities
 
     arrays = method.global_arrays
-    having = {h.name: set(hospital_modalities(h)) for h in hospitals}
+    having = {h.name: sorted(hospital_modalities(h)) for h in hospitals}
     shared = sorted(m for m in {m for ms in having.values() for m in ms}
                     if sum(m in ms for ms in having.values()) >= 2)
     encoders = [n for n in float_names(arrays) if n.startswith(ENCODERS) and modality_of(n) in shared]
     decoder = [n for n in float_names(arrays) if n.startswith(DECODER)]
     layers = filter_layers({n: arrays[n] for n in decoder})
-    layout = Layout(tuple(Entry(f"model/{n}", tuple(np.shape(arrays[n]))) for n in encoders + decoder))
-    shares = sample_shares(method.cfg, hospitals)
-    by_share = not method.personalise or method.cfg.fedmepd.initial_weight == "share"
-    weights, config = {}, {}
-    for hospital, share in zip(hospitals, shares):
+    sizes = {layer: int(np.shape(arrays[names[0]])[0]) for layer, names in layers.items()}
+    layout = Layout((*(Entry(f"model/{n}", tuple(np.shape(arrays[n]))) for n in encoders + decoder),
+                     *(Entry(f"{FILTER_WEIGHT}{layer}", (size,)) for layer, size in sizes.items())))
+    masks = {}
+    for hospital in hospitals:  # a filter the server's per-filter weight leaves at 0 is personal to the hospital
         known = method.personalisation.weights.get(hospital.name)
-        start = share if by_share else 1.0
-        weights[hospital.name] = {layer: np.asarray(known[layer] if known is not None
-                                                    else np.full(np.shape(arrays[names[0]])[0], start))
-                                  for layer, names in layers.items()}
-        config[hospital.name] = {NORM_BOUND_KEY: float(norm_bound), LAYOUT_KEY: layout.to_json(),
-                                 FILTER_WEIGHTS_KEY: np.concatenate(list(weights[hospital.name].values())).tolist()}
-    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, config,
-                      {"modalities": having, "shared": shared, "weights": weights, "layers": layers,
-                       "shares": {h.name: share for h, share in zip(hospitals, shares)}})
+        masks[hospital.name] = [int(v) for layer, size in sizes.items()
+                                for v in (np.asarray(known[layer]) > 0 if known is not None else np.ones(size))]
+    parts = {f"encoder {m}": sorted(h for h, ms in having.items() if m in ms) for m in shared}
+    offset = 0
+    for layer, size in sizes.items():
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for f in range(size):
+            groups.setdefault(tuple(sorted(h for h in masks if masks[h][offset + f])), []).append(f)
+        for index, (sharers, filters) in enumerate(sorted(groups.items())):
+            parts[f"{layer} filters group {index} ({len(filters)} filters)"] = list(sharers)
+        offset += size
+    by_samples = not method.personalise or method.cfg.fedmepd.initial_weight == "share"
+    cap = common_weight_cap(method.cfg, hospitals)
+    common = {NORM_BOUND_KEY: float(norm_bound), WEIGHT_CAP_KEY: cap, MODALITIES_KEY: having,
+              FILTER_MASKS_KEY: masks, BY_SAMPLES_KEY: by_samples}
+    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, common,
+                      {"modalities": having, "shared": shared, "layers": layers,
+                       "initial": declared_weights(hospitals, cap) if by_samples else {h.name: 1.0 for h in hospitals}},
+                      parts)
+
+
+def fedmepd_check_plan(plan: Mapping[str, Any], name: str, received: Payload, reply: Payload) -> str | None:
+    """The plan must state this hospital's modalities as it trained them (the encoders its reply holds)."""
+    trained = sorted({modality_of(n) for n in reply.arrays.get("model", {}) if n.startswith(ENCODERS)})
+    stated = sorted((plan.get(MODALITIES_KEY) or {}).get(name, []))
+    if trained and stated != trained:
+        return f"it states this hospital's modalities as {stated}, but it trained the encoders of {trained}"
+    return None
 
 
 def fedmepd_contribution(received: Payload, reply: Payload, params: Mapping[str, Any],
@@ -74,24 +99,26 @@ def fedmepd_contribution(received: Payload, reply: Payload, params: Mapping[str,
     from strategies.fedmepd.filter_personalisation import filter_layers
 
     model_in, model_out = received.arrays.get("model", {}), reply.arrays.get("model", {})
-    names = [n.removeprefix("model/") for n in layout.names]
+    names = [n.removeprefix("model/") for n in layout.names if n.startswith("model/")]
     own = [n for n in names if n in model_in]  # the encoders of modalities it lacks: zeros
     change, clipped = clip_update(model_change(model_in, model_out, own), float(params[NORM_BOUND_KEY]))
     shapes = {e.name.removeprefix("model/"): e.shape for e in layout.entries}
     layers = filter_layers({n: np.zeros(shapes[n]) for n in names if n.startswith(DECODER)})
-    weights = np.asarray(params[FILTER_WEIGHTS_KEY], dtype=np.float64)
-    if weights.size != sum(shapes[ns[0]][0] for ns in layers.values()):
-        raise ValueError("the per-filter weights do not fit the decoder's filters")
+    weight = own_weight(reply, params) if params.get(BY_SAMPLES_KEY) else 1.0
+    row = np.asarray((params.get(FILTER_MASKS_KEY) or {}).get(params.get(OWN_NAME_KEY), []), dtype=np.float64)
+    if row.size != sum(shapes[ns[0]][0] for ns in layers.values()) or not np.isin(row, (0.0, 1.0)).all():
+        raise ValueError("the round plan's shared filters of this hospital do not fit the decoder's filters")
     values, offset = {}, 0
     for layer, layer_names in layers.items():
         count = shapes[layer_names[0]][0]
-        for name in layer_names:
-            scale = weights[offset:offset + count].reshape((-1,) + (1,) * (len(shapes[name]) - 1))
-            values[f"model/{name}"] = scale * change[name]
+        scale = row[offset:offset + count] * weight
+        values[f"{FILTER_WEIGHT}{layer}"] = scale
+        for name_ in layer_names:
+            values[f"model/{name_}"] = scale.reshape((-1,) + (1,) * (len(shapes[name_]) - 1)) * change[name_]
         offset += count
-    for name in names:
-        if not name.startswith(DECODER):
-            values[f"model/{name}"] = change.get(name, np.zeros(shapes[name]))
+    for name_ in names:
+        if not name_.startswith(DECODER):
+            values[f"model/{name_}"] = change.get(name_, np.zeros(shapes[name_]))
     return values, {"secagg-clipped": int(clipped)}
 
 
@@ -105,9 +132,10 @@ def fedmepd_sum_problem(plan: MethodPlan, hospitals: list["HospitalInfo"]) -> st
 
 def fedmepd_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
     """Encoders: the mean update over the hospitals that have the modality; decoder: per filter the weighted mean
-    of the hospitals' filters, EMA'd into the server's where any hospital contributed (FedMEPD's
-    ``aggregate_filters``). The per-filter personalisation stays as it is: its rule compares each hospital's
-    decoder change with the server's, which the server no longer sees (docs/secure-aggregation.md)."""
+    of the sharing hospitals' filters (the sum over the sum of their weights), EMA'd into the server's where any
+    hospital contributed (FedMEPD's ``aggregate_filters``). The per-filter personalisation stays as it is: its rule
+    compares each hospital's decoder change with the server's, which the server no longer sees
+    (docs/secure-aggregation.md)."""
     from strategies.fedmepd.harness import hospital_average
 
     context, hospitals = plan.context, [u.hospital for u in updates]
@@ -124,8 +152,8 @@ def fedmepd_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str
                     arrays[name].dtype)
     momentum, aggregated, filters = method.cfg.fedmepd.server_momentum, 0, 0
     for layer, names in context["layers"].items():
-        total = sum(context["weights"][h.name][layer] for h in hospitals)
-        used = total > 0
+        total = np.asarray(sums[f"{FILTER_WEIGHT}{layer}"], dtype=np.float64)
+        used = total > 1e-6
         aggregated, filters = aggregated + int(used.sum()), filters + used.size
         for name in names:
             shape = (-1,) + (1,) * (arrays[name].ndim - 1)
@@ -135,13 +163,10 @@ def fedmepd_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str
             arrays[name] = np.where(used.reshape(shape), blended, sent).astype(arrays[name].dtype)
     method.global_arrays = arrays
     for hospital in hospitals:
-        by_share = not method.personalise or method.cfg.fedmepd.initial_weight == "share"
-        method.personalisation.ensure(hospital.name, context["shares"][hospital.name] if by_share else 1.0)
+        method.personalisation.ensure(hospital.name, context["initial"][hospital.name])
     method._round = {}  # no per-hospital upload: the personalisation rule does not run
     return {"hospital-average": hospital_average(updates), "encoder-contributors": contributors,
             "decoder-filters-aggregated": aggregated / max(filters, 1)}
-
-
 
 
 def shared_encoder_fedavg_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
@@ -153,6 +178,7 @@ def shared_encoder_fedavg_apply(method, rnd: int, sums, plan: MethodPlan, update
     return record
 
 
-SECURE = SecureMethod(fedmepd_plan, fedmepd_contribution, fedmepd_apply, sum_problem=fedmepd_sum_problem)
+SECURE = SecureMethod(fedmepd_plan, fedmepd_contribution, fedmepd_apply, sum_problem=fedmepd_sum_problem,
+                      check_plan=fedmepd_check_plan)
 SHARED_ENCODER_FEDAVG = SecureMethod(fedavg_plan, weighted_update_contribution, shared_encoder_fedavg_apply,
                                      refuse=fedavg_refuse)

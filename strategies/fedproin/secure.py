@@ -1,6 +1,7 @@
-"""FedProIn under secure aggregation: the encoder as FedAvg; the influence counts I_i exactly, as integers; for
-normalised influence aggregation the influence-weighted prototype updates I_i[c, k] x (P_i - P)[c, k] / W_I, so the
-server's NIA is the ratio of two sums (docs/secure-aggregation.md, "What each method sums")."""
+"""FedProIn under secure aggregation: the encoder as FedAvg (each hospital weighs its update by its own sample
+count); the influence counts I_i exactly, as integers; for normalised influence aggregation the influence-weighted
+prototype updates I_i[c, k] x (P_i - P)[c, k] / W_I, W_I in the round plan, the same for all, so the server's NIA is
+the ratio of two sums (docs/secure-aggregation.md, "What each method sums")."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from common.secure_aggregation.methods import (
     float_names,
     mean_update,
     model_change,
-    sample_weight,
+    own_weight,
     stand_in,
     weighted_plan,
 )
@@ -38,7 +39,7 @@ def fedproin_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     if nia:
         extra.append(Entry("prototype-sum", tuple(prototypes.shape)))
     plan = weighted_plan(method, hospitals, settings, norm_bound, method.global_arrays, tuple(extra),
-                         skip=("prototypes",) if nia else (), extra_config={INFLUENCE_BOUND_KEY: influence_bound})
+                         skip=("prototypes",) if nia else (), extra_common={INFLUENCE_BOUND_KEY: influence_bound})
     plan.context["influence-bound"] = influence_bound
     return plan
 
@@ -49,7 +50,7 @@ def fedproin_contribution(received: Payload, reply: Payload, params: Mapping[str
     names = float_names(model_in)
     change = model_change(model_in, model_out, names)
     change, clipped = clip_update(change, float(params[NORM_BOUND_KEY]))
-    weight = sample_weight(reply, params)
+    weight = own_weight(reply, params)
     entries = {e.name: e for e in layout.entries}
     raw = reply.metrics.get(INFLUENCE)
     if not isinstance(raw, (list, tuple, np.ndarray)) or np.size(raw) != entries[INFLUENCE].size:
@@ -80,8 +81,5 @@ def fedproin_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[st
     record.pop(INFLUENCE, None)  # the one stand-in's: the same as prototype-usage
     return record
 
-
-# QFedPolyp: codes on a grid the server sets, summed as integers ------------------------------------------------------
-FLOAT_GRID_BITS = 24  #: the shared grid of a hospital that sends plain floats (bit-width 32)
 
 SECURE = SecureMethod(fedproin_plan, fedproin_contribution, fedproin_apply, frozenset({INFLUENCE}))

@@ -1,7 +1,8 @@
-"""QFedPolyp under secure aggregation: each hospital's b_i-bit model re-coded on a dyadic grid the server sets per
-tensor, lifted to the round's finest grid and weighted by its share, summed as integers modulo
-2^(B + ceil(log2 H) + 1); the server's weighted mean is low + sum of codes / sum of weights x the grid's step
-(docs/secure-aggregation.md, "What each method sums"). Works with ``quantise='weights'`` and a model downlink."""
+"""QFedPolyp under secure aggregation: each hospital's b_i-bit model re-coded on a dyadic grid the round plan sets per
+tensor (the same for all), lifted to the round's finest grid and weighted by its own weight (its samples under the
+plan's cap), summed as integers modulo 2^(B + ceil(log2 H) + 1) with the weight itself as one more integer; the
+server's weighted mean is low + sum of codes / sum of weights x the grid's step (docs/secure-aggregation.md, "What
+each method sums"). Works with ``quantise='weights'`` and a model downlink."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from common.payload import Payload
-from common.secure_aggregation.messages import LAYOUT_KEY, NORM_BOUND_KEY, PREFIX
+from common.secure_aggregation.messages import NORM_BOUND_KEY, PREFIX, WEIGHT_CAP_KEY
 from common.secure_aggregation.methods import (
     Contribution,
     MethodPlan,
     SecureMethod,
     clip_update,
+    common_weight_cap,
     float_names,
     model_change,
-    sample_shares,
+    own_weight,
 )
 from common.secure_aggregation.vector import INTEGER, Entry, Layout
 
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     from common.config import JobConfig
 
 GRID_BITS_KEY = PREFIX + "grid-bits"  #: B, the round's finest grid
-CODE_WEIGHT_KEY = PREFIX + "code-weight"  #: w_i, the hospital's weight in (0, 1]
 RANGE_LOW_KEY = PREFIX + "range-low"  #: per float tensor, the low end of its shared code range
 RANGE_HIGH_KEY = PREFIX + "range-high"
 FLOAT_GRID_BITS = 24  #: the shared grid of a hospital that sends plain floats (bit-width 32)
@@ -70,24 +71,21 @@ def qfedpolyp_refuse(job: "JobConfig") -> str | None:
 
 def qfedpolyp_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     """Each hospital's weights as codes at its own bit-width b_i on a shared dyadic grid per tensor, lifted to the
-    round's finest grid B (code << (B - b_i)) and weighted by w_i = share_i / max share (stochastic rounding), so the
-    sum stays below 2^(B + ceil(log2 H)) and is taken modulo 2^(B + ceil(log2 H) + 1)."""
-    shares = sample_shares(method.cfg, hospitals)
+    round's finest grid B (code << (B - b_i)) and weighted by its own w_i in (0, 1] (stochastic rounding), w_i itself
+    as one more code, so the sum stays below 2^(B + ceil(log2 H)) and is taken modulo 2^(B + ceil(log2 H) + 1)."""
     bits = {h.name: int(method.assigned[h.name]) for h in hospitals}
     finest = max(grid_bits(b) for b in bits.values())
     count = len(hospitals)
     modulus = 2 ** (finest + math.ceil(math.log2(count)) + 1)
     arrays = method.global_arrays
     lows, highs = code_ranges(arrays, settings.code_range_margin)
-    layout = Layout(tuple(Entry(f"code/{name}", tuple(np.shape(arrays[name])), INTEGER, 2 ** finest - 1)
-                          for name in float_names(arrays)))
-    largest = max(shares)
-    weights = {h.name: share / largest for h, share in zip(hospitals, shares)}
-    config = {h.name: {GRID_BITS_KEY: finest, CODE_WEIGHT_KEY: weights[h.name], RANGE_LOW_KEY: lows,
-                       RANGE_HIGH_KEY: highs, NORM_BOUND_KEY: float(norm_bound), LAYOUT_KEY: layout.to_json()}
-              for h in hospitals}
-    return MethodPlan(layout, modulus, 2 ** finest, config,
-                      {"weights": weights, "lows": lows, "highs": highs, "grid-bits": finest, "bits": bits})
+    layout = Layout((Entry("weight", (), INTEGER, 2 ** finest - 1),
+                     *(Entry(f"code/{name}", tuple(np.shape(arrays[name])), INTEGER, 2 ** finest - 1)
+                       for name in float_names(arrays))))
+    common = {GRID_BITS_KEY: finest, RANGE_LOW_KEY: lows, RANGE_HIGH_KEY: highs, NORM_BOUND_KEY: float(norm_bound),
+              WEIGHT_CAP_KEY: common_weight_cap(method.cfg, hospitals)}
+    return MethodPlan(layout, modulus, 2 ** finest, common,
+                      {"lows": lows, "highs": highs, "grid-bits": finest, "bits": bits})
 
 
 def qfedpolyp_contribution(received: Payload, reply: Payload, params: Mapping[str, Any],
@@ -97,16 +95,17 @@ def qfedpolyp_contribution(received: Payload, reply: Payload, params: Mapping[st
 
     model_in = decode_model(received.arrays[PACKED], expected_content="weights")
     model_out = decode_model(reply.arrays[PACKED], reference=model_in, expected_content="weights")
-    names = [name.removeprefix("code/") for name in layout.names]
+    names = [name.removeprefix("code/") for name in layout.names if name.startswith("code/")]
     change, clipped = clip_update(model_change(model_in, model_out, names), float(params[NORM_BOUND_KEY]))
     finest = int(params[GRID_BITS_KEY])
     bits = min(grid_bits(check_bit_width(received.config.get(BIT_WIDTH_KEY), BIT_WIDTH_KEY, content="weights")), finest)
-    weight = float(params[CODE_WEIGHT_KEY])
+    weight = own_weight(reply, params)
     lows, highs = list(params[RANGE_LOW_KEY]), list(params[RANGE_HIGH_KEY])
-    if len(lows) != len(names) or len(highs) != len(names) or not 0 < weight <= 1:
-        raise ValueError("the code ranges or the code weight do not fit the layout")
+    if len(lows) != len(names) or len(highs) != len(names):
+        raise ValueError("the code ranges do not fit the layout")
     rng = np.random.default_rng()
-    values, outside, total = {}, 0, 0
+    top = 2 ** finest - 1
+    values, outside, total = {"weight": np.asarray(min(top, np.floor(weight * top + rng.random())))}, 0, 0
     for name, low, high in zip(names, lows, highs):
         weights_sent = np.asarray(model_in[name], dtype=np.float64) + change[name]
         scaled = (weights_sent - low) / (high - low) * 2 ** bits
@@ -120,7 +119,9 @@ def qfedpolyp_contribution(received: Payload, reply: Payload, params: Mapping[st
 def qfedpolyp_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
     """The weighted mean of the hospitals' weights: low + (sum of codes / sum of weights) x the finest grid's step."""
     context, hospitals = plan.context, [u.hospital for u in updates]
-    weight = sum(context["weights"][h.name] for h in hospitals)
+    weight = float(sums["weight"]) / (2 ** context["grid-bits"] - 1)
+    if not weight > 0:
+        raise ValueError(f"the hospitals' weights sum to {weight:.3g}: nothing to average")
     step = 2.0 ** -context["grid-bits"]
     arrays = dict(method.global_arrays)
     for name, low, high in zip(float_names(arrays), context["lows"], context["highs"]):
