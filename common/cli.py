@@ -382,7 +382,7 @@ def best_int8_model(run: Path) -> Path:
 
 def int8_command(args: argparse.Namespace) -> int:
     """``export-int8`` and ``segment``: a bad run folder, model file or image folder is one line on stderr."""
-    from common.quantization.int8 import export_int8, segment_folder
+    from common.quantization.int8 import describe_export, export_int8, segment_folder
     from server_app.checkpoint import find_best, find_checkpoint, load_checkpoint
 
     try:
@@ -392,7 +392,7 @@ def int8_command(args: argparse.Namespace) -> int:
             path, metadata = export_int8(load_checkpoint(checkpoint), out, args.calibration_dir,
                                          args.calibration_images, source=str(checkpoint), engine=args.engine,
                                          app_dir=args.app_dir)
-            print(f"INT8 model of {checkpoint} written to {path}\n{json.dumps(metadata, indent=2)}")
+            print(f"INT8 model of {checkpoint} written to {path}\n{describe_export(metadata)}")
         else:
             model = best_int8_model(args.run) if args.best else args.model
             written = segment_folder(model, args.images, args.out)

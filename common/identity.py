@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
+IDENTITY_QUERY = "hospital-info"  #: the query config value of the server's question which hospital a node is
 NONCE_KEY = "identity-nonce"  #: query config: what the hospital signs
 SIGNATURE_KEY = "signature"  #: identity reply: the signature, bytes
 

@@ -58,6 +58,12 @@ def payload_to_bytes(payload: Payload, header: dict[str, Any] | None = None) -> 
     return buffer.getvalue()
 
 
+def size_text(nbytes: float) -> str:
+    """A size as its bytes, with megabytes beside them from 1 MB on: a limit of 1,000 bytes never reads as "0.0 MB"."""
+    nbytes = int(nbytes)
+    return f"{nbytes:,} bytes" + (f" ({nbytes / 1e6:,.1f} MB)" if nbytes >= 1_000_000 else "")
+
+
 class OversizedArchive(ValueError):
     """An archive that would take more memory than allowed once decompressed (checked before it is)."""
 
@@ -72,8 +78,8 @@ def check_archive_size(data: bytes, limit: int | None, what: str = "archive") ->
             entries = archive.infolist()
             declared = sum(entry.file_size for entry in entries)
             if limit is not None and declared > limit:
-                raise OversizedArchive(f"{what}: {declared / 1e6:.1f} MB once decompressed, more than the "
-                                       f"{limit / 1e6:.1f} MB allowed")
+                raise OversizedArchive(f"{what}: {size_text(declared)} once decompressed, more than the "
+                                       f"{size_text(limit)} allowed")
             for entry in entries:
                 with archive.open(entry) as handle:
                     version = np.lib.format.read_magic(handle)

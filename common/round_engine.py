@@ -21,6 +21,7 @@ import numpy as np
 from common.arrays import ArraysMismatch, check_like, is_exchanged
 from common.config import JobConfig
 from common.methods.base import (
+    TRAINS_ITSELF,
     HospitalInfo,
     HospitalUpdate,
     Payload,
@@ -112,6 +113,7 @@ class RoundEngine:
         else:
             self.test_data = test_data
         self.method = method
+        self.own_network = False  #: the global model is of a network the server does not build (adopt_own_network)
         self.history: list[dict[str, Any]] = []
         self.update_norms: dict[str, float] = {}
         self.weight_cuts: dict[str, str] = {}  # hospitals whose weight screening.sample-ratio-limit cut this round
@@ -133,10 +135,23 @@ class RoundEngine:
         model): same names and shapes as the method's, each cast to the method's dtype."""
         current = self.method.global_arrays
         try:
-            check_like({k: v for k, v in arrays.items() if is_exchanged(k)}, current, what)
+            check_like({k: v for k, v in arrays.items() if is_exchanged(k)},
+                       {k: v for k, v in current.items() if is_exchanged(k)}, what)
         except ArraysMismatch as error:
-            raise ValueError(str(error)) from None
-        self.method.global_arrays = {k: np.asarray(arrays[k], dtype=v.dtype) for k, v in current.items()}
+            raise ValueError(str(error)) from None  # a user's own network's counters are kept as the model holds them
+        self.method.global_arrays = {k: np.asarray(arrays[k] if k in arrays else v, dtype=v.dtype)
+                                     for k, v in current.items()}
+
+    def adopt_own_network(self, arrays: dict[str, np.ndarray], what: str = "initial_arrays") -> None:
+        """Take ``arrays`` as the global model of a network the server does not build (a Flower user's own): the
+        method holds them as they are, and the server scores nothing itself (it has no such network to load them
+        into): the user's ``evaluate_fn`` does, as in Flower."""
+        self.method.adopt_own_network(arrays)
+        self.test_data = None
+        self.own_network = True
+        log.info("the global model is the network of %s (%d tensors), which the server does not build: it scores "
+                 "nothing on its test set (pass evaluate_fn to start(), or name the network in the run config, "
+                 "model='package.module:Net')", what, len(arrays))
 
     def complete_round(self, rnd: int, chosen: list[HospitalInfo], replies: Iterable[RoundReply], started: float,
                        bytes_down: dict[str, int] | None = None, evaluate: bool = True,
@@ -296,7 +311,8 @@ class RoundEngine:
         """One reply's reason to refuse (or None) and its update distance (for the round-wide norm rule)."""
         metrics = update.payload.metrics
         reason = metrics_problem(metrics, self.method.list_metrics)
-        if reason is None and rnd is not None and metrics.get("server-round") != rnd:
+        trains_itself = update.hospital.properties.get(TRAINS_ITSELF)  # Flower's contract: no round in its reply
+        if reason is None and rnd is not None and not trains_itself and metrics.get("server-round") != rnd:
             reason = (f"the reply is for round {brief(metrics.get('server-round'))}, not this round {rnd} "
                       "(a reply replayed from another round, or one that does not say its round)")
         if reason is None:

@@ -36,7 +36,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SType
 
-from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size
+from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size, size_text
 
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"
@@ -292,7 +292,7 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
     if limit is not None:
         total = sum(record_nbytes(r) for r in content.values())
         if total > limit:
-            raise MalformedPayload(f"its records take {total / 1e6:.1f} MB, more than the {limit / 1e6:.1f} MB "
+            raise MalformedPayload(f"its records take {size_text(total)}, more than the {size_text(limit)} "
                                    "allowed (screening.max-reply-mb)")
     payload = Payload()
     flat_layouts = {k: v for k, v in config.items() if k.startswith(FLAT_LAYOUT)} \
@@ -326,3 +326,23 @@ def message_nbytes(message: Message) -> int:
     from common.audit import measure_message
 
     return measure_message(message)[0]
+
+
+def from_flower_reply(content: RecordDict, limit: int | None = None, max_tensors: int | None = None,
+                      copy: bool = True, with_arrays: bool = True) -> Payload:
+    """The payload of a reply under Flower's FedAvg contract, from a ClientApp that trained the model itself: exactly
+    one ArrayRecord (the model, one Array per tensor under its own names; none for an evaluate reply,
+    ``with_arrays=False``) and exactly one MetricRecord (its sample count among the metrics), whatever their names, as
+    Flower's ``validate_message_reply_consistency`` asks; ConfigRecords pass. MalformedPayload says what differs."""
+    arrays = [(name, r) for name, r in content.items() if isinstance(r, ArrayRecord)]
+    metrics = [(name, r) for name, r in content.items() if isinstance(r, MetricRecord)]
+    wanted = 1 if with_arrays else 0
+    if len(arrays) != wanted or len(metrics) != 1:
+        raise MalformedPayload(f"a Flower ClientApp's {'training' if with_arrays else 'evaluation'} reply holds "
+                               f"{len(arrays)} ArrayRecord(s) {[n for n, _ in arrays]} and {len(metrics)} "
+                               f"MetricRecord(s) {[n for n, _ in metrics]}; Flower's FedAvg contract is {wanted} "
+                               "ArrayRecord (the model) and 1 MetricRecord (with the sample count)")
+    canonical = RecordDict({METRICS_RECORD: metrics[0][1]})
+    if arrays:
+        canonical[MODEL_RECORD] = arrays[0][1]
+    return from_recorddict(canonical, limit, DEFAULT_KEYS, max_tensors, copy)

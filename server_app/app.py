@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from common.config import ConfigError, JobConfig
 from common.round_engine import RoundEngine
 from strategies import strategy_arguments
+from strategies.base import NoHospitalAggregated
 from strategies.registry import strategy_class
 
 from .checkpoint import (
@@ -245,6 +246,8 @@ def main(grid: Grid, context: Context) -> None:
     saver.start(strategy.engine)
     try:
         strategy.start(grid)
+        if strategy.nothing_aggregated:  # a Result for a user's own ServerApp; a failed run for ours
+            raise NoHospitalAggregated(strategy.nothing_aggregated)
     except BaseException as error:
         stopped = not isinstance(error, Exception)  # KeyboardInterrupt, SystemExit: stopped, not failed
         saver.close(cfg, strategy.engine.history, "stopped" if stopped else "failed",

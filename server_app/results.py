@@ -602,7 +602,32 @@ def describe_run(run_dir: Path, metric: str = "") -> dict[str, Any] | None:
             "metric": f"{direction}:{path}", "best": best[1] if best else None, "best-round": best[0] if best else None,
             "final": values[-1][1] if values else None, "final-round": values[-1][0] if values else None,
             "traffic-mb": sum(r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in history) / 1e6,
-            "updated": max(stamps) if stamps else 0.0}
+            "updated": max(stamps) if stamps else 0.0, "missing": "" if values else why_missing(history, path)}
+
+
+def number_paths(value: Any, prefix: str = "") -> set[str]:
+    """The dotted paths of every finite number in a round record (``test.accuracy``, ``train.val-loss``...)."""
+    if isinstance(value, dict):
+        return {path for key, item in value.items() if isinstance(key, str)
+                for path in number_paths(item, f"{prefix}.{key}" if prefix else key)}
+    return {prefix} if _number(value) and math.isfinite(value) else set()
+
+
+def why_missing(history: list[dict[str, Any]], path: str) -> str:
+    """Why no round has a value for ``path``: what the rounds record instead, under its group and by its last word
+    (``test.loss`` on a classification run: the server's test metrics hold no loss; ``train.val-loss`` does)."""
+    if not history:
+        return "no round recorded yet"
+    recorded = set().union(*(number_paths(record) for record in history))
+    group, _, name = path.partition(".")
+    beside = sorted(p.partition(".")[2] for p in recorded if p.partition(".")[0] == group)
+    reason = f"no round records {path}"
+    reason += (f"; its {group} holds {', '.join(beside[:8])}{', ...' if len(beside) > 8 else ''}" if beside
+               else f"; no round has {group} metrics")
+    word = (name or group).rsplit(".", 1)[-1].split("-")[-1]
+    alike = sorted((p for p in recorded if p != path and p.rsplit(".", 1)[-1].split("-")[-1] == word),
+                   key=lambda p: (p.count("."), p))  # the round's own (train.val-loss) before one hospital's
+    return reason + (f"; by that name: {', '.join(alike[:4])}" if alike else "")
 
 
 def list_runs(results_dir: Path, metric: str = "") -> list[dict[str, Any]]:
@@ -624,4 +649,5 @@ def render_runs(rows: list[dict[str, Any]]) -> str:
                  f"{row['rounds']}/{row['num-server-rounds']}", row["metric"], best, _fmt(row["final"]),
                  f"{row['traffic-mb']:.1f}", updated]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = [f"- {row['run']}: n/a: {row['missing']}" for row in rows if row.get("missing")]
+    return "\n".join(lines + ([""] + notes if notes else []))

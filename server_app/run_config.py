@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from common.config import ConfigError, JobConfig, fedmed_keys_of, flatten, load_job_config, upgrade_keys
 from common.methods.base import unpack_json
+from common.run_lock import claim_run_name
 
 from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint
 
@@ -101,10 +102,18 @@ def check_writable(run_dir: Path) -> None:
 
 
 def load_run_config(run_config: Mapping[str, Any]) -> tuple[JobConfig, dict[str, Any] | None]:
-    """Validate Flower's run config (paths included), resolve the run and check that its folder can be written;
-    raises ConfigError. Keys that are not fedmed's are the app's own (a ClientApp of the hospitals' may read them):
-    left alone; a near-miss of one of ours is refused (``common.config.fedmed_keys_of``)."""
-    cfg, checkpoint = resolve(load_job_config(fedmed_keys_of(run_config), check_paths=True))
+    """Validate Flower's run config (paths included), resolve the run, check that its folder can be written and hold
+    it for this run (another run of the same name in progress: refused, or for a name chosen for it the next free
+    one); raises ConfigError. Keys that are not fedmed's are the app's own (a ClientApp of the hospitals' may read
+    them): left alone; a near-miss of one of ours is refused (``common.config.fedmed_keys_of``)."""
+    given = load_job_config(fedmed_keys_of(run_config), check_paths=True)
+    cfg, checkpoint = resolve(given)
+    try:
+        name = claim_run_name(Path(cfg.results_dir), cfg.run_name, not given.run_name and checkpoint is None)
+    except OSError:
+        check_writable(cfg.run_dir)  # says which folder cannot be written, as whom
+        raise
+    cfg = cfg.model_copy(update={"run_name": name})  # held until this ServerApp's process ends (common/run_lock.py)
     claim_run_folder(cfg, resuming=checkpoint is not None and same_folder(cfg))
     check_writable(cfg.run_dir)
     return cfg, checkpoint

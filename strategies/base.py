@@ -25,20 +25,30 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
 from common.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
-from common.identity import NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
-from common.methods.base import CROSS_SITE_KEY, HospitalInfo
+from common.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
+from common.logs import fedmed_logger_prints
+from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
+from common.payload import Payload
 from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
+from common.run_lock import claim_run_name, release
 from common.screening import brief, cut, declared_count_problem
-from common.wire import MalformedPayload, RecordKeys, from_recorddict, to_recorddict
+from common.wire import (
+    MalformedPayload,
+    RecordKeys,
+    from_flower_reply,
+    from_recorddict,
+    to_recorddict,
+)
 from strategies.registry import method_spec, method_tasks, methods
 
+from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
 
 log = logging.getLogger("fedmed")
@@ -154,12 +164,15 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     those are left to the app (logged once); a key that looks like one of ours misspelt is refused."""
     base = run_config.to_flat() if isinstance(run_config, JobConfig) else fedmed_keys_of(run_config or {})
     flat = {**base, "strategy": method}
-    tasks = method_tasks(method)
-    if "task" not in flat and JobConfig.model_fields["task"].default not in tasks:
-        flat["task"] = tasks[0]  # QFedPolypStrategy() is for polyp segmentation, whatever the default task
+    if "task" not in flat:  # the method's first task: QFedPolypStrategy() is for polyp segmentation
+        flat["task"] = method_tasks(method)[0]
     flat.update({key: value for key, value in settings.items() if value is not None})
     return load_job_config(flat)
 
+
+#: Flower's ClientApp error for a message type it has no handler for (``flwr/clientapp/client_app.py``): a node that
+#: answers the identity query with it is a standard Flower ClientApp that trains the model itself.
+NO_QUERY_HANDLER = "No query function registered"
 
 #: What a hospital may declare about itself besides its name and size (modalities, bit-width...), and how long.
 MAX_PROPERTIES = 32
@@ -229,6 +242,7 @@ class HospitalStrategy(Strategy):
                  on_round_end: RoundCallback | None = None, wait_for_nodes: float = 600.0, **method_settings: Any):
         if not self.method_name:
             raise TypeError("HospitalStrategy is a base class: use one of the strategies in strategies/")
+        fedmed_logger_prints()  # a user's own ServerApp: the round lines reach its stdout, as Flower's do
         if not 0.0 <= fraction_evaluate <= 1.0:
             raise ConfigError(f"fraction_evaluate={fraction_evaluate!r} must be between 0 and 1")
         own = self.own_arguments()
@@ -240,9 +254,11 @@ class HospitalStrategy(Strategy):
             "fraction-train": fraction_train, "min-train-hospitals": min_train_nodes,
             "min-available-hospitals": min_available_nodes, **dict(settings or {}),
             **self.method_settings(**method_settings)})
+        self._name_chosen_for_it = not self.job.run_name  # a timestamp: moved on where another run holds it
         if not self.job.run_name:  # hospitals keep their memory in a folder named after the run
             self.job = self.job.model_copy(update={"run_name": f"{self.job.task}-{self.method_name}-"
                                                                f"{time.strftime('%Y%m%d-%H%M%S')}"})
+        self._run_folder: Path | None = None  # the run folder this strategy holds (common/run_lock.py)
         self.fraction_evaluate = fraction_evaluate
         self.min_evaluate_nodes = min_evaluate_nodes
         self.weighted_by_key = weighted_by_key
@@ -271,6 +287,7 @@ class HospitalStrategy(Strategy):
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
+        self.nothing_aggregated: str | None = None  # why start()'s rounds aggregated nobody (strategies/outcome.py)
         from strategies.secure_aggregation import SecureAggregation
 
         self.secure_aggregation = SecureAggregation.of(self)  # None unless secure-aggregation.enabled
@@ -452,7 +469,7 @@ class HospitalStrategy(Strategy):
         for node in nodes:
             nonce = new_nonce()
             self._nonces.setdefault(node, []).append(nonce)  # a late reply to an earlier query still verifies
-            config = ConfigRecord({"query": "hospital-info", **self.hospital_config(0), NONCE_KEY: nonce})
+            config = ConfigRecord({"query": IDENTITY_QUERY, **self.hospital_config(0), NONCE_KEY: nonce})
             messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
                                     dst_node_id=node))
             self.audit_message("sent", messages[-1], 0, node=node)
@@ -463,6 +480,9 @@ class HospitalStrategy(Strategy):
         sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
         claimed = None if reply.has_error() else reply.content.config_records.get("hospital", {}).get("name")
         self.audit_message("received", reply, 0, claimed if isinstance(claimed, str) else None, node)
+        if reply.has_error() and NO_QUERY_HANDLER in str(reply.error.reason):
+            self.learn_flower_clientapp(node)
+            return
         if reply.has_error():
             log.warning("node %d did not say which hospital it is: %s", node, cut(reply.error.reason))
             self.unusable[node] = time.time()
@@ -501,6 +521,40 @@ class HospitalStrategy(Strategy):
         log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
                  hospital.properties or "")
 
+    def learn_flower_clientapp(self, node: int) -> None:
+        """``node`` answered the identity query with Flower's "No query function registered": a standard Flower
+        ClientApp that trains the model itself. For a method whose hospital step is plain local training
+        (``MethodSpec.flower_contract``) it is hospital ``node-<id>``, sent Flower's own messages, its sample count
+        bounded by ``screening.max-samples``; for the others it is refused, saying what to add."""
+        problem = self.trains_itself_problem("a Flower ClientApp that trains the model itself (it answered the "
+                                             f"identity query with Flower's '{NO_QUERY_HANDLER}')", signs=False)
+        if problem:
+            log.warning("node %d is not asked to train: %s", node, problem)
+            self.unusable[node] = time.time()
+            self._refusals[node] = problem
+            return
+        self._refusals.pop(node, None)
+        self.hospitals[node] = HospitalInfo(f"node-{node}", self.job.screening.max_samples,
+                                            {TRAINS_ITSELF: True, FLOWER_ONLY: True})
+        log.info("node %d is a Flower ClientApp that trains the model itself: hospital node-%d, sent Flower's own "
+                 "messages", node, node)
+
+    def trains_itself_problem(self, what: str, signs: bool = True) -> str | None:
+        """Why a hospital that trains the model itself under Flower's contract cannot serve this job (None: it can);
+        ``signs``: whether it can sign its name (HospitalClientApp can, a ClientApp with nothing of fedmed cannot)."""
+        method = self.job.strategy
+        if not method_spec(method).flower_contract:
+            return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
+                    "HospitalClientApp (from client_app.hospital_mod: Flower's ClientApp with fedmed's hospital mod "
+                    "and query handler; docs/own-clientapp.md)")
+        if self.secure_aggregation is not None:
+            return (f"{what}, but secure aggregation runs fedmed's protocol at every hospital: give it fedmed's "
+                    "ClientApp, or one of its own built on client_app.api (docs/own-clientapp.md)")
+        if self.job.hospital_keys and not signs:
+            return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
+                    "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
+        return None
+
     def identity_of(self, node: int, reply: Message) -> HospitalInfo:
         """The hospital an identity reply describes, every field checked (ValueError says which is wrong)."""
         try:
@@ -510,6 +564,11 @@ class HospitalStrategy(Strategy):
         name, count = info.get("name"), info.get("num-examples")
         if not isinstance(name, str) or not SAFE_RUN_NAME.match(name) or len(name) > 120:
             raise ValueError(f"name={brief(name)} is not a hospital name (letters, digits, '.', '_', '-')")
+        if info.get(f"property.{TRAINS_ITSELF}") is True:  # fedmed's mod in a ClientApp that trains itself
+            problem = self.trains_itself_problem(f"{name} trains the model itself (its ClientApp's own train)")
+            if problem:
+                raise ValueError(problem)
+            count = self.job.screening.max_samples if count is None else count
         problem = declared_count_problem(count, self.job.screening.max_samples)
         if problem:
             raise ValueError(f"{name}: {problem}")
@@ -536,11 +595,15 @@ class HospitalStrategy(Strategy):
         layout = self.message_layout()
         messages = []
         shared: dict = {}  # one record of the global model for every hospital that receives it, not a copy each
+        config = {**dict(config or {}), **(self.flower_train_config() if message_type == MessageType.TRAIN else {})}
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
-            payload.config = {**payload.config, **self.hospital_config(server_round), **dict(config or {}),
-                              "message-arrays": layout}  # the hospital replies in the same layout
-            content = to_recorddict(payload, layout, self.records, shared)
+            if info.properties.get(TRAINS_ITSELF):
+                content = self.flower_content(server_round, payload, config, shared)
+            else:
+                payload.config = {**payload.config, **self.hospital_config(server_round), **config,
+                                  "message-arrays": layout}  # the hospital replies in the same layout
+                content = to_recorddict(payload, layout, self.records, shared)
             message = Message(content, message_type=message_type, dst_node_id=node_of[info.name])
             digest = message_digest(message)
             self._bytes_down[info.name] = digest["bytes"]
@@ -548,6 +611,24 @@ class HospitalStrategy(Strategy):
             if self.secure_aggregation is None:  # a secure round adds its collect stage's keys: logged then
                 self.audit_message("sent", message, server_round, info.name, node_of[info.name], digest=digest)
         return messages
+
+    def flower_content(self, server_round: int, payload: Payload, config: Mapping[str, Any],
+                       shared: dict) -> RecordDict:
+        """A message to a hospital that trains the model itself, as Flower's FedAvg builds it: the model as one
+        ArrayRecord of one Array per tensor (``arrayrecord_key``; ``to_torch_state_dict()`` loads it) and the train
+        or evaluate config with ``server-round`` (``configrecord_key``), nothing of fedmed's protocol."""
+        arrays = payload.arrays.get("model", {})
+        same = ("flower", tuple((name, id(value)) for name, value in arrays.items()))
+        if same not in shared:  # one record for every such hospital of the round
+            shared[same] = (tuple(arrays.values()), ArrayRecord({name: Array(np.require(value, requirements="C"))
+                                                                 for name, value in arrays.items()}))
+        return RecordDict({self.records.arrays: shared[same][1],
+                           self.records.config: ConfigRecord({**config, "server-round": server_round})})
+
+    def flower_train_config(self) -> dict[str, Any]:
+        """What a train message's config carries for the method beside the user's train config, as Flower's strategy
+        of the same name sends it (FedProx: ``proximal-mu``); none by default."""
+        return {}
 
     def message_layout(self) -> str:
         """How this round's arrays travel: ``message-arrays``, where that is 'auto' flat in our own round loop
@@ -615,9 +696,11 @@ class HospitalStrategy(Strategy):
         and ours pass it) become the method's global model first, so a wrapper's or a subclass's changes (e.g.
         DP noise) are what hospitals receive. A wrapper that cannot take this strategy's replies is refused first."""
         self.refuse_unfit_wrappers()
-        if len(arrays):
-            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False),
-                                            f"arrays given for round {server_round}")
+        self.claim_run_folder()  # under Flower's loop (a DP wrapper's start): held until the ServerApp process ends
+        if len(arrays) and not self.engine.history and not self.engine.own_network:  # Flower's loop: initial_arrays
+            self.adopt_initial_arrays(arrays, f"arrays given for round {server_round}")
+        elif len(arrays):
+            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), f"arrays given for round {server_round}")
         self._grid = grid
         asked_from = time.time()
         self.discover(grid)
@@ -666,12 +749,24 @@ class HospitalStrategy(Strategy):
             return RoundReply(hospital, None, cut(message.error.reason), 0)
         up = digest["bytes"]
         try:  # streamed (not keep_arrays): views into the message, which is released once the reply is screened
-            payload = from_recorddict(message.content, limit, self.records, tensors, copy=keep_arrays)
+            payload = self.decode_reply(hospital, message.content, limit, tensors, copy=keep_arrays)
         except MalformedPayload as error:
             return RoundReply(hospital, None, f"malformed reply: {error}", up)
         self._replies[hospital.name] = message.content if keep_arrays else RecordDict(
             {name: record for name, record in message.content.items() if not isinstance(record, ArrayRecord)})
         return RoundReply(hospital, payload, None, up)
+
+    def decode_reply(self, hospital: HospitalInfo, content: RecordDict, limit: int, tensors: int,
+                     copy: bool = True, training: bool = True) -> Payload:
+        """A reply's payload: fedmed's records, or for a hospital that trains the model itself Flower's contract (one
+        ArrayRecord, one MetricRecord, any names), its model's tensors sorted into the method's array groups
+        (``ServerMethod.flower_reply_arrays``). MalformedPayload says what does not fit."""
+        if not hospital.properties.get(TRAINS_ITSELF):
+            return from_recorddict(content, limit, self.records, tensors, copy=copy)
+        payload = from_flower_reply(content, limit, tensors, copy, with_arrays=training)
+        if training:
+            payload.arrays = self.engine.method.flower_reply_arrays(payload.arrays["model"])
+        return payload
 
     def reply_folder(self) -> Path | None:
         """Where a round's accepted replies wait, on disk, for the round to close (``<run>/.round-<n>``, removed
@@ -803,12 +898,44 @@ class HospitalStrategy(Strategy):
         own loop (a DP wrapper's ``start``): the round's recorded scores (``arrays`` were released to the method in
         ``configure_evaluate``); round 0 scores ``arrays`` as given."""
         if server_round == 0:
-            self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), "initial arrays")
+            self.adopt_initial_arrays(arrays, "initial arrays")
+            if self.engine.test_data is None:  # no test set, or a network the server does not build
+                return None
             return MetricRecord(numbers(self.engine.method.evaluate(self.engine.test_data)))
         for record in reversed(self.engine.history):
             if record["round"] == server_round:
                 return MetricRecord(numbers(record.get("test", {}))) if record.get("test") else None
         return None
+
+    def adopt_initial_arrays(self, arrays: ArrayRecord, what: str) -> None:
+        """``arrays`` as the model round 1 starts from. Where they are not the method's model of the run config's
+        network: with no network named (``model`` unset) a method of Flower's contract (``MethodSpec.flower_contract``:
+        FedAvg, FedProx, FedBN) takes the network's shape from them, as Flower's strategies do; otherwise a ConfigError
+        says which network they were compared with and what to change."""
+        named = arrays_of(arrays, copy=False)
+        try:
+            self.engine.adopt_global_arrays(named, what)
+            return
+        except ValueError as error:
+            mismatch = str(error)
+        method, network = self.job.strategy, self.engine.method.task.network_name
+        built = self.engine.method.model_from_network(named)  # the network's own state: FedProIn's encoder
+        if built is not None:
+            self.engine.adopt_global_arrays(built, what)
+            log.info("%s: %s are the network's own state; %s's model is built from them", method, what, method)
+            return
+        if not self.job.model and method_spec(method).flower_contract:
+            self.engine.adopt_own_network(named, what)
+            return
+        if self.job.model:
+            raise ConfigError(f"{mismatch}: {what} are not a {method} model of the network the run config names "
+                              f"(model={network!r}); give {what} of that network, or leave model unset (FedAvg, "
+                              f"FedProx and FedBN then take the network from {what})")
+        raise ConfigError(f"{mismatch}: {what} are not a {method} model of the run config's network, which names none "
+                          f"(model unset: the {self.job.task} task's default, {network!r}). {method} builds its model "
+                          "around the network, so the server needs the network itself: name yours in the run config, "
+                          "model='package.module:Net' (docs/own-serverapp.md), and pass initial_arrays="
+                          "strategy.initial_arrays() or none")
 
     def round_ended(self, record: dict[str, Any]) -> None:
         """Hand the finished round to ``on_round_end`` (checkpoint, result files), unless the run was stopped.
@@ -854,8 +981,8 @@ class HospitalStrategy(Strategy):
                             cut(message.error.reason))
                 continue
             try:
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
-                                          self.reply_tensor_limit()).metrics
+                metrics = self.decode_reply(hospital, message.content, self.reply_limit(), self.reply_tensor_limit(),
+                                            training=False).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
@@ -878,7 +1005,8 @@ class HospitalStrategy(Strategy):
         messages; ``HospitalMethod.cross_site``): ``scores[hospital][model][metric]``, with the hospitals that
         failed (and why) or did not answer within ``timeout`` named. Also kept as ``self.cross_site``."""
         self.discover(grid)
-        hospitals = sorted(self.hospitals.values(), key=lambda h: h.name)
+        hospitals = sorted((h for h in self.hospitals.values() if not h.properties.get(TRAINS_ITSELF)),
+                           key=lambda h: h.name)  # a ClientApp that trains itself has no cross-site handler
         rnd = self.engine.next_round  # what the hospitals would receive next: the final models
         self._evaluated = hospitals
         messages = self.hospital_messages(rnd, hospitals, ConfigRecord({CROSS_SITE_KEY: True}), MessageType.EVALUATE)
@@ -905,6 +1033,38 @@ class HospitalStrategy(Strategy):
         self.cross_site = {"after-round": rnd - 1, "scores": scores, "failed": failed, "missing": missing}
         return self.cross_site
 
+    def change_job(self, **changes: Any) -> None:
+        """The job with ``changes``, for the method's server half too where it is built already (initial_arrays())."""
+        self.job = self.job.model_copy(update=changes)
+        if self._engine is not None:
+            self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
+
+    def claim_run_folder(self) -> None:
+        """Hold the run folder (results-dir/run-name: the reply store, the audit log, checkpoints) for this run, before
+        round 1 (common/run_lock.py): a run name chosen for it moves to the next free one where another run holds it,
+        one the user chose is refused (ConfigError)."""
+        if self._run_folder is not None:
+            return
+        name = claim_run_name(Path(self.job.results_dir), self.job.run_name, self._name_chosen_for_it)
+        if name != self.job.run_name:
+            log.warning("run %s is in progress in %s: this run is %s", self.job.run_name, self.job.results_dir, name)
+            self.change_job(run_name=name)
+        self._run_folder = self.job.run_dir
+
+    def release_run_folder(self) -> None:
+        if self._run_folder is not None:
+            release(self._run_folder)
+            self._run_folder = None
+
+    def record_nothing_aggregated(self, reason: str) -> None:
+        """The run aggregated nobody: why, logged, kept as ``nothing_aggregated`` and written to the audit log."""
+        self.nothing_aggregated = reason
+        log.error("%s: %s; the Result holds the model it started from", self.job.run_name, reason)
+        audit = self.audit_log()
+        if audit is not None:
+            audit.append("run", run=self.job.run_name, method=self.job.strategy, outcome="nothing aggregated",
+                         reason=reason)
+
     def summary(self) -> None:
         self.refuse_unfit_wrappers()  # Flower's loop begins with summary(): before evaluate_fn and round 1
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
@@ -926,18 +1086,29 @@ class HospitalStrategy(Strategy):
         every train and evaluate message (their keys win over ours, e.g. ``local-epochs``); ``evaluate_fn(round,
         arrays)`` scores the global model before round 1 and after every round. What ours adds: hospitals by
         name, faster polling, messages a few at a time in simulation, and resume. A run in which no round
-        aggregated any hospital raises :class:`NoHospitalAggregated`, so Flower reports it failed.
+        aggregated any hospital returns its Result as Flower's loop does (the initial model in it), the reason
+        logged, in the audit log and in ``nothing_aggregated``.
         """
+        self.claim_run_folder()
+        try:
+            return self.run_rounds(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                   evaluate_fn)
+        finally:
+            self.release_run_folder()
+
+    def run_rounds(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                   timeout: float | None, train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
+                   evaluate_fn: EvaluateFn | None) -> Result:
+        """:meth:`start` once the run folder is this run's."""
         num_rounds = num_rounds or self.job.num_server_rounds
         timeout = timeout or self.job.round_timeout
         if num_rounds != self.job.num_server_rounds or timeout != self.job.round_timeout:
-            self.job = self.job.model_copy(update={"num_server_rounds": num_rounds, "round_timeout": timeout})
-            if self._engine is not None:  # built already (initial_arrays()): the server's schedules follow too
-                self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
+            self.change_job(num_server_rounds=num_rounds, round_timeout=timeout)
         if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
-            self.engine.adopt_global_arrays(arrays_of(initial_arrays, copy=False), "initial_arrays")
+            self.adopt_initial_arrays(initial_arrays, "initial_arrays")
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
+        self.nothing_aggregated = None
         self.summary()
         result = Result()
         arrays = self.initial_arrays()
@@ -951,6 +1122,7 @@ class HospitalStrategy(Strategy):
         retry_unavailable_objects_sooner()
         try:
             for rnd in range(first, num_rounds + 1):
+                log.info("[ROUND %d/%d]", rnd, num_rounds)  # as Flower's Strategy.start announces each round
                 messages = list(self.configure_train(rnd, arrays, train_config, grid))
                 streamed = self.reply_folder() is not None
                 if streamed:  # handed to aggregate_train as they arrive
@@ -973,26 +1145,23 @@ class HospitalStrategy(Strategy):
                     rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
                 if evaluated is not None:
                     result.evaluate_metrics_clientapp[rnd] = evaluated
+                    log.info("round %d: the hospitals' evaluation: %s", rnd, metrics_text(evaluated))
                 central = numbers(record.get("test", {}))
                 if evaluate_fn is not None:
                     own = evaluate_fn(rnd, arrays)
                     if own is not None:
                         record["central"] = dict(own)
                         central.update(dict(own))
+                        log.info("round %d: evaluate_fn: %s", rnd, metrics_text(own))
                 if central:
                     result.evaluate_metrics_serverapp[rnd] = MetricRecord(central)
                 self.round_ended(record)
         finally:
             self._in_own_loop = False
         result.arrays = arrays
-        if first <= num_rounds and not any(r["aggregated"] for r in self.engine.history if r["round"] >= first):
-            raise NoHospitalAggregated(
-                f"no round of {first}..{num_rounds} aggregated any hospital: "
-                + "; ".join(f"round {r['round']}: " + (", ".join(f"{h} refused ({why})" for h, why in
-                                                            r["refused"].items()) or f"missing {r['missing']}"
-                                                        if r["refused"] or r["missing"] else
-                                                        r.get("skipped") or "no hospital chosen")
-                            for r in self.engine.history[-3:]))
+        ran = [r for r in self.engine.history if r["round"] >= first]
+        if ran and not any(r["aggregated"] for r in ran):
+            self.record_nothing_aggregated(why_nothing_aggregated(ran, first, num_rounds))
         if self.job.cross_site_evaluation:
             self.cross_site_evaluation(grid, timeout)
         self.announce_end(grid, timeout)
@@ -1007,6 +1176,8 @@ class HospitalStrategy(Strategy):
             return
         messages = []
         for node, hospital in sorted(self.hospitals.items()):
+            if hospital.properties.get(FLOWER_ONLY):  # no audit log there, and no query handler to answer
+                continue
             config = ConfigRecord({"query": RUN_ENDED_QUERY, **self.hospital_config(self.engine.next_round - 1)})
             messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
                                     dst_node_id=node))
@@ -1023,13 +1194,18 @@ def kept(server_round: int) -> str:
 
 
 class NoHospitalAggregated(RuntimeError):
-    """A run none of whose rounds aggregated any hospital: a failed run, whatever Flower's loop thinks."""
+    """A run none of whose rounds aggregated any hospital: what fedmed's own ServerApp makes of it (a failed run)."""
 
 
 def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The finite numbers of a metrics dict, as a MetricRecord takes them."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
             and v == v and abs(v) != float("inf")}
+
+
+def metrics_text(metrics: Mapping[str, Any]) -> str:
+    """``accuracy=0.8125, loss=0.4310``: a round's numbers for its log line (lists left out)."""
+    return ", ".join(f"{key}={value:.4g}" for key, value in numbers(metrics).items()) or "no numbers"
 
 
 def drain(messages: list[Message]) -> Iterator[Message]:

@@ -39,6 +39,11 @@ class MethodSpec:
     #: why Flower's DP wrappers (``flwr.serverapp.strategy.DifferentialPrivacy*``) cannot take its replies, which they
     #: clip tensor by tensor against the model sent; empty: they can (a reply is the model as one ArrayRecord)
     not_for_central_dp: str = ""
+    #: Flower's FedAvg contract fits it: its hospital step is plain local training of the model and its server half
+    #: averages named arrays, so a standard Flower ClientApp that trains itself (one ArrayRecord of its own tensor
+    #: names, one MetricRecord with the sample count) can be one of its hospitals, and its global model may be any
+    #: network's, taken from ``initial_arrays`` (docs/own-serverapp.md). The others need fedmed's hospital step.
+    flower_contract: bool = False
 
 
 @cache

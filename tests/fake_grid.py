@@ -75,3 +75,26 @@ def simulated_hospitals(run_config: Mapping[str, Any], count: int, first_node_id
         node = {"partition-id": pid, "num-partitions": count, **node_config}
         nodes[node_id] = hospital_node(run_config, node, node_id)
     return nodes
+
+
+def flower_clientapp_node(app: Any, run_config: Mapping[str, Any], node_config: Mapping[str, Any],
+                          node_id: int) -> NodeHandler:
+    """A node running a Flower ClientApp (``app(message, context)``) as Flower's runtime does: an exception the app
+    raises (e.g. Flower's "No query function registered" for a message type it has no handler for) becomes an error
+    reply, its reason as ``flwr/supernode/runtime/run_clientapp.py`` writes it."""
+    from flwr.app import Error
+
+    from client_app.node_config import every_hospital_in_this_process
+
+    context = Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
+                      run_config=dict(run_config))
+
+    def answer(message: Message) -> Message:
+        try:
+            with every_hospital_in_this_process():  # one operator runs them all, as Flower's simulation engine does
+                return app(message, context)
+        except Exception as error:
+            reason = str(type(error)) + ":<'" + str(error) + "'>"
+            return Message(Error(code=2, reason=reason), reply_to=message)
+
+    return answer

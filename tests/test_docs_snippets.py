@@ -30,7 +30,7 @@ from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LANGUAGES = {"python", "bash", "console", "toml", "json", "text"}
+LANGUAGES = {"python", "bash", "console", "toml", "json", "text", "diff"}  # diffs: tests/test_quickstart_example.py
 SNIPPET_MARKER = re.compile(r"<!--\s*snippet:\s*(\S+)\s*-->")
 
 

@@ -2,7 +2,7 @@
 its own works; what ``configure_train`` is given is the current global model and what ``aggregate_train`` returns
 (a subclass's change, a DP wrapper's noise) is the next one, the one scored, saved and sent; ``(None, None)`` when
 nothing was accepted; the server's test metrics in ``evaluate_metrics_serverapp``; Flower's attributes; settings
-given in Python reach the hospitals; a run that aggregated nobody fails."""
+given in Python reach the hospitals; a run that aggregated nobody returns a Result that says why."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from common.wire import from_recorddict
 from server_app.app import RoundSaver
 from server_app.checkpoint import checkpoint_dir, read_checkpoint
 from strategies import FedAvgStrategy, FedProInStrategy, QFedPolypStrategy
-from strategies.base import HospitalStrategy, NoHospitalAggregated
+from strategies.base import HospitalStrategy
 from strategies.records import arrays_of
 from strategies.registry import load, methods
 from strategies.secure_aggregation import with_secure_aggregation
@@ -120,7 +121,7 @@ def failing(message: Message) -> Message:
     return None
 
 
-def test_nothing_accepted_is_none_none_and_a_run_that_aggregated_nobody_fails(tmp_path):
+def test_nothing_accepted_is_none_none_and_a_run_that_aggregated_nobody_returns_a_result_saying_why(tmp_path, caplog):
     config = run_config(tmp_path, SMALL_CLASSIFICATION)
     nodes = simulated_hospitals(config, 2)
     answers = {node: (lambda message, handler=handler: failing(message) if message.metadata.message_type
@@ -134,8 +135,18 @@ def test_nothing_accepted_is_none_none_and_a_run_that_aggregated_nobody_fails(tm
     for name, value in before.items():
         np.testing.assert_array_equal(strategy.engine.method.global_arrays[name], value)
 
-    with pytest.raises(NoHospitalAggregated, match="hospital-00 refused .*disk full"):
-        FedAvgStrategy(run_config=config).start(FakeGrid(answers), num_rounds=2)
+    strategy = FedAvgStrategy(run_config=config)  # as Flower's start(): a Result, with the model it started from
+    result = strategy.start(FakeGrid(answers), num_rounds=2)
+    assert sorted(result.arrays) == sorted(before) and not result.train_metrics_clientapp
+    for name, value in before.items():
+        np.testing.assert_array_equal(result.arrays[name].numpy(), value)
+    assert re.search("no round of 1..2 aggregated any hospital: .*hospital-00 refused .*disk full",
+                     strategy.nothing_aggregated)
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and "aggregated any hospital" in r.getMessage()]
+    assert logged and "the Result holds the model it started from" in logged[0].getMessage()
+    audit = [json.loads(line) for line in (strategy.job.run_dir / "audit.jsonl").read_text().splitlines()]
+    [outcome] = [line for line in audit if line["event"] == "run"]
+    assert outcome["outcome"] == "nothing aggregated" and "disk full" in outcome["reason"]
 
 
 def test_server_test_metrics_flowers_attributes_and_fraction_zero(tmp_path):
@@ -395,6 +406,20 @@ def fedmed_logger_kept():
     yield
     logger.handlers[:], logger.propagate = before[0], before[1]
     logger.setLevel(before[2])
+
+
+def test_fedmeds_own_serverapp_still_fails_a_run_that_aggregated_nobody(tmp_path, fedmed_logger_kept):
+    from server_app.app import main
+    from strategies.base import NoHospitalAggregated
+
+    config = {**run_config(tmp_path, SMALL_CLASSIFICATION), "num-server-rounds": 1}
+    nodes = simulated_hospitals(config, 2)
+    answers = {node: (lambda message, handler=handler: failing(message) if message.metadata.message_type
+                      == MessageType.TRAIN else handler(message)) for node, handler in nodes.items()}
+    server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(config))
+    with pytest.raises(NoHospitalAggregated, match="hospital-00 refused .*disk full"):
+        main(FakeGrid(answers), server)
+    assert json.loads((tmp_path / "results" / "t" / "status.json").read_text())["status"] == "failed"
 
 
 def test_fedmeds_serverapp_serves_a_clientapp_that_reads_run_config_keys_of_its_own(tmp_path, fedmed_logger_kept):

@@ -5,6 +5,7 @@ honest hospitals alone make of it."""
 from __future__ import annotations
 
 import io
+import re
 import tracemalloc
 import zipfile
 
@@ -224,7 +225,8 @@ def test_a_deflate_bomb_is_refused_before_it_is_decompressed():
     assert len(bomb) < 1_000_000
     content = RecordDict({"arrays": ArrayRecord({PACKED_ARRAY: Array(np.frombuffer(bomb, np.uint8))})})
     tracemalloc.start()
-    with pytest.raises(MalformedPayload, match="200.0 MB once decompressed, more than the 10.0 MB allowed"):
+    with pytest.raises(MalformedPayload,
+                       match=r"\(200\.0 MB\) once decompressed, more than the 10,000,000 bytes \(10\.0 MB\) allowed"):
         from_recorddict(content, limit=10_000_000)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -233,8 +235,17 @@ def test_a_deflate_bomb_is_refused_before_it_is_decompressed():
 
 def test_an_array_declaring_more_than_the_limit_is_refused_before_decoding():
     big = ArrayRecord({"w": Array(np.zeros(3_000_000, np.float32))})
-    with pytest.raises(MalformedPayload, match="12.0 MB, more than the 1.0 MB allowed"):
+    with pytest.raises(MalformedPayload,
+                       match=r"12,000,\d+ bytes \(12\.0 MB\), more than the 1,000,000 bytes \(1\.0 MB\)"):
         from_recorddict(RecordDict({"arrays": big}), limit=1_000_000)
+
+
+def test_a_size_refusal_below_a_megabyte_gives_the_real_numbers():
+    small = ArrayRecord({"w": Array(np.zeros(1000, np.float32))})  # 4,000 bytes against a 1,000-byte limit
+    with pytest.raises(MalformedPayload) as refused:
+        from_recorddict(RecordDict({"arrays": small}), limit=1_000)
+    assert re.search(r"take 4,\d{3} bytes, more than the 1,000 bytes allowed", str(refused.value))
+    assert "0.0 MB" not in str(refused.value)
 
 
 def identity_reply(name: str, count=DECLARED, **properties):

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import shutil
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,6 +127,55 @@ def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     assert "no checkpoints" in capsys.readouterr().err
 
 
+def test_the_quantisers_warnings_are_held_back_and_counted_and_fedmeds_own_log_is_not(caplog):
+    from common.quantization.quiet import quiet_quantisers
+
+    child = logging.getLogger("torch.onnx._internal.exporter._registration")  # torch gives it a handler of its own
+    printing = logging.StreamHandler()
+    child.addHandler(printing)
+    try:
+        with caplog.at_level(logging.INFO), quiet_quantisers() as hidden:
+            child.warning("torchvision is not installed. Skipping torchvision::nms")
+            logging.getLogger("onnxruntime.quantization").warning("Inference failed for tensor 'val_0'")
+            warnings.warn("torch.ao.quantization is deprecated", DeprecationWarning)
+            logging.getLogger("fedmed").warning("fedmed's own line")
+        assert child.handlers == [printing] and child.propagate  # as they were
+    finally:
+        child.removeHandler(printing)
+    assert len(hidden) == 3 and any("Skipping torchvision::nms" in line for line in hidden)
+    assert [r.getMessage() for r in caplog.records] == ["fedmed's own line"]
+
+
+@pytest.mark.parametrize("engine,out,installed,says", [
+    ("auto", "polyp-int8.pt2", ["pt2e", "onnxruntime", "openvino"], "--out polyp-int8.pt2 asks for a .pt2 file, which "
+     "only pt2e writes; leave the suffix off --out to have every installed engine timed"),
+    ("pt2e", "polyp-int8", ["pt2e"], "--engine pt2e was asked for"),
+    ("auto", "polyp-int8", ["onnxruntime"], "onnxruntime is the only INT8 engine installed"),
+    ("auto", "polyp-int8", ["pt2e", "onnxruntime", "openvino"], "fastest here of 5 INT8 models")])
+def test_the_export_says_why_its_engine_was_chosen(monkeypatch, engine, out, installed, says):
+    from common.quantization import int8
+
+    monkeypatch.setattr(int8, "installed_engines", lambda asked: installed if asked == "auto" else [asked])
+    allowed = [e for e in installed if not Path(out).suffix or int8.SUFFIXES[e] == Path(out).suffix]
+    labels = [label for label, (e, _) in int8.CANDIDATES.items() if e in allowed] if engine == "auto" else ["pt2e"]
+    choice = {"chosen": labels[0], "median-ms-batch-1-and-8": {label: [1.0, 2.0] for label in labels},
+              "input": [3, 64, 64], "cpu": "a CPU", "threads": 2}
+    metadata = {"engine-choice": choice} if len(labels) > 1 else {}
+    assert says in int8.choice_reason(metadata, engine, Path(out), allowed)
+
+
+def test_the_first_int8_example_of_the_docs_lets_every_engine_be_timed():
+    """docs/qfedpolyp.md's first export is what users copy: it must not narrow the choice to one file type."""
+    import shlex
+
+    from common.cli import build_parser
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "qfedpolyp.md").read_text()
+    first = next(line for line in docs.splitlines() if line.startswith("fedmed export-int8"))
+    args = build_parser().parse_args(shlex.split(first.split("#")[0])[1:])
+    assert args.engine == "auto" and Path(args.out).suffix == "", first
+
+
 def test_benchmark_finds_the_time_spent_in_quantised_convolutions():
     """The INT8 benchmark's speed bound divides by this time: it must see the int8 kernels and nothing else."""
     from benchmarks.qfedpolyp.int8_speed import time_in_quantised_convolutions
@@ -161,7 +213,7 @@ def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_
 
 
 @pytest.mark.parametrize("model", ["", "monai.networks.nets:UNet"])
-def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capsys, model):
+def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capfd, model):
     """`export-int8 --engine onnxruntime`: an .onnx model of the built-in U-Net or a network of the user's own that
     `segment` and `evaluate` run; a file name of the other type refused; `auto` takes the user's network too."""
     pytest.importorskip("onnxruntime")
@@ -171,6 +223,10 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
     model_file = tmp_path / "polyp-int8.onnx"
     arguments = ["export-int8", "--run", run, "--out", str(model_file), "--calibration-images", "16"]
     assert fedmed(arguments + ["--engine", "onnxruntime"]) == 0
+    printed, errors = capfd.readouterr()  # what it chose and why, and not the quantisers' own warnings
+    assert "engine: onnxruntime" in printed and "--engine onnxruntime was asked for" in printed
+    assert "<- written" in printed and "warnings of the quantisers held back" in printed
+    assert "torchvision is not installed" not in errors and "Inference failed" not in errors, errors[:2000]
     loaded, metadata = load_deployment(model_file)
     assert metadata["engine"] == "onnxruntime" and metadata["image-size"] == 32 and metadata["rounds"] == 1
     frames = tmp_path / "frames"
@@ -184,9 +240,9 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
     assert fedmed(["evaluate", "--run", run, "--data", str(labelled), "--model", str(model_file),
                    "--out", str(tmp_path / "scores")]) == 0
     assert json.loads((tmp_path / "scores.json").read_text())["overall"]["num-examples"] == 8
-    capsys.readouterr()
+    capfd.readouterr()
     assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "x.pt"), "--engine", "onnxruntime"]) == 2
-    assert "written as a .onnx file" in capsys.readouterr().err
+    assert "written as a .onnx file" in capfd.readouterr().err
     if model:  # a path without a suffix (as --best's default) gets the file type of the engine measured fastest
         assert fedmed(["export-int8", "--run", run, "--out", str(tmp_path / "exports" / "own"),
                        "--calibration-images", "8"]) == 0

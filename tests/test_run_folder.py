@@ -3,17 +3,24 @@ overwritten by accident, and a resume continues the same experiment from a check
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from common.config import ConfigError, JobConfig, load_job_config
 from common.round_engine import RoundEngine
+from common.run_lock import LOCK_FILE
 from server_app.checkpoint import checkpoint_dir, save_checkpoint
 from server_app.run_config import load_run_config
+
+from .conftest import ROOT
 
 TINY = {"synthetic-samples": 40, "image-size": 8, "model": "small-cnn", "run-name": "r"}
 
@@ -229,7 +236,7 @@ def test_a_results_folder_that_fills_up_after_round_1_ends_the_run_with_its_roun
     run_dir = tmp_path / "results" / "full"
     assert [p.name for p in list_checkpoints(run_dir)] == ["round-00001.npz"]
     assert [r["round"] for r in read_history(run_dir)] == [1]
-    assert not [p.name for p in run_dir.rglob(".*")]  # no partial files left beside them
+    assert not [p.name for p in run_dir.rglob(".*") if p.name != LOCK_FILE]  # no partial files left beside them
     text = caplog.text
     assert f"round 2: checkpoint not written to {run_dir}" in text
     assert f"the final result files (metrics.jsonl, summary.md, plots) could not be written to {run_dir}" in text
@@ -344,3 +351,64 @@ def test_export_int8_and_segment_take_the_best_round(tmp_path, capsys):
     assert fedmed(["export-int8", "--run", str(other.run_dir), "--best"]) == 2
     error = capsys.readouterr().err
     assert "has no best model" in error and "select-by='test.dice'" in error
+
+
+# --- two runs of one name at once ------------------------------------------------------------------------------------
+HOLDER = ("import sys, time; from pathlib import Path; from common.run_lock import claim; claim(Path(sys.argv[1])); "
+          "print('held', flush=True); time.sleep(120)")
+
+
+@contextlib.contextmanager
+def run_in_progress(run_dir):
+    """Another ServerApp process holding ``run_dir``, as a run in progress does."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_second_run_of_a_name_in_progress_is_refused_before_round_1(tmp_path):
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, simulated_hospitals
+    from .test_strategies import SMALL_CLASSIFICATION, run_config
+
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)  # run-name 't'
+    with run_in_progress(tmp_path / "results" / "t") as pid:
+        with pytest.raises(ConfigError, match=rf"run-name 't': .*results/t is in use by a run in progress \(process "
+                                              rf"{pid} on .*choose another run-name, or wait for that run to end"):
+            load_run_config(config)  # fedmed's ServerApp
+        grid = FakeGrid(simulated_hospitals(config, 2))
+        with pytest.raises(ConfigError, match=f"in use by a run in progress \\(process {pid} "):
+            FedAvgStrategy(run_config=config).start(grid, num_rounds=1)  # a user's own ServerApp
+        assert grid.sent == []  # refused before anything was sent
+    result = FedAvgStrategy(run_config=config).start(FakeGrid(simulated_hospitals(config, 2)), num_rounds=1)
+    assert len(result.train_metrics_clientapp) == 1  # the folder is free again once that run has ended
+
+
+def test_a_run_whose_name_was_chosen_for_it_takes_the_next_free_folder(tmp_path, monkeypatch):
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, simulated_hospitals
+    from .test_strategies import SMALL_CLASSIFICATION, run_config
+
+    config = {k: v for k, v in run_config(tmp_path, SMALL_CLASSIFICATION).items() if k != "run-name"}
+    strategy = FedAvgStrategy(run_config=config)  # named by the time it was made, to the second
+    taken = strategy.job.run_name
+    with run_in_progress(tmp_path / "results" / taken):
+        strategy.start(FakeGrid(simulated_hospitals(config, 2)), num_rounds=1)
+        assert strategy.job.run_name == f"{taken}-2" and strategy.engine.cfg.run_name == f"{taken}-2"
+        assert (tmp_path / "results" / f"{taken}-2" / "audit.jsonl").exists()
+        assert not (tmp_path / "results" / taken / "audit.jsonl").exists()
+
+        import server_app.run_config as server_run_config  # fedmed's ServerApp names a run the same way
+
+        monkeypatch.setattr(server_run_config.time, "strftime", lambda *_: "20260101-000000")
+        held = tmp_path / "results" / "classification-fedavg-20260101-000000"
+        with run_in_progress(held):
+            cfg, _ = load_run_config(config)
+        assert cfg.run_name == "classification-fedavg-20260101-000000-2"

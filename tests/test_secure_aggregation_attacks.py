@@ -43,7 +43,6 @@ from common.secure_aggregation.server import (
 from common.secure_aggregation.sharing import secret_key
 from common.wire import from_recorddict
 from strategies import FedAvgStrategy
-from strategies.base import NoHospitalAggregated
 from strategies.records import arrays_of
 from strategies.secure_aggregation import with_secure_aggregation
 
@@ -316,8 +315,9 @@ def test_a_round_run_again_is_refused_by_every_hospital_and_logged_at_both_ends(
     again = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config={**config, "overwrite-run": True})
     before = arrays_of(again.initial_arrays())
     grid = FakeGrid(secure_hospitals(config, 3))  # restarted hospitals: a fresh context, the same state folder
-    with pytest.raises(NoHospitalAggregated):
-        again.start(grid, num_rounds=1)
+    again.start(grid, num_rounds=1)
+    assert "change run-name and seed" in again.nothing_aggregated  # what to change, said by the server
+    assert "or give the hospitals fresh state folders (state-dir)" in again.nothing_aggregated
     record = again.engine.history[0]
     assert "skipped" in record and "after the setup stage" in record["skipped"]
     lost = record["secure-aggregation"]["lost"]
@@ -346,8 +346,9 @@ def test_the_same_model_under_a_new_run_name_is_not_trained_again(tmp_path, capl
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=replay)
     nodes = {101 + pid: secure_node(replay, {"partition-id": pid, "num-partitions": 3}, 101 + pid) for pid in (1, 2)}
     grid = FakeGrid(nodes)
-    with pytest.raises(NoHospitalAggregated, match="already helped unmask a sum trained from this model"):
-        strategy.start(grid, num_rounds=1)
+    strategy.start(grid, num_rounds=1)
+    assert "already helped unmask a sum trained from this model" in strategy.nothing_aggregated
+    assert "the same seed starts from the same model" in strategy.nothing_aggregated
     record = strategy.engine.history[0]
     assert "skipped" in record and record["aggregated"] == []
     assert sorted(record["refused"]) == ["hospital-01", "hospital-02"]
@@ -390,8 +391,8 @@ def test_a_plain_request_is_refused_under_require_secure_aggregation(tmp_path):
     strategy = FedAvgStrategy(min_train_nodes=2, run_config=config)
     before = arrays_of(strategy.initial_arrays())
     grid = FakeGrid(simulated_hospitals(config, 2, **{"policy-file": policy}))
-    with pytest.raises(NoHospitalAggregated, match="require-secure-aggregation"):
-        strategy.start(grid, num_rounds=1)
+    strategy.start(grid, num_rounds=1)
+    assert "require-secure-aggregation" in strategy.nothing_aggregated
     record = strategy.engine.history[0]
     assert sorted(record["refused"]) == ["hospital-00", "hospital-01"]
     assert all("require-secure-aggregation" in why for why in record["refused"].values())

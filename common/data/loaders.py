@@ -79,7 +79,8 @@ def call_loader(request: DataRequest):
 
 
 def wrap(data: Any, where: str, cfg: "JobConfig"):
-    """Our containers as they are; a torch Dataset as :class:`~common.data.torch_data.TorchData`; DataError naming
+    """Our containers as they are; a torch Dataset (or a DataLoader's) as :class:`~common.data.torch_data.TorchData`,
+    its items ``(image, target)`` or dicts of them (``{"img": ..., "label": ...}``); DataError naming
     ``where`` for NaN or Inf images, or images of no image's shape (its first items here, the rest as it is read)."""
     import numpy as np
     import torch
@@ -95,6 +96,8 @@ def wrap(data: Any, where: str, cfg: "JobConfig"):
         return data
     if isinstance(data, (TorchData, list)):
         return data
+    if isinstance(data, torch.utils.data.DataLoader):  # a Flower app's loaders: what they read, in our batches
+        data = data.dataset
     wrapped = TorchData(data, where, workers=cfg.data_workers)
     for index in range(min(len(wrapped), FIRST_ITEMS_CHECKED)):  # the rest is checked batch by batch
         image, _ = wrapped.item(index)

@@ -36,10 +36,7 @@ class TorchData:
         return len(self.dataset)
 
     def item(self, index: int) -> tuple[torch.Tensor, Any]:
-        item = self.dataset[int(index)]
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise DataError(f"{self.where}: item {index} is {type(item).__name__}, not an (image, target) pair")
-        image, target = item
+        image, target = pair(self.dataset[int(index)], f"{self.where}: item {index}")
         if not isinstance(image, torch.Tensor):
             try:
                 image = torch.as_tensor(np.asarray(image))
@@ -122,7 +119,7 @@ class TorchData:
             if not torch.isfinite(images).all():
                 raise DataError(f"{self.where}: an image of the batch holds NaN or Inf values; a hospital trains only "
                                 "on finite images")
-            x = images.to(device, non_blocking=True).float()
+            x = images.to(device, non_blocking=True).to(torch.float32, memory_format=torch.contiguous_format)
             if segmentation:
                 y = targets.to(device, non_blocking=True).float()
                 yield x, (y if y.ndim == 4 else y.unsqueeze(1))
@@ -130,8 +127,29 @@ class TorchData:
                 yield x, targets.to(device, non_blocking=True).long().view(-1)
 
 
+#: the keys of a dict item's image and target, as Hugging Face and Flower Datasets name them ({"img", "label"})
+IMAGE_KEYS = ("img", "image", "pixel_values", "x")
+TARGET_KEYS = ("label", "labels", "target", "mask", "y")
+
+
+def pair(item: Any, what: str) -> tuple[Any, Any]:
+    """An item as ``(image, target)``: a pair as it is, or a dict's entries under one of :data:`IMAGE_KEYS` and one
+    of :data:`TARGET_KEYS` (a Flower Datasets partition with its transforms gives ``{"img": ..., "label": ...}``)."""
+    if isinstance(item, dict):
+        image = next((key for key in IMAGE_KEYS if key in item), None)
+        target = next((key for key in TARGET_KEYS if key in item), None)
+        if image is None or target is None:
+            raise DataError(f"{what} is a dict of {sorted(item)}: an image under one of {list(IMAGE_KEYS)} and a "
+                            f"target under one of {list(TARGET_KEYS)} are needed")
+        return item[image], item[target]
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise DataError(f"{what} is {type(item).__name__}, not an (image, target) pair")
+    return item[0], item[1]
+
+
 def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """(image, target) items -> (images, targets) tensors (a module-level function: worker processes pickle it)."""
-    images, targets = zip(*items)
+    """(image, target) items, or dicts of them -> (images, targets) tensors (a module-level function: worker
+    processes pickle it)."""
+    images, targets = zip(*(pair(item, "an item") for item in items))
     images = [img if isinstance(img, torch.Tensor) else torch.as_tensor(np.asarray(img)) for img in images]
     return torch.stack(images), torch.stack([torch.as_tensor(t) for t in targets])

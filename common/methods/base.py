@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from common.arrays import ArraysMismatch, NamedArrays, check_like
+from common.arrays import ArraysMismatch, NamedArrays, check_like, is_exchanged
 from common.config import JobConfig
 from common.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the methods' message type)
 from common.site import Site
@@ -27,6 +27,13 @@ from common.tasks import Task, get_task
 
 #: Evaluate-message config key: score the final models for the run's cross-site table (``HospitalMethod.cross_site``).
 CROSS_SITE_KEY = "cross-site"
+
+
+#: A hospital property: it is a Flower ClientApp that trains the model itself, under Flower's FedAvg contract (one
+#: ArrayRecord of its own tensor names, one MetricRecord with its sample count; no round echoed), not fedmed's step.
+TRAINS_ITSELF = "trains-itself"
+#: A hospital property: a Flower ClientApp with nothing of fedmed (no query handler): it is sent no fedmed query.
+FLOWER_ONLY = "flower-only"
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,25 @@ class ServerMethod(ABC):
         from common.arrays import model_arrays
 
         self.global_arrays = model_arrays(self.task.initial_model())
+
+    def adopt_own_network(self, arrays: NamedArrays) -> None:
+        """Take ``arrays`` as the global model of a network the server does not build (a Flower user's own, given as
+        ``initial_arrays``): every entry as given, counters included, so that it loads into that network as it is.
+        Only the methods whose server averages named arrays (``MethodSpec.flower_contract``) are asked to."""
+        self.global_arrays = {name: np.array(value, copy=True) for name, value in arrays.items()}
+
+    def model_from_network(self, arrays: NamedArrays) -> NamedArrays | None:
+        """The method's global model made from ``arrays``, the state of the network itself (a Flower user's
+        ``ArrayRecord(Net().state_dict())``), where the method's model is built around the network (FedProIn: its
+        encoder from them); None where it is not (default)."""
+        return None
+
+    def flower_reply_arrays(self, arrays: NamedArrays) -> dict[str, NamedArrays]:
+        """The array groups of a reply from a Flower ClientApp that trained the model itself (its whole state dict in
+        one ArrayRecord): the model, less the local-only counters (BatchNorm's ``num_batches_tracked``) where the
+        global model holds none."""
+        return {"model": {name: value for name, value in arrays.items()
+                          if is_exchanged(name) or name in self.global_arrays}}
 
     def check_hospital(self, hospital: HospitalInfo) -> None:
         """Refuse (ValueError) a hospital whose declared properties the method cannot work with, when it

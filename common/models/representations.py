@@ -11,6 +11,8 @@ import copy
 
 import torch
 
+from common.settings import ConfigError
+
 
 class FeatureTap:
     """The latest input (``use_input``) or output of ``layer``, caught with a forward hook."""
@@ -29,11 +31,18 @@ class FeatureTap:
         self._handle.remove()
 
 
-def classifier_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
-    """Name and module of a classifier's last linear layer (ResNet's ``fc``, the small CNN's ``final.1``)."""
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+def no_linear_layer(name: str, method: str) -> ConfigError:
+    """The one refusal of a network without a linear layer, whichever method (MOON, FedProto, FedProIn) finds it."""
+    return ConfigError(f"model {name!r} has no linear layer: {method} needs a classifier whose last linear layer "
+                       "reads a feature vector (e.g. torch.nn.Linear(d, num_classes))")
+
+
+def classifier_head(model: torch.nn.Module, name: str = "", method: str = "the method") -> tuple[str, torch.nn.Linear]:
+    """Name and module of a classifier's last linear layer (ResNet's ``fc``, the small CNN's ``final.1``);
+    :func:`no_linear_layer` where it has none."""
+    linears = [(layer, module) for layer, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     if not linears:
-        raise ValueError(f"{type(model).__name__} has no linear classifier layer to take features from")
+        raise no_linear_layer(name or type(model).__name__, method)
     return linears[-1]
 
 
@@ -42,14 +51,11 @@ def classifier_features(model: torch.nn.Module) -> FeatureTap:
     return FeatureTap(classifier_head(model)[1], use_input=True)
 
 
-def headless(classifier: torch.nn.Module, name: str = "the model") -> tuple[torch.nn.Module, int]:
+def headless(classifier: torch.nn.Module, name: str = "the model",
+             method: str = "the prototype methods") -> tuple[torch.nn.Module, int]:
     """``classifier`` with its last linear layer replaced by the identity, and that layer's input size: the
     network's feature vector, where the prototype methods put their prototypes."""
-    try:
-        head_name, head = classifier_head(classifier)
-    except ValueError:
-        raise ValueError(f"model {name!r} has no linear layer: the prototype methods need a classifier whose last "
-                         "linear layer reads a feature vector (e.g. torch.nn.Linear(d, num_classes))") from None
+    head_name, head = classifier_head(classifier, name, method)
     parent_name, _, attribute = head_name.rpartition(".")
     parent = classifier.get_submodule(parent_name) if parent_name else classifier
     setattr(parent, attribute, torch.nn.Identity())

@@ -50,7 +50,7 @@ def check_network(task, needs: str, data: Any = None) -> None:
             output = model(x)
     except Exception as error:
         raise ConfigError(f"model {name!r} fails on a batch of {tuple(x.shape)} inputs: {type(error).__name__}: "
-                          f"{error}") from None
+                          f"{error}{layout_hint(error)}") from None
     expected = expected_output(task, x)
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
@@ -62,6 +62,15 @@ def check_network(task, needs: str, data: Any = None) -> None:
         check_quantisable(name, model)
 
 
+def layout_hint(error: Exception) -> str:
+    """What to change when a network's ``.view`` met a tensor whose memory is not laid out as its shape reads."""
+    if "view size is not compatible" not in str(error):
+        return ""
+    return (". The batches fedmed gives are contiguous NCHW (batch, channels, height, width); a tensor inside the "
+            "network is not (a permute, a transpose, or channels-last memory made it so): flatten with "
+            "x.reshape(x.shape[0], -1) or torch.flatten(x, 1) instead of x.view(...), or call .contiguous() first")
+
+
 def expected_output(task, x: torch.Tensor) -> tuple[int, ...]:
     if task.name == "classification":
         return (x.shape[0], task.num_classes)
@@ -71,7 +80,7 @@ def expected_output(task, x: torch.Tensor) -> tuple[int, ...]:
 def check_features(task, model: nn.Module, x: torch.Tensor) -> None:
     """The feature the method uses is a (batch, d) vector: FedProIn's encoder output, else the input of the
     network's last linear layer."""
-    from .representations import classifier_features
+    from .representations import FeatureTap, classifier_head
 
     name = task.network_name
     if hasattr(model, "prototypes"):  # FedProIn's network: the encoder's output is the feature
@@ -79,11 +88,7 @@ def check_features(task, model: nn.Module, x: torch.Tensor) -> None:
             feature = model.encoder(x)
         where = "its encoder (the network without its last linear layer)"
     else:
-        try:
-            tap = classifier_features(model)
-        except ValueError:
-            raise ConfigError(f"model {name!r} has no linear layer: {task.cfg.strategy} needs a classifier whose "
-                              "last linear layer reads a feature vector") from None
+        tap = FeatureTap(classifier_head(model, name, task.cfg.strategy)[1], use_input=True)
         with torch.no_grad():
             model(x)
         tap.remove()

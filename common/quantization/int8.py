@@ -238,6 +238,44 @@ def build_candidate(label: str, model: nn.Module, batches: list[torch.Tensor], p
     return export_onnx_int8(model, batches, path, metadata, form=form)
 
 
+def choice_reason(metadata: dict[str, Any], asked: str, out: Path, engines: list[str]) -> str:
+    """Why the INT8 model written is the one: measured fastest here (of how many, on what), or the only one
+    ``--engine``, the suffix of ``--out`` or the engines installed left, with what would widen the choice."""
+    choice = metadata.get("engine-choice")
+    if choice:
+        shape = "x".join(str(n) for n in choice["input"])
+        reason = (f"fastest here of {len(choice['median-ms-batch-1-and-8'])} INT8 models timed at batch 1 and 8 on "
+                  f"{shape} inputs ({choice['cpu']}, {choice['threads']} threads)")
+    else:
+        reason = "the only INT8 model left to choose"
+    if asked != "auto":
+        return f"{reason}: --engine {asked} was asked for (--engine auto times every engine installed)"
+    if out.suffix and len(engines) < len(installed_engines("auto")):
+        return (f"{reason}: --out {out.name} asks for a {out.suffix} file, which only {' or '.join(engines)} "
+                f"writes; leave the suffix off --out to have every installed engine timed and the fastest written")
+    if len(engines) == 1:
+        return f"{reason}: {engines[0]} is the only INT8 engine installed (fedmed-hospitals[int8] installs them all)"
+    return reason
+
+
+def describe_export(metadata: dict[str, Any]) -> str:
+    """What ``fedmed export-int8`` prints of an export: the engine, why, each candidate's timing, what was hidden."""
+    form = f" ({metadata['format']})" if metadata.get("format") else ""
+    lines = [f"engine: {metadata['engine']}{form}, {metadata['chosen-because']}"]
+    choice = metadata.get("engine-choice")
+    if choice:
+        lines.append("  median ms at batch 1 and 8:")
+        for label, (one, eight) in sorted(choice["median-ms-batch-1-and-8"].items(), key=lambda i: i[1][0] * i[1][1]):
+            written = "   <- written" if label == choice["chosen"] else ""
+            lines.append(f"    {label:<24}{one:>9.3f}{eight:>10.3f}{written}")
+    lines.append(f"calibrated on {metadata['calibration-images']} images of the run's training data, values "
+                 f"{metadata['calibration-range'][0]:.2f} to {metadata['calibration-range'][1]:.2f}")
+    if metadata.get("warnings-hidden"):
+        lines.append(f"({metadata['warnings-hidden']} warnings of the quantisers held back: the ops they skip or "
+                     "leave in float)")
+    return "\n".join(lines)
+
+
 def fastest(files: dict[str, Path], channels: int, size: int, repeats: int = 12) -> dict[str, Any]:
     """Which of the INT8 model ``files`` runs fastest here on ``channels`` x ``size`` x ``size`` inputs: the one whose
     median latencies at batch 1 and 8 have the smallest product (geometric mean), with the figures and the CPU."""
@@ -266,12 +304,11 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
     ``engine``: one of :data:`ENGINES`; where that leaves more than one INT8 model (:data:`CANDIDATES`, restricted to
     the file type ``out`` names), each is built and timed here at batch 1 and 8 on the run's image size, and the
     fastest is written, the figures in its metadata (``engine-choice``); ``timing_size``: another input edge to time
-    them at."""
-    import shutil
-    import tempfile
+    them at. The quantisers' own warnings are held back (``warnings-hidden`` counts them) and ``chosen-because``
+    says why the engine written is the one."""
+    from .quiet import quiet_quantisers
 
-    from common.run_imports import run_modules_importable
-
+    asked = engine
     engines = installed_engines(engine)
     out = Path(out)
     if out.suffix:
@@ -280,6 +317,23 @@ def export_int8(state: dict[str, np.ndarray], out: str | Path, calibration_dir: 
             raise ValueError(f"{out}: a {' or '.join(engines)} INT8 model is written as a "
                              f"{' or '.join(dict.fromkeys(SUFFIXES[e] for e in engines))} file")
         engines = matching
+    with quiet_quantisers() as hidden:
+        final, metadata = export_quietly(state, out, calibration_dir, num_calibration, source, engines, app_dir,
+                                         timing_size)
+    metadata["chosen-because"] = choice_reason(metadata, asked, out, engines)
+    metadata["warnings-hidden"] = len(hidden)
+    return final, metadata
+
+
+def export_quietly(state: dict[str, np.ndarray], out: Path, calibration_dir: str | Path | None, num_calibration: int,
+                   source: str, engines: list[str], app_dir: str | Path | None,
+                   timing_size: int | None) -> tuple[Path, dict[str, Any]]:
+    """:func:`export_int8` with the engines to choose from settled, inside :func:`quiet_quantisers`."""
+    import shutil
+    import tempfile
+
+    from common.run_imports import run_modules_importable
+
     with run_modules_importable(run_config_of(state), state, app_dir):
         cfg, model, rounds = model_from_checkpoint(state)
         batches = calibration_batches(cfg, calibration_dir, num_calibration, cfg.seed)

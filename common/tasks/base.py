@@ -26,11 +26,14 @@ def normalisation(channels: int, device: torch.device) -> tuple[torch.Tensor | f
 
 
 def images_to_tensor(images: np.ndarray, device: torch.device) -> torch.Tensor:
-    """uint8 (N, H, W, C) -> normalised float (N, C, H, W) (see :func:`normalisation`)."""
+    """uint8 (N, H, W, C) -> normalised float (N, C, H, W), contiguous (see :func:`normalisation`).
+
+    Contiguous NCHW, not the channels-last strides the permute leaves: a tutorial network flattens with
+    ``x.view(-1, 16 * 5 * 5)``, which only works on a contiguous tensor."""
     batch = torch.from_numpy(np.ascontiguousarray(images))
     if device.type == "cuda":  # uint8 through pinned memory, a quarter of float32's bytes, overlapping the GPU
         batch = batch.pin_memory().to(device, non_blocking=True)
-    x = batch.to(device).permute(0, 3, 1, 2).float().div_(255.0)
+    x = batch.to(device).permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
     mean, std = normalisation(x.shape[1], device)
     return (x - mean) / std
 

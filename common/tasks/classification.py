@@ -66,8 +66,8 @@ class ClassificationTask(Task):
             return (build_resnet18_encoder(in_channels, self.cfg.image_size, width=self.cfg.resnet_width),
                     encoder_feature_dim(self.cfg.resnet_width))
         if self.network_name == "small-cnn":  # built with one class, as it always was: the same draws of the seed
-            return headless(build_small_cnn(1, in_channels), self.network_name)
-        return headless(self.build_classifier(), self.network_name)
+            return headless(build_small_cnn(1, in_channels), self.network_name, self.cfg.strategy)
+        return headless(self.build_classifier(), self.network_name, self.cfg.strategy)
 
     def initial_model(self) -> torch.nn.Module:
         """The built network with the job's pretrained encoder weights, if any (a ``fc`` head is not loaded:

@@ -11,5 +11,5 @@ METHODS = (
                hospital="strategies.fedavg.hospital:FedAvgHospital",
                strategy="strategies.fedavg.strategy:FedAvgStrategy",
                summary="Federated averaging weighted by sample counts",
-               secure="strategies.fedavg.secure:SECURE"),
+               secure="strategies.fedavg.secure:SECURE", flower_contract=True),
 )

@@ -21,6 +21,14 @@ def norm_layer_names(model: torch.nn.Module) -> set[str]:
     return {name for name in names if is_exchanged(name)}
 
 
+def norm_names_of(arrays: NamedArrays) -> set[str]:
+    """The normalisation layers' entries of a state dict whose network is not at hand: every layer with running
+    statistics (``<layer>.running_mean``), its affine weights and its buffers, its step counter included (the
+    state dict is the user's network's as it is: all of the layer stays at the hospital)."""
+    layers = {name.removesuffix(".running_mean") for name in arrays if name.endswith(".running_mean")}
+    return {name for name in arrays if name.rpartition(".")[0] in layers}
+
+
 def split_norm_layers(arrays: NamedArrays, norm_names: set[str]) -> tuple[NamedArrays, NamedArrays]:
     """(shared, normalisation-layer) parts of a model's arrays, each in state-dict order."""
     return ({k: v for k, v in arrays.items() if k not in norm_names},

@@ -18,7 +18,7 @@ from common.reply_store import materialized
 from common.round_engine import weighted_mean_metrics
 from common.screening import batchnorm_problem, robust_average
 
-from .norm_layers import NORM_GROUP, norm_layer_names, split_norm_layers
+from .norm_layers import NORM_GROUP, norm_layer_names, norm_names_of, split_norm_layers
 
 
 class FedBNServer(ServerMethod):
@@ -31,6 +31,20 @@ class FedBNServer(ServerMethod):
             raise ValueError("FedBN: the model has no BatchNorm or InstanceNorm layer "
                              "to keep local; use fedavg")
         self.local_norms: dict[str, NamedArrays] = {}
+
+    def adopt_own_network(self, arrays: NamedArrays) -> None:
+        """A Flower user's own network: its normalisation layers found by their running statistics' names."""
+        norms = norm_names_of(arrays)
+        if not norms:
+            raise ValueError("FedBN: initial_arrays hold no normalisation layer (no '<layer>.running_mean') to keep "
+                             "at each hospital; use FedAvgStrategy")
+        super().adopt_own_network(arrays)
+        self.norm_names = norms
+
+    def flower_reply_arrays(self, arrays: NamedArrays) -> dict[str, NamedArrays]:
+        """A Flower ClientApp's whole state dict: the shared weights, and its normalisation layers beside them."""
+        shared, norms = split_norm_layers(super().flower_reply_arrays(arrays)["model"], self.norm_names)
+        return {"model": shared, NORM_GROUP: norms}
 
     def shared(self) -> NamedArrays:
         return split_norm_layers(self.global_arrays, self.norm_names)[0]

@@ -13,7 +13,7 @@ import torch
 
 from common.arrays import model_arrays, weighted_average
 from common.config import JobConfig
-from common.methods.base import HospitalUpdate, RejectedUpdate, ServerMethod
+from common.methods.base import HospitalUpdate, NamedArrays, RejectedUpdate, ServerMethod
 from common.tasks import Task, get_task
 
 from .messages import INFLUENCE, RESEED
@@ -65,6 +65,16 @@ class FedProInServer(ServerMethod):
         torch.manual_seed(self.cfg.seed)
         self.global_arrays = model_arrays(self.task.initial_model())
         self.unused_rounds = np.zeros(self.global_arrays["prototypes"].shape[:2], dtype=np.int64)
+
+    def model_from_network(self, arrays: NamedArrays) -> NamedArrays | None:
+        """The encoder from the network's own state (every entry but its last linear layer's, which the prototypes
+        replace), the prototypes as initialised; None unless ``arrays`` are that network's."""
+        encoder = {name.removeprefix("encoder."): name for name in self.global_arrays if name != "prototypes"}
+        head = set(arrays) - set(encoder)
+        if not set(encoder) <= set(arrays) or len({name.rpartition(".")[0] for name in head}) != 1:
+            return None
+        return {**{model: arrays[own] for own, model in encoder.items()},
+                "prototypes": self.global_arrays["prototypes"]}
 
     def due_for_reseeding(self) -> np.ndarray:
         """(C, M) mask of the prototypes no hospital's samples chose for ``reseed-after`` rounds in a row."""

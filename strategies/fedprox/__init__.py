@@ -8,5 +8,5 @@ METHODS = (
                strategy="strategies.fedprox.strategy:FedProxStrategy",
                summary="FedAvg with a proximal term on the hospital side",
                settings="strategies.fedprox.settings:FedProxSettings", section="fedprox",
-               secure="strategies.fedavg.secure:SECURE"),
+               secure="strategies.fedavg.secure:SECURE", flower_contract=True),
 )

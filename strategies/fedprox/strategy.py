@@ -1,5 +1,7 @@
 """FedProx through Flower: the server is FedAvg's; the proximal term is in ``strategies.fedprox.hospital``."""
 
+from typing import Any
+
 from strategies.base import HospitalStrategy
 
 from .settings import FedProxSettings
@@ -13,3 +15,7 @@ class FedProxStrategy(HospitalStrategy):
     section = "fedprox"
     renamed = {"proximal_mu": "mu"}
 
+    def flower_train_config(self) -> dict[str, Any]:
+        """``proximal-mu`` in every train message's config, as Flower's FedProx sends it: a ClientApp that trains
+        itself adds the term with it (fedmed's hospitals take ``fedprox.mu`` from the job)."""
+        return {"proximal-mu": float(self.proximal_mu)}

@@ -4,7 +4,8 @@ payloads (``common/quantization``), FedAvg of the rebuilt models, and an INT8 mo
 from strategies.registry import MethodSpec
 
 METHODS = (
-    MethodSpec("qfedpolyp", ("polyp-segmentation",), server="strategies.qfedpolyp.server:QFedPolypServer",
+    MethodSpec("qfedpolyp", ("polyp-segmentation", "classification"),  # the first: QFedPolypStrategy()'s task
+               server="strategies.qfedpolyp.server:QFedPolypServer",
                hospital="strategies.qfedpolyp.hospital:QFedPolypHospital",
                strategy="strategies.qfedpolyp.strategy:QFedPolypStrategy",
                summary="Quantisation-aware training, per-hospital b-bit packed uploads, FedAvg",
