@@ -25,6 +25,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType
 
 from common.payload import Payload
 from common.secure_aggregation import Layout, encode, modulus_bits, pack_values
+from common.secure_aggregation import distributed_dp as ddp
 from common.secure_aggregation.hospital import (
     HospitalRound,
     HospitalRules,
@@ -170,7 +171,13 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     problem = method.check_plan(plan, rules.name, received, trained)
     if problem:
         raise SecureAggregationRefusal(f"the round plan: {problem}")
-    values, metrics = method.contribution(received, trained, {**plan, **own}, layout)
+    noise = ddp.Parameters.from_plan(plan)  # distributed DP: this hospital's share of the sum's noise
+    values, metrics = method.contribution(received, trained, {**plan, **own},
+                                          ddp.method_layout(plan) if noise is not None else layout)
+    if noise is not None:
+        from common.policy import noise_rng
+
+        values = ddp.contribute(values, noise, plan, noise_rng())
     vector = encode(layout, values, state.flower.clipping_range, state.flower.target_range)
     state, answer = hospital_stage(state, COLLECT, config, message.metadata.dst_node_id, rules, vector, digest)
     save_state(context, state)

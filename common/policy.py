@@ -78,6 +78,21 @@ class LocalDP(Section):
                                                         "(0: track epsilon, no limit).")
 
 
+class DistributedDP(Section):
+    """Distributed DP under secure aggregation (docs/privacy.md): what a hospital requires of every secure round's
+    noise, and what it counts of it."""
+
+    min_noise_multiplier: float = Field(gt=0.0, description=(
+        "The sum's noise (std over the norm bound) as this hospital counts it, from the honest hospitals' shares "
+        "alone, may not be below this; a round plan with less is refused before training."))
+    max_dropped_or_colluding: int = Field(0, ge=0, description=(
+        "Of the min-hospitals-per-sum hospitals of a sum, how many may add noise the server knows or none at all "
+        "(dropped out, or colluding with it): their shares are not counted."))
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The delta epsilon is reported at.")
+    max_epsilon: float = Field(0.0, ge=0.0, description="Refuse to train once the next sum would pass this "
+                                                        "(0: track epsilon, no limit).")
+
+
 class Policy(Section):
     """What the hospital allows: tasks, methods, the fewest samples behind a statistic, rounds per run, local DP."""
 
@@ -101,6 +116,9 @@ class Policy(Section):
         "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
         "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp."))
     local_dp: LocalDP | None = None
+    distributed_dp: DistributedDP | None = Field(None, description=(
+        "Distributed DP: every training goes into a secure sum that carries noise (its [distributed-dp] table), "
+        "counted in the ledger; anything else is refused unless local-dp noises it."))
     require_secure_aggregation: bool = Field(False, description=(
         "It sends its training replies only masked (secure aggregation): a plain training request is refused."))
     min_hospitals_per_sum: int = Field(2, ge=2, description=(
@@ -177,7 +195,21 @@ class Policy(Section):
     @property
     def counts_releases(self) -> bool:
         """Whether the policy depends on what its ledger holds (then the audit log must hold it too)."""
-        return bool(self.local_dp or self.max_rounds_per_run or self.max_trainings_per_day)
+        return bool(self.local_dp or self.distributed_dp or self.max_rounds_per_run or self.max_trainings_per_day)
+
+    @model_validator(mode="after")
+    def _honest_shares(self) -> "Policy":
+        dp = self.distributed_dp
+        if dp is not None and self.min_hospitals_per_sum - dp.max_dropped_or_colluding < 1:
+            raise ValueError(f"distributed-dp: max-dropped-or-colluding={dp.max_dropped_or_colluding} leaves no "
+                             f"honest hospital of min-hospitals-per-sum={self.min_hospitals_per_sum} to count on")
+        return self
+
+    @property
+    def honest_shares(self) -> int:
+        """The hospitals of a sum whose noise shares it counts on (distributed DP)."""
+        dp = self.distributed_dp
+        return self.min_hospitals_per_sum - (dp.max_dropped_or_colluding if dp is not None else 0)
 
     @model_validator(mode="after")
     def _dp_methods_only(self) -> "Policy":
@@ -299,7 +331,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 RELEASE_EVENT = "privacy-release"  #: the audit line of one training, the ledger's entry
-RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier")  #: what the ledger and the audit log must agree on
+#: what the ledger and the audit log must agree on (distributed-dp: the secure sum's noise it counted, or None)
+RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier", "distributed-dp")
 #: How far a ledger entry's time may be from its audit line's (entries written before both shared one time were
 #: stamped a moment apart); a clock set back further, to train past max-trainings-per-day, stops training.
 TIME_TOLERANCE_SECONDS = 120.0
@@ -389,9 +422,12 @@ class PrivacyLedger:
                             f"operator restores the ledger from the log: fedmed audit rebuild-ledger "
                             f"{self.audit.path} {self.folder}")
 
-    def record(self, run: str, rnd: int, method: str, noise_multiplier: float | None) -> None:
-        """One training, in the audit log first (so that a crash between the two errs towards counting it)."""
+    def record(self, run: str, rnd: int, method: str, noise_multiplier: float | None,
+               distributed: dict[str, Any] | None = None) -> None:
+        """One training, in the audit log first (so that a crash between the two errs towards counting it);
+        ``distributed``: the secure sum's noise it counted (``distributed_dp.release``)."""
         entry = {"run": run, "round": rnd, "method": method, "noise-multiplier": noise_multiplier,
+                 "distributed-dp": distributed,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if self.path is None:
             self._memory.append(entry)
@@ -423,8 +459,28 @@ class PrivacyLedger:
             count += 1 if when is None else int(when >= since)  # an entry whose time cannot be read counts
         return count
 
-    def epsilon(self, delta: float, extra: list[float | None] = ()) -> float:
-        return epsilon_of([r.get("noise-multiplier") for r in self.releases()] + list(extra), delta)
+    def epsilon(self, delta: float, extra: list[Any] = ()) -> float:
+        """Epsilon at ``delta`` of every training in the ledger and the ``extra`` ones to come (each a noise
+        multiplier or a ledger entry)."""
+        extra = [e if isinstance(e, dict) else {"noise-multiplier": e} for e in extra]
+        return releases_epsilon(self.releases() + extra, delta)
+
+
+def releases_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
+    """Epsilon at ``delta`` of ledger entries: local DP's Gaussian releases by Google's RDP accountant; with any
+    secure sum under distributed DP among them, every entry composed by :mod:`common.secure_aggregation.
+    distributed_dp` (Skellam sums and Gaussian releases alike). A training without noise makes it infinite."""
+    if not any(r.get("distributed-dp") for r in releases):
+        return epsilon_of([r.get("noise-multiplier") for r in releases], delta)
+    from common.secure_aggregation import distributed_dp as ddp
+
+    mechanisms = []
+    for release in releases:
+        parts = [release["distributed-dp"]] if release.get("distributed-dp") else []
+        if release.get("noise-multiplier"):
+            parts.append({"mechanism": "gaussian", "noise-multiplier": release["noise-multiplier"]})
+        mechanisms += parts or [{"noise-multiplier": None}]
+    return ddp.epsilon(mechanisms, delta)
 
 
 def audit_releases(path: str | Path) -> list[dict[str, Any]]:
@@ -501,8 +557,10 @@ class Enforcer:
         if kind == "evaluate" and policy.metrics_released == "none":
             raise self.refuse("release-metrics='none': it sends no metrics, so it does not evaluate", **where)
 
-    def check_train(self, cfg, site, run: str, rnd: int, where: dict[str, Any]) -> float | None:
-        """Enough samples, rounds left in this run, epsilon left; returns this round's noise multiplier."""
+    def check_train(self, cfg, site, run: str, rnd: int, where: dict[str, Any],
+                    distributed: dict[str, Any] | None = None) -> float | None:
+        """Enough samples, rounds left in this run, epsilon left (``distributed``: the noise of the secure sum it
+        goes into); returns this round's local-DP noise multiplier."""
         policy = self.policy
         k = policy.min_samples
         if len(site.train) < k:
@@ -522,17 +580,51 @@ class Enforcer:
                 raise self.refuse(f"it has trained {done} times in the last 24 hours (any run), "
                                   f"max-trainings-per-day={policy.max_trainings_per_day}", **where)
         dp = policy.local_dp
-        if dp is None:
-            return None
-        z = effective_noise_multiplier(cfg.strategy, dp.noise_multiplier)
-        if dp.max_epsilon:
-            now, after = self.ledger.epsilon(dp.delta), self.ledger.epsilon(dp.delta, [z])
-            if after > dp.max_epsilon:
-                spent = "rounds trained without local DP make it infinite" if math.isinf(now) else f"{now:.3g}"
-                raise self.refuse(f"privacy budget spent: epsilon is {spent} at delta={dp.delta:g}, one more round "
-                                  f"would make it {after:.3g}, above max-epsilon={dp.max_epsilon:g}; it trains no "
-                                  "more on this data", epsilon=now if math.isfinite(now) else None, **where)
+        z = effective_noise_multiplier(cfg.strategy, dp.noise_multiplier) if dp is not None else None
+        entry = {"noise-multiplier": z, "distributed-dp": distributed}
+        for table in (dp, policy.distributed_dp):
+            if table is not None and table.max_epsilon:
+                self.check_budget(table, entry, where)
         return z
+
+    def check_budget(self, table: "LocalDP | DistributedDP", entry: dict[str, Any], where: dict[str, Any]) -> None:
+        """Refuse when one more training (``entry``) would take epsilon past the table's max-epsilon."""
+        now, after = self.ledger.epsilon(table.delta), self.ledger.epsilon(table.delta, [entry])
+        if after > table.max_epsilon:
+            spent = "rounds trained without noise make it infinite" if math.isinf(now) else f"{now:.3g}"
+            raise self.refuse(f"privacy budget spent: epsilon is {spent} at delta={table.delta:g}, one more round "
+                              f"would make it {after:.3g}, above max-epsilon={table.max_epsilon:g}; it trains no "
+                              "more on this data", epsilon=now if math.isfinite(now) else None, **where)
+
+    def distributed_release(self, payload, where: dict[str, Any]) -> dict[str, Any] | None:
+        """The noise of the secure sum this training goes into, as the policy's [distributed-dp] counts it (None:
+        the policy has no such table); refused when the round plan adds no noise (unless local DP noises the
+        update) or less than the policy's min-noise-multiplier, counted from the honest hospitals' shares."""
+        table = self.policy.distributed_dp
+        if table is None:
+            return None
+        from common.secure_aggregation import distributed_dp as ddp
+        from common.secure_aggregation.messages import PLAN_KEY
+
+        text = payload.config.get(PLAN_KEY)
+        try:
+            params = ddp.Parameters.from_plan(json.loads(text)) if isinstance(text, str) else None
+        except ValueError as error:
+            raise self.refuse(f"distributed-dp: {error}", **where) from None
+        if params is None:
+            if self.policy.local_dp is None:
+                raise self.refuse("distributed-dp: this training is not part of a secure sum with distributed DP, "
+                                  "so its update would leave without noise", **where)
+            return None
+        honest = self.policy.honest_shares
+        z = ddp.effective_noise_multiplier(params, honest)
+        if z < table.min_noise_multiplier:
+            raise self.refuse(f"distributed-dp: the round's noise multiplier {params.noise_multiplier:g}, shared by "
+                              f"{params.hospitals} hospitals, is {z:.3g} from the {honest} honest ones it counts on "
+                              f"(min-hospitals-per-sum {self.policy.min_hospitals_per_sum} less "
+                              f"max-dropped-or-colluding {table.max_dropped_or_colluding}), below its "
+                              f"min-noise-multiplier={table.min_noise_multiplier:g}", **where)
+        return ddp.release(params, honest)
 
     # --- the work ---------------------------------------------------------------------------------
     def train(self, method, rnd: int, payload, run: str, where: dict[str, Any]):
@@ -540,19 +632,25 @@ class Enforcer:
         cfg, site = method.cfg, method.site
         with self.ledger.locked():
             self.check_job("train", cfg, where)
-            z = self.check_train(cfg, site, run, rnd, where)
+            distributed = self.distributed_release(payload, where)
+            z = self.check_train(cfg, site, run, rnd, where, distributed)
             method.privacy_bounded = self.policy.local_dp is not None
             reply = method.timed_train(rnd, payload)
             self.apply_min_samples(method, payload, reply, where)
             if self.policy.local_dp is not None:
                 self.apply_local_dp(method, payload, reply, where)
             self.filter_metrics(reply.metrics, site, where, reply.config)
-            self.ledger.record(run, rnd, cfg.strategy, z)
+            self.ledger.record(run, rnd, cfg.strategy, z, distributed)
         if z is not None:
             dp = self.policy.local_dp
             self.note("epsilon", epsilon=self.ledger.epsilon(dp.delta), delta=dp.delta,
                       **{"noise-multiplier": dp.noise_multiplier, "clip-norm": dp.clip_norm,
                          "effective-noise-multiplier": z, "max-epsilon": dp.max_epsilon}, **where)
+        elif distributed is not None:
+            table = self.policy.distributed_dp
+            self.note("epsilon", epsilon=self.ledger.epsilon(table.delta), delta=table.delta, mechanism="skellam",
+                      **{"honest-hospitals": self.policy.honest_shares, "max-epsilon": table.max_epsilon},
+                      **where)
         else:
             self.note("trained", **where)
         return reply

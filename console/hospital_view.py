@@ -172,6 +172,7 @@ class Training:
     time: str
     noise_multiplier: float | None
     epsilon_after: float | None
+    released: dict[str, Any] = field(default_factory=dict)  #: its noise as the ledger counts it (local, a sum's)
 
 
 @dataclass
@@ -273,7 +274,7 @@ def read_hospital(folder: Path, *, policy_file: Path | None = None, node_config:
         run.trainings = len(mine)
         run.epsilon_after = mine[-1].epsilon_after if mine else None
         if mine and privacy.accountant and privacy.delta:
-            run.epsilon = _epsilon([t.noise_multiplier for t in mine], privacy.delta)
+            run.epsilon = _epsilon([t.released for t in mine], privacy.delta)
     peer_checks = peer_audit_checks(audit_path, name, server_logs or {}, [r.name for r in runs]) \
         if audit_path.is_file() else []
     stamps = [p.stat().st_mtime for p in (folder / f for f in HOSPITAL_FILES) if p.is_file()]
@@ -478,8 +479,9 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
 
             policy, _ = read_policy(policy_file)
             max_per_day = policy.max_trainings_per_day
-            if policy.local_dp is not None:
-                delta, max_epsilon = policy.local_dp.delta, policy.local_dp.max_epsilon
+            table = policy.local_dp or policy.distributed_dp
+            if table is not None:
+                delta, max_epsilon = table.delta, table.max_epsilon
                 budget_from = f"the policy file {policy_file}"
         except Exception:  # named on the page by the policy section
             pass
@@ -493,24 +495,27 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
     accountant = _has_accountant()
     trainings: list[Training] = []
     noises: list[float | None] = []
+    entries: list[dict[str, Any]] = []  #: what each training released: local DP's noise, a noised secure sum's
     logged_epsilon = [r.get("epsilon") for _, r in records
                       if r.get("event") == "policy" and r.get("decision") == "epsilon"]
     for number, release in enumerate(releases, start=1):
         noise = release.get("noise-multiplier")
         noises.append(float(noise) if isinstance(noise, (int, float)) else None)
+        entries.append({"noise-multiplier": noises[-1], "distributed-dp": release.get("distributed-dp")})
         if delta and accountant:
-            after = _epsilon(noises, delta)
-        elif None in noises:
+            after = _epsilon(entries, delta)
+        elif None in noises and not entries[-1]["distributed-dp"]:
             after = math.inf
         else:  # no accountant here: what the hospital wrote after the training
             value = logged_epsilon[number - 1] if number - 1 < len(logged_epsilon) else None
             after = float(value) if isinstance(value, (int, float)) else None
         trainings.append(Training(number, _text(release.get("run")), release.get("round"),
-                                  _text(release.get("method")), _text(release.get("time")), noises[-1], after))
+                                  _text(release.get("method")), _text(release.get("time")), noises[-1], after,
+                                  entries[-1]))
     days: list[Day] = []
     for day in sorted({t.time[:10] for t in trainings}):
         mine = [t for t in trainings if t.time[:10] == day]
-        alone = _epsilon([t.noise_multiplier for t in mine], delta) if delta and accountant else None
+        alone = _epsilon([t.released for t in mine], delta) if delta and accountant else None
         days.append(Day(day, len(mine), alone, mine[-1].epsilon_after))
     since = now - 24 * 3600
     last_24h = sum(1 for t in trainings if _seconds(t.time) >= since)
@@ -528,16 +533,17 @@ def _has_accountant() -> bool:
     return True
 
 
-def _epsilon(noises: list[float | None], delta: float) -> float:
-    return _epsilon_of(tuple(noises), delta)
+def _epsilon(entries: list[dict[str, Any]], delta: float) -> float:
+    return _epsilon_of(tuple(json.dumps(e, sort_keys=True) for e in entries), delta)
 
 
 @functools.lru_cache(maxsize=8192)
-def _epsilon_of(noises: tuple[float | None, ...], delta: float) -> float:
-    """``common.policy.epsilon_of``, remembered: a page that refreshes recounts only the trainings added since."""
-    from common.policy import epsilon_of
+def _epsilon_of(entries: tuple[str, ...], delta: float) -> float:
+    """``common.policy.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
+    since."""
+    from common.policy import releases_epsilon
 
-    return epsilon_of(list(noises), delta)
+    return releases_epsilon([json.loads(e) for e in entries], delta)
 
 
 def _seconds(stamp: str) -> float:

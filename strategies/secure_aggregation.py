@@ -40,6 +40,7 @@ from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
 from common.screening import brief, cut, metrics_problem, sample_count_problem
 from common.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
+from common.secure_aggregation.distributed_dp import expand
 from common.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
@@ -105,6 +106,10 @@ class SecureAggregation:
             self.method = secure_method(strategy.job.strategy, strategy.job)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if settings.distributed_dp != "off" and not self.method.distributed_dp:
+            raise ConfigError(f"secure-aggregation.distributed-dp with strategy {strategy.job.strategy!r}: its sum is "
+                              "more than a model update (counts, codes, per-filter parts), which the noise does not "
+                              "cover; it runs with fedavg, fedprox, moon, fedbn and fedmepd-fedavg")
         self.rounds: dict[int, SecureRound] = {}
         self.grid: Grid | None = None
 
@@ -333,8 +338,8 @@ class SecureAggregation:
             computing, before = time.perf_counter(), None
             try:
                 total = unmask_sum(protocol, answers)
-                sums = decode_sum(plan.layout, total, len(protocol.masked), protocol.clipping_range,
-                                  protocol.quantization_range)
+                sums = expand(decode_sum(plan.layout, total, len(protocol.masked), protocol.clipping_range,
+                                         protocol.quantization_range), plan.common)  # distributed DP's noised part
                 before = {k: v.copy() for k, v in method.global_arrays.items()}
                 clear = [HospitalUpdate(r.hospital, Payload(config=r.payload.config, metrics=r.payload.metrics),
                                         weight_key=engine.weight_key) for r in accepted]  # what they said openly

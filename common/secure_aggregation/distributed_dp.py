@@ -235,3 +235,41 @@ def epsilon(releases: list[dict[str, Any]], delta: float, orders: tuple[int, ...
     orders_ = np.asarray(orders, dtype=np.float64)
     eps = values + np.log1p(-1 / orders_) - (math.log(delta) + np.log(orders_)) / (orders_ - 1)
     return float(max(0.0, np.min(eps)))
+
+
+# --- the method's model contribution in and out of the noised entry ------------------------------------------------
+MODEL_PARTS_KEY = PREFIX + "model-parts"  #: in the round plan: [name, shape] of each model tensor, in order
+
+
+def model_parts(plan: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(str(name), tuple(int(d) for d in shape)) for name, shape in plan.get(MODEL_PARTS_KEY) or []]
+
+
+def method_layout(plan: Mapping[str, Any]):
+    """The layout a method's ``contribution`` fills (its weight and its model tensors) before they are noised."""
+    from .vector import Entry, Layout
+
+    return Layout((Entry("weight", ()), *(Entry(f"model/{name}", shape) for name, shape in model_parts(plan))))
+
+
+def contribute(values: Mapping[str, np.ndarray], params: Parameters, plan: Mapping[str, Any],
+               rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A method's contribution (weight and model tensors) as the round sums it: the weight as it is, the model
+    tensors as one privatised entry."""
+    parts = model_parts(plan)
+    flat = np.concatenate([np.asarray(values[f"model/{name}"], dtype=np.float64).ravel() for name, _ in parts])
+    return {"weight": np.asarray(values["weight"]), NOISED: privatize(flat, params, rng)}
+
+
+def expand(sums: Mapping[str, np.ndarray], plan: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The decoded sums of a round with distributed DP as the method's ``apply`` takes them: the noised entry back
+    as the model tensors' noisy sums."""
+    params = Parameters.from_plan(plan)
+    if params is None or NOISED not in sums:
+        return dict(sums)
+    flat, result, offset = decode(sums[NOISED], params), {k: v for k, v in sums.items() if k != NOISED}, 0
+    for name, shape in model_parts(plan):
+        size = int(np.prod(shape))
+        result[f"model/{name}"] = flat[offset:offset + size].reshape(shape)
+        offset += size
+    return result

@@ -75,6 +75,8 @@ class SecureMethod:
     #: hospital side: why the round plan misstates what this hospital (named) holds, e.g. FedMEPD's modalities
     check_plan: Callable[[Mapping[str, Any], str, Payload, Payload], str | None] = \
         lambda plan, name, received, reply: None
+    #: its sum is the FedAvg family's (weight and model update), which distributed DP noises
+    distributed_dp: bool = False
 
 
 def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
@@ -148,13 +150,27 @@ def weighted_plan(method: "ServerMethod", hospitals: list["HospitalInfo"], setti
                   norm_bound: float, arrays: Mapping[str, np.ndarray], extra: tuple[Entry, ...] = (),
                   skip: tuple[str, ...] = (), extra_common: Mapping[str, Any] | None = None) -> MethodPlan:
     """FedAvg family: each hospital sums w_i x its update and w_i, w_i its own weight (:func:`own_weight`) under
-    the plan's common cap."""
+    the plan's common cap; with distributed DP its model part as one rotated, rounded, noised integer entry
+    (``common/secure_aggregation/distributed_dp.py``)."""
     cap = common_weight_cap(method.cfg, hospitals)
-    layout = Layout((Entry("weight", ()), *float_entries(arrays, skip=skip), *extra))
+    entries = float_entries(arrays, skip=skip)
+    layout = Layout((Entry("weight", ()), *entries, *extra))
     common = {NORM_BOUND_KEY: float(norm_bound), WEIGHT_CAP_KEY: cap, **dict(extra_common or {})}
-    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, common,
-                      {"declared": declared_weights(hospitals, cap), "norm-bound": float(norm_bound),
-                       "step": 2 * settings.clipping_range / settings.quantization_range})
+    context = {"declared": declared_weights(hospitals, cap), "norm-bound": float(norm_bound),
+               "step": 2 * settings.clipping_range / settings.quantization_range}
+    if settings.distributed_dp != "off":
+        from . import distributed_dp as ddp
+        from .vector import MODULAR
+
+        if extra:
+            raise ValueError("distributed DP noises the model update only; this method sums more than that")
+        dp = ddp.plan(settings.noise_multiplier, settings.noise_hospitals or len(hospitals), norm_bound,
+                      sum(e.size for e in entries), settings.modulus_range, len(hospitals))
+        layout = Layout((Entry("weight", ()), Entry(ddp.NOISED, (dp.padded,), MODULAR, dp.modulus - 1)))
+        common.update({ddp.PLAN_KEY: dp.to_plan(),
+                       ddp.MODEL_PARTS_KEY: [[e.name.removeprefix("model/"), list(e.shape)] for e in entries]})
+        context["distributed-dp"] = dp
+    return MethodPlan(layout, settings.modulus_range, settings.quantization_range, common, context)
 
 
 def check_bounds(sums: Mapping[str, np.ndarray], plan: MethodPlan, updates: list) -> None:
@@ -170,7 +186,7 @@ def check_bounds(sums: Mapping[str, np.ndarray], plan: MethodPlan, updates: list
         raise ValueError(f"the hospitals' weights sum to {total:.6g}, outside (0, {allowed:.6g}] that their declared "
                          "counts allow: a hospital sent a vector outside its bounds")
     bound = context["norm-bound"]
-    if bound > 0:
+    if bound > 0 and "distributed-dp" not in context:  # the noise, not a hospital, takes the sum past the bound
         parts = [v for k, v in sums.items() if k.startswith("model/")]
         values = sum(v.size for v in parts)
         norm = math.sqrt(sum(float(np.einsum("i,i->", v.ravel(), v.ravel())) for v in parts)) / total

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -46,6 +47,16 @@ class SecureAggregationSettings(Section):
     stage_timeout: float = Field(0.0, ge=0.0, description=(
         "Seconds the server waits for the replies of each key stage (setup, share keys, consistency, unmask); 0: "
         "round-timeout."))
+    distributed_dp: Literal["off", "skellam"] = Field("off", description=(
+        "Distributed DP (docs/secure-aggregation.md): each hospital adds its share of Skellam noise to its integer "
+        "contribution before masking, so the unmasked sum carries noise of std noise-multiplier x "
+        "update-norm-bound on every coordinate and no party sees a less noisy value. FedAvg, FedProx, MOON and "
+        "FedBN; needs update-norm-bound."))
+    noise_multiplier: float = Field(1.0, gt=0.0, description=(
+        "Distributed DP: z, the sum's noise standard deviation over update-norm-bound."))
+    noise_hospitals: int = Field(0, ge=0, description=(
+        "Distributed DP: how many hospitals' noise shares make up the target (each adds 1/this of its variance); "
+        "0: the round's hospitals. Fewer than the round's gives more noise than the target when all survive."))
     code_range_margin: float = Field(0.5, ge=0.0, description=(
         "QFedPolyp: the shared code range of each tensor is the global tensor's [min, max] widened by this fraction "
         "of its span (BatchNorm statistics: four times as much); values outside are clipped."))
@@ -80,6 +91,9 @@ class SecureAggregationSettings(Section):
                              f"{self.quantization_range}")
         if 1 < self.num_shares < 3:
             raise ValueError("num-shares as a count must be at least 3 (Flower's SecAgg+ rule)")
+        if self.distributed_dp != "off" and not self.update_norm_bound > 0:
+            raise ValueError("distributed-dp needs update-norm-bound > 0: the noise is scaled to the bound every "
+                             "hospital clips its contribution to")
         if self.num_shares > 1 and self.reconstruction_threshold > 1:
             if self.reconstruction_threshold >= self.num_shares:
                 raise ValueError(f"reconstruction-threshold={self.reconstruction_threshold:g} must be below "

@@ -12,6 +12,9 @@ from typing import Any, Mapping
 import numpy as np
 
 FLOAT, INTEGER = "f", "i"
+#: integers already below the modulus (distributed DP's noised values): summed with the rest, allowed to wrap, decoded
+#: by their own rule (common/secure_aggregation/distributed_dp.py)
+MODULAR = "m"
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,9 @@ class Layout:
         return [e.name for e in self.entries]
 
     def largest(self, quantization_range: int) -> int:
-        """The largest value one hospital adds to any element of the sum."""
-        return max([quantization_range if e.kind == FLOAT else e.bound for e in self.entries] or [0])
+        """The largest value one hospital adds to any element of the sum (modular entries wrap by design)."""
+        return max([quantization_range if e.kind == FLOAT else e.bound for e in self.entries if e.kind != MODULAR]
+                   or [0])
 
     def to_json(self) -> str:
         return json.dumps([[e.name, list(e.shape), e.kind, e.bound] for e in self.entries], separators=(",", ":"))
@@ -58,7 +62,8 @@ class Layout:
         except Exception as error:
             raise ValueError(f"secure-aggregation layout cannot be read: {type(error).__name__}: {error}") from None
         if len({e.name for e in entries}) != len(entries) or any(
-                e.kind not in (FLOAT, INTEGER) or e.bound < 0 or min(e.shape, default=0) < 0 for e in entries):
+                e.kind not in (FLOAT, INTEGER, MODULAR) or e.bound < 0 or min(e.shape, default=0) < 0
+                for e in entries):
             raise ValueError("secure-aggregation layout repeats a name or has an unknown kind or a negative size")
         return cls(entries)
 

@@ -37,4 +37,5 @@ def fedavg_refuse(job: "JobConfig") -> str | None:
     return None
 
 
-SECURE = SecureMethod(fedavg_plan, weighted_update_contribution, fedavg_apply, refuse=fedavg_refuse)
+SECURE = SecureMethod(fedavg_plan, weighted_update_contribution, fedavg_apply, refuse=fedavg_refuse,
+                      distributed_dp=True)

@@ -29,4 +29,5 @@ def fedbn_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, 
     return {}
 
 
-SECURE = SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=fedavg_refuse)
+SECURE = SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=fedavg_refuse,
+                      distributed_dp=True)

@@ -181,4 +181,4 @@ def shared_encoder_fedavg_apply(method, rnd: int, sums, plan: MethodPlan, update
 SECURE = SecureMethod(fedmepd_plan, fedmepd_contribution, fedmepd_apply, sum_problem=fedmepd_sum_problem,
                       check_plan=fedmepd_check_plan)
 SHARED_ENCODER_FEDAVG = SecureMethod(fedavg_plan, weighted_update_contribution, shared_encoder_fedavg_apply,
-                                     refuse=fedavg_refuse)
+                                     refuse=fedavg_refuse, distributed_dp=True)
