@@ -122,3 +122,130 @@ def test_plan_parameters_travel_and_are_checked():
         ddp.Parameters.from_plan({ddp.PLAN_KEY: {**params.to_plan(), "padded": 512}})
     with pytest.raises(ValueError, match="no room"):
         ddp.plan(1.0, 4, 1.0, 100, 16, 4)
+
+
+# --- over the grid: the differencing attack of issue 58 -------------------------------------------------------------
+POLICY = """min-hospitals-per-sum = 3
+[distributed-dp]
+min-noise-multiplier = 0.5
+max-dropped-or-colluding = 1
+delta = 1e-5
+"""
+
+
+def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows(tmp_path, monkeypatch):
+    """The issue's attack against hospitals with distributed DP on: run 1 with all four hospitals, then a second run
+    under a new name whose model differs by one unit in the last place of one weight, hospital T left out. The
+    difference of the two sums is T's contribution plus two sums' noise: its correlation with T's contribution is
+    what that noise allows (and far from the 0.99996 of noiseless sums), and every hospital's ledger counts the
+    epsilon of each sum it was in."""
+    import dataclasses
+    import importlib
+    import json
+
+    from common.policy import PrivacyLedger
+    from common.secure_aggregation.messages import OWN_NAME_KEY
+    from strategies import FedAvgStrategy
+    from strategies.records import arrays_of, into_arrayrecord
+    from strategies.secure_aggregation import with_secure_aggregation
+
+    from .fake_grid import FakeGrid
+    from .test_secure_aggregation import SMALL_CLASSIFICATION, config_of, secure_node
+
+    module = importlib.import_module("strategies.fedavg.secure")
+    honest, seen = module.SECURE.contribution, {}
+
+    def recording(received, reply, params, layout):
+        values, metrics = honest(received, reply, params, layout)
+        seen.setdefault(params[OWN_NAME_KEY], []).append({k: np.asarray(v, np.float64) for k, v in values.items()})
+        return values, metrics
+
+    monkeypatch.setattr(module, "SECURE", dataclasses.replace(module.SECURE, contribution=recording))
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    secure = {"secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": 1.0,
+              "secure-aggregation.update-norm-bound": 0.5, "state-dir": str(tmp_path / "hospitals")}
+    sums = []
+
+    def run(name: str, count: int, initial=None):
+        config = config_of(tmp_path, SMALL_CLASSIFICATION, name, **secure)
+        strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
+        apply = strategy.secure_aggregation.method.apply
+
+        def seeing(method, rnd, sums_, plan, updates):
+            sums.append({k: np.asarray(v, np.float64) for k, v in sums_.items()})
+            return apply(method, rnd, sums_, plan, updates)
+
+        strategy.secure_aggregation.method = dataclasses.replace(strategy.secure_aggregation.method, apply=seeing)
+        nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 4,
+                                                 "policy-file": str(policy)}, 101 + pid) for pid in range(count)}
+        strategy.start(FakeGrid(nodes), initial_arrays=initial, num_rounds=1)
+        assert "skipped" not in strategy.engine.history[0], strategy.engine.history[0]
+        return strategy
+
+    first = run("first", 4)
+    model = arrays_of(first.initial_arrays())
+    name = next(k for k, v in model.items() if v.dtype.kind == "f")
+    nudged = {k: v.copy() for k, v in model.items()}
+    flat = nudged[name].reshape(-1)
+    flat[0] = np.nextafter(flat[0], np.inf)  # one unit in the last place: a new model to the replay memory
+    run("second", 3, into_arrayrecord(nudged))
+
+    def model_vector(values):
+        return np.concatenate([values[k].ravel() for k in sorted(values) if k.startswith("model/")])
+
+    target = model_vector(seen["hospital-03"][0])
+    difference = model_vector(sums[0]) - model_vector(sums[1])
+    size, noise = difference.size, np.sqrt(2) * 1.0 * 0.5  # two sums' noise, std z C each
+    expected = np.linalg.norm(target) / np.sqrt(np.linalg.norm(target) ** 2 + size * noise ** 2)
+    measured = float(np.corrcoef(difference, target)[0, 1])
+    assert measured < expected + 5 / np.sqrt(size) and measured < 0.1, (measured, expected)
+    assert np.std(difference - target) == pytest.approx(noise, rel=0.05)  # the noise the sums carry, as stated
+
+    from common.secure_aggregation import distributed_dp as ddp
+
+    for pid, sums_in in ((0, 2), (3, 1)):
+        ledger = PrivacyLedger(tmp_path / "hospitals" / f"hospital-{pid:02d}")
+        releases = [json.loads(json.dumps(r)) for r in ledger.releases()]
+        assert [r["run"] for r in releases] == ["first", "second"][:sums_in]
+        assert all(r["distributed-dp"]["mechanism"] == "skellam" for r in releases)
+        assert ledger.epsilon(1e-5) == pytest.approx(ddp.epsilon([r["distributed-dp"] for r in releases], 1e-5))
+    assert PrivacyLedger(tmp_path / "hospitals" / "hospital-00").epsilon(1e-5) > \
+        PrivacyLedger(tmp_path / "hospitals" / "hospital-03").epsilon(1e-5)  # two sums cost more than one
+
+
+@pytest.mark.parametrize("round_kind,why", [
+    ("less noise", "below its min-noise-multiplier=0.5"),
+    ("no noise", "not part of a secure sum with distributed DP"),
+    ("plain", "not part of a secure sum with distributed DP"),
+    ("budget", "privacy budget spent"),
+])
+def test_a_hospital_requiring_distributed_dp_refuses_less_before_training(tmp_path, round_kind, why):
+    """The hospital insists: a plan whose noise, counted from the honest hospitals its policy assumes, is below its
+    minimum, a secure round without noise, and a plain round are refused before anything trains; so is one more
+    sum past max-epsilon."""
+    from strategies import FedAvgStrategy
+    from strategies.secure_aggregation import with_secure_aggregation
+
+    from .fake_grid import FakeGrid
+    from .test_secure_aggregation import SMALL_CLASSIFICATION, config_of, secure_node
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.replace('delta = 1e-5', 'delta = 1e-5\nmax-epsilon = 1.0'))
+    noise = {"less noise": 0.6, "budget": 0.8}.get(round_kind)  # 0.6 x sqrt(2 honest / 3) = 0.49 < 0.5
+    extra = {"secure-aggregation.update-norm-bound": 0.5}
+    if noise is not None:
+        extra.update({"secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": noise})
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, round_kind.replace(" ", "-"), **extra)
+    kind = FedAvgStrategy if round_kind == "plain" else with_secure_aggregation(FedAvgStrategy)
+    strategy = kind(min_train_nodes=2, run_config=config)
+    nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 3, "policy-file": str(policy)},
+                                    101 + pid) for pid in range(3)}
+    grid = FakeGrid(nodes)
+    strategy.start(grid, num_rounds=1)
+    record = strategy.engine.history[0]
+    reasons = {**record.get("refused", {}), **record.get("secure-aggregation", {}).get("lost", {})}
+    assert sorted(reasons) == ["hospital-00", "hospital-01", "hospital-02"], record
+    assert all(why in reason for reason in reasons.values()), reasons
+    assert not any(m.content.config_records.get("config", {}).get("secagg.stage") == "collect_masked_vectors"
+                   for m in grid.replies if not m.has_error())  # no masked update left a hospital
