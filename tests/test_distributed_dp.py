@@ -199,6 +199,7 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
     size, noise = difference.size, np.sqrt(2) * 1.0 * 0.5  # two sums' noise, std z C each
     expected = np.linalg.norm(target) / np.sqrt(np.linalg.norm(target) ** 2 + size * noise ** 2)
     measured = float(np.corrcoef(difference, target)[0, 1])
+    print(f"difference vs T: correlation {measured:.4f}, the noise allows {expected:.4f}, {size} values")
     assert measured < expected + 5 / np.sqrt(size) and measured < 0.1, (measured, expected)
     assert np.std(difference - target) == pytest.approx(noise, rel=0.05)  # the noise the sums carry, as stated
 
