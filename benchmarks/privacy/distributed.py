@@ -48,6 +48,13 @@ def job(data: str, hospitals: int, rounds: int, seed: int, folder: Path, name: s
             "audit-log": "none", **extra}
 
 
+def reads_from(config: dict[str, Any]) -> str:
+    """The policy line that lets a hospital read the benchmark's data file (a path the run config names must lie in
+    the hospital's own folders: common/argument_gate.py)."""
+    where = config.get("data-dir")
+    return f"argument-folders = [{json.dumps(str(Path(where).parent))}]\n" if where else ""
+
+
 def hospitals_of(config: dict[str, Any], count: int, policy: Path | None):
     from tests.fake_grid import FakeGrid, simulated_hospitals
 
@@ -78,7 +85,8 @@ def run_local(config: dict[str, Any], count: int, clip: float, sigma: float, fol
     from strategies import FedAvgStrategy
 
     policy = folder / f"local-{sigma:g}.toml"
-    policy.write_text(f"[local-dp]\nclip-norm = {clip}\nnoise-multiplier = {sigma}\ndelta = {DELTA}\n")
+    policy.write_text(f"{reads_from(config)}[local-dp]\nclip-norm = {clip}\nnoise-multiplier = {sigma}\n"
+                      f"delta = {DELTA}\n")
     strategy = FedAvgStrategy(min_train_nodes=count, min_available_nodes=count, run_config=config)
     strategy.start(hospitals_of(config, count, policy), num_rounds=config["num-server-rounds"])
     return accuracy(strategy), ledger_epsilon(config)
@@ -104,8 +112,8 @@ def run_distributed(config: dict[str, Any], count: int, clip: float, z: float, f
     from strategies.secure_aggregation import with_secure_aggregation
 
     policy = folder / f"distributed-{count}.toml"
-    policy.write_text(f"min-hospitals-per-sum = {count}\n[distributed-dp]\nmin-noise-multiplier = 0.01\n"
-                      f"max-dropped-or-colluding = 0\ndelta = {DELTA}\n")
+    policy.write_text(f"min-hospitals-per-sum = {count}\n{reads_from(config)}[distributed-dp]\n"
+                      f"min-noise-multiplier = 0.001\nmax-dropped-or-colluding = 0\ndelta = {DELTA}\n")
     config = {**config, "secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": z,
               "secure-aggregation.update-norm-bound": clip}
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=count, min_available_nodes=count,
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", choices=sorted(DATA), default="demo")
     parser.add_argument("--hospitals", type=int, nargs="+", default=[3, 10])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--noise", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+    parser.add_argument("--noise", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3, 1.0],
                         help="noise multipliers: sigma for local DP, z for central and distributed DP")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=None)
