@@ -30,23 +30,23 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
+from common.trust.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
-from common.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
+from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 from common.logs import fedmed_logger_prints
 from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
-from common.payload import Payload
-from common.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
-from common.run_lock import claim_run_name, release
-from common.screening import brief, cut, declared_count_problem
-from common.wire import (
+from common.engine.payload import Payload
+from common.engine.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
+from common.engine.run_lock import claim_run_name, release
+from common.engine.screening import brief, cut, declared_count_problem
+from common.engine.wire import (
     MalformedPayload,
     RecordKeys,
     from_flower_reply,
     from_recorddict,
     to_recorddict,
 )
-from strategies.registry import method_spec, method_tasks, methods
+from common.methods.registry import method_spec, method_tasks, methods
 
 from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
@@ -258,7 +258,7 @@ class HospitalStrategy(Strategy):
         if not self.job.run_name:  # hospitals keep their memory in a folder named after the run
             self.job = self.job.model_copy(update={"run_name": f"{self.job.task}-{self.method_name}-"
                                                                f"{time.strftime('%Y%m%d-%H%M%S')}"})
-        self._run_folder: Path | None = None  # the run folder this strategy holds (common/run_lock.py)
+        self._run_folder: Path | None = None  # the run folder this strategy holds (common/engine/run_lock.py)
         self.fraction_evaluate = fraction_evaluate
         self.min_evaluate_nodes = min_evaluate_nodes
         self.weighted_by_key = weighted_by_key
@@ -401,7 +401,7 @@ class HospitalStrategy(Strategy):
                    node: int | None = None, cross_site: bool = False,
                    digest: dict | None = None) -> tuple[str, dict[str, Any]]:
         """The audit event and fields that record a message sent or received (``digest``: its
-        ``common.audit.message_digest``, where the caller measured it already)."""
+        ``common.trust.audit.message_digest``, where the caller measured it already)."""
         received = direction == "received"
         head = None
         if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
@@ -1041,7 +1041,7 @@ class HospitalStrategy(Strategy):
 
     def claim_run_folder(self) -> None:
         """Hold the run folder (results-dir/run-name: the reply store, the audit log, checkpoints) for this run, before
-        round 1 (common/run_lock.py): a run name chosen for it moves to the next free one where another run holds it,
+        round 1 (common/engine/run_lock.py): a run name chosen for it moves to the next free one where another run holds it,
         one the user chose is refused (ConfigError)."""
         if self._run_folder is not None:
             return

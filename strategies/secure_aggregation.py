@@ -18,7 +18,7 @@ A secure round is five exchanges of TRAIN messages whose ConfigRecord carries th
 
 Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stages 4-5 inside
 ``aggregate_train`` (through :class:`SecureRoundEngine`), so a round runs the same under our ``start()`` and under
-Flower's own loop (a DP wrapper's). The protocol itself is ``common/secure_aggregation/``. :class:`SecureAggregation`
+Flower's own loop (a DP wrapper's). The protocol itself is ``common/trust/secure_aggregation/``. :class:`SecureAggregation`
 is what ``strategies/base.py`` calls; :class:`SecureAggregationMixin` adds it to any of our strategies
 (``with_secure_aggregation(FedAvgStrategy)``).
 """
@@ -34,14 +34,14 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 
-from common.audit import message_digest
+from common.trust.audit import message_digest
 from common.config import ConfigError
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
-from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
-from common.screening import brief, cut, metrics_problem, sample_count_problem
-from common.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
-from common.secure_aggregation.distributed_dp import expand
-from common.secure_aggregation.messages import (
+from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
+from common.engine.screening import brief, cut, metrics_problem, sample_count_problem
+from common.trust.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
+from common.trust.secure_aggregation.distributed_dp import expand
+from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
     MASKED_ARRAY,
@@ -51,8 +51,8 @@ from common.secure_aggregation.messages import (
     STAGE_KEY,
     UNMASK,
 )
-from common.secure_aggregation.methods import MethodPlan, secure_method
-from common.secure_aggregation.server import (
+from common.trust.secure_aggregation.methods import MethodPlan, secure_method
+from common.trust.secure_aggregation.server import (
     ServerRound,
     Verifier,
     add_masked_vector,
@@ -68,8 +68,8 @@ from common.secure_aggregation.server import (
     unmask_config,
     unmask_sum,
 )
-from common.secure_aggregation.vector import unpack_values
-from common.wire import MalformedPayload, from_recorddict, to_recorddict
+from common.trust.secure_aggregation.vector import unpack_values
+from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
 
 if TYPE_CHECKING:
     from strategies.base import HospitalStrategy
@@ -194,7 +194,7 @@ class SecureAggregation:
         folder = self.strategy.job.hospital_keys
         if not folder:
             return None
-        from common.identity import statement_problem
+        from common.trust.identity import statement_problem
 
         return lambda name, statement, signature: statement_problem(folder, name, statement, signature)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from strategies.registry import METHOD_PACKAGES, methods
+from common.methods.registry import METHOD_PACKAGES, methods
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ def test_every_method_half_imports_without_flower():
     code = ("import sys; sys.modules['flwr'] = None\n"  # any import of Flower fails
             "import importlib\n"
             f"for name in {halves!r}: importlib.import_module(name)\n"
-            "from common.config import load_job_config; from common.inprocess import run_rounds\n"
+            "from common.config import load_job_config; from common.engine.inprocess import run_rounds\n"
             "print('ok', len(" + repr(halves) + "))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

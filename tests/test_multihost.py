@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main as fedmed
-from common.launch import (
+from cli.main import main as fedmed
+from cli.launch import (
     FlowerHome,
     TLSFiles,
     flwr,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.arrays import model_arrays
+from common.engine.arrays import model_arrays
 from common.config import ConfigError, load_job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import PayloadError, decode_model, encode_model, encoded_nbytes, packed_nbytes
 from common.quantization.sparse import (
@@ -26,8 +26,8 @@ from common.quantization.sparse import (
     kept_count,
     sparse_summary,
 )
-from common.round_engine import RoundEngine, RoundReply
-from common.site import HospitalStateStore
+from common.engine.round_engine import RoundEngine, RoundReply
+from common.methods.site import HospitalStateStore
 from strategies.qfedpolyp.hospital import QFedPolypHospital
 from strategies.qfedpolyp.messages import (
     DOWNLINK_BASE_KEY,
@@ -727,7 +727,7 @@ def test_a_forged_or_mismatched_downlink_is_refused_by_the_hospital(quick_traini
             hospital.received_arrays(payload, reference, memory)
 
     def changed(arrays=None, **config):
-        from common.payload import Payload
+        from common.engine.payload import Payload
 
         return Payload(arrays={**good.arrays, **(arrays or {})}, config={**good.config, **config})
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import cli, launch
-from common.launch import ProcessInfo, marked_processes, process_table, process_tree, start_process, terminate_tree
+from cli import launch
+from cli import main as cli
+from cli.launch import ProcessInfo, marked_processes, process_table, process_tree, start_process, terminate_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a run that would take many minutes: it is stopped long before its end
@@ -166,7 +167,7 @@ def test_terminate_tree_without_marks_follows_children_out_of_their_session():
 def test_too_few_hospitals_are_refused_at_once_and_nothing_starts(tmp_path):
     home = tmp_path / "flwr-home"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "common.cli", "simulate", "--hospitals", "0", "--home", str(home),
+    done = subprocess.run([sys.executable, "-m", "cli.main", "simulate", "--hospitals", "0", "--home", str(home),
                            "--run-config", f"results-dir='{tmp_path / 'results'}' min-available-hospitals=3 "
                                            "min-train-hospitals=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -187,7 +188,7 @@ def test_too_few_hospitals_in_process(tmp_path, monkeypatch, capsys):
 
 # --- the CLI's own flow, with the Flower processes faked ------------------------------------------------
 class FakeFlower:
-    """Stands in for common.launch's process and run functions: records what simulate() asks."""
+    """Stands in for cli.launch's process and run functions: records what simulate() asks."""
 
     def __init__(self, monkeypatch, wait):
         self.submitted: list[dict] = []
@@ -319,7 +320,7 @@ def stop_a_running_simulation(tmp_path: Path, signum: int, ready, act=None,
     stderr."""
     results = tmp_path / "results"
     config = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in LONG_RUN.items())
-    args = [sys.executable, "-m", "common.cli", "simulate", "--hospitals", "2", "--home", str(tmp_path / "home"),
+    args = [sys.executable, "-m", "cli.main", "simulate", "--hospitals", "2", "--home", str(tmp_path / "home"),
             "--timeout", str(timeout),
             "--run-config", f"{config} results-dir='{results}' state-dir='{tmp_path / 'state'}'"]
     cli_process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

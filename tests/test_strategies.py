@@ -11,8 +11,8 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
 import strategies
 from common.config import ConfigError, JobConfig, load_job_config
-from common.inprocess import run_rounds, simulated_sites
-from common.wire import from_recorddict
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.wire import from_recorddict
 from strategies import (
     FedAvgStrategy,
     FederatedDecoderStrategy,
@@ -261,7 +261,7 @@ def test_identity_replies_without_a_usable_name_are_skipped(tmp_path, caplog):
 
 
 def test_own_arguments_come_from_the_methods_settings_and_are_validated():
-    from strategies.registry import load, methods
+    from common.methods.registry import load, methods
 
     defaults = JobConfig()
     for spec in methods().values():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from common.config import JobConfig
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "benchmarks" / "cache"

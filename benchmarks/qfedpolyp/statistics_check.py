@@ -24,7 +24,7 @@ from common.quantization.codec import decode_model
 from common.tasks import get_task, task_class
 from server_app.checkpoint import find_checkpoint, load_checkpoint
 from strategies.qfedpolyp.messages import is_statistic, pack_statistics
-from strategies.registry import server_class
+from common.methods.registry import server_class
 
 
 def global_model(run: Path, data: Path, statistics_bits: int = 32):

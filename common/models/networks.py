@@ -33,7 +33,7 @@ TASK_BUILT_IN = {"classification": ("resnet18", "small-cnn"), "polyp-segmentatio
 
 
 class CodeRefused(ConfigError):
-    """A hospital was asked to import code it did not approve (``common/code_gate.py``); nothing was imported."""
+    """A hospital was asked to import code it did not approve (``common/trust/code_gate.py``); nothing was imported."""
 
 
 def is_import_path(name: str) -> bool:
@@ -59,14 +59,14 @@ def load_factory(name: str, key: str = "model"):
     ConfigError naming ``key`` when it cannot be imported."""
     from importlib import import_module
 
-    from common.code_gate import kind_of, kind_problem, refusal
+    from common.trust.code_gate import kind_of, kind_problem, refusal
 
     path = BUILT_IN.get(name, name)
     module, _, attribute = path.partition(":")
     if not module or not attribute:
         raise ConfigError(f"{key}: {name!r} is neither a built-in network ({', '.join(BUILT_IN)}) nor "
                           "'package.module:factory'")
-    refused = refusal(key, name)  # a hospital imports only the code it approved (common/code_gate.py)
+    refused = refusal(key, name)  # a hospital imports only the code it approved (common/trust/code_gate.py)
     if refused:
         raise CodeRefused(refused)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.arrays import model_arrays
+from common.engine.arrays import model_arrays
 from common.methods.base import HospitalMethod, Payload
 from common.tasks.base import ExtraLoss
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.arrays import weighted_average
+from common.engine.arrays import weighted_average
 from common.methods.base import HospitalUpdate, ServerMethod
-from common.screening import robust_average
+from common.engine.screening import robust_average
 
 
 class FedAvgServer(ServerMethod):

@@ -4,10 +4,10 @@ stains shift each site's feature statistics.
 
 ``norm_layers.py`` which state entries are a model's normalisation layers, ``server.py`` and ``hospital.py`` the two
 halves, ``strategy.py`` the Flower strategy. Adding it touched nothing outside this package but one line in
-``strategies/registry.py`` (docs/ARCHITECTURE.md).
+``common/methods/registry.py`` (docs/ARCHITECTURE.md).
 """
 
-from strategies.registry import TWO_D, MethodSpec
+from common.methods.registry import TWO_D, MethodSpec
 
 METHODS = (
     MethodSpec("fedbn", TWO_D, server="strategies.fedbn.server:FedBNServer",

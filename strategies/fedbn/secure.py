@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.secure_aggregation.methods import (
+from common.trust.secure_aggregation.methods import (
     MethodPlan,
     SecureMethod,
     check_bounds,

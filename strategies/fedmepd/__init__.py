@@ -5,7 +5,7 @@ trains on its own full-modality cases, multi-anchor LACCA; and the baselines it 
 ``anchors.py``, ``decoder.py``, ``server.py``, ``hospital.py``, ``baselines.py``, ``strategy.py``.
 """
 
-from strategies.registry import BRAIN, MethodSpec
+from common.methods.registry import BRAIN, MethodSpec
 
 SETTINGS = "strategies.fedmepd.settings:FedMEPDSettings"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.arrays import model_arrays, weighted_average
+from common.engine.arrays import model_arrays, weighted_average
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate
 
 from .harness import BrainHospital, ServerTraining, hospital_average, hospital_modalities

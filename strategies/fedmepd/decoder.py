@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from common.arrays import NamedArrays
-from common.reply_store import selected
+from common.engine.arrays import NamedArrays
+from common.engine.reply_store import selected
 
 from .filter_personalisation import subtract
 

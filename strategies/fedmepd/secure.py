@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from common.payload import Payload
-from common.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY, PREFIX, WEIGHT_CAP_KEY
-from common.secure_aggregation.methods import (
+from common.engine.payload import Payload
+from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY, PREFIX, WEIGHT_CAP_KEY
+from common.trust.secure_aggregation.methods import (
     Contribution,
     MethodPlan,
     SecureMethod,
@@ -25,7 +25,7 @@ from common.secure_aggregation.methods import (
     own_weight,
     weighted_update_contribution,
 )
-from common.secure_aggregation.vector import Entry, Layout
+from common.trust.secure_aggregation.vector import Entry, Layout
 from strategies.fedavg.secure import fedavg_apply, fedavg_plan, fedavg_refuse
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ head, the task losses, class-balanced draws), ``hospital.py`` the hospital half 
 ``server.py`` the server half (NIA), ``strategy.py`` the Flower strategy.
 """
 
-from strategies.registry import MethodSpec
+from common.methods.registry import MethodSpec
 
 METHODS = (
     MethodSpec("fedproin", ("classification",), server="strategies.fedproin.server:FedProInServer",

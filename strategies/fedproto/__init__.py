@@ -1,6 +1,6 @@
 """FedProto (Tan et al. 2022): hospitals keep their own models and share only per-class mean features."""
 
-from strategies.registry import MethodSpec
+from common.methods.registry import MethodSpec
 
 METHODS = (
     MethodSpec("fedproto", ("classification",), server="strategies.fedproto.server:FedProtoServer",

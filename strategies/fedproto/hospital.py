@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.arrays import load_model_arrays
+from common.engine.arrays import load_model_arrays
 from common.methods.base import Payload
 from common.models.representations import classifier_features
 from strategies.fedavg.hospital import FedAvgHospital

@@ -1,6 +1,6 @@
 """FedProx (Li et al. 2020): FedAvg plus (mu/2)||w - w_global||^2 in each hospital's loss; the server is FedAvg's."""
 
-from strategies.registry import TWO_D, MethodSpec
+from common.methods.registry import TWO_D, MethodSpec
 
 METHODS = (
     MethodSpec("fedprox", TWO_D, server="strategies.fedavg.server:FedAvgServer",

@@ -1,6 +1,6 @@
 """MOON (Li et al. 2021): FedAvg plus a model-contrastive term on each hospital's representation."""
 
-from strategies.registry import MethodSpec
+from common.methods.registry import MethodSpec
 
 METHODS = (
     MethodSpec("moon", ("classification",), server="strategies.fedavg.server:FedAvgServer",

@@ -1,7 +1,7 @@
 """QFedPolyp (docs/qfedpolyp.md): quantisation-aware training, per-hospital bit-widths, bit-width-tagged packed
 payloads (``common/quantization``), FedAvg of the rebuilt models, and an INT8 model for inference."""
 
-from strategies.registry import MethodSpec
+from common.methods.registry import MethodSpec
 
 METHODS = (
     MethodSpec("qfedpolyp", ("polyp-segmentation", "classification"),  # the first: QFedPolypStrategy()'s task

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from common.payload import NamedArrays
+from common.engine.payload import NamedArrays
 
 #: Most characters of a hospital's own text (a value, a key, an error it reports) that a log line, a refusal reason
 #: or the history keeps: a hostile 100 MB string is cut, never copied.
@@ -205,9 +205,9 @@ ROBUST_CHUNK_BYTES = 64 * 2**20
 def robust_average(arrays: list[Mapping[str, np.ndarray]], rule: str, trim_fraction: float = 0.2) -> NamedArrays:
     """Coordinate-wise median (Flower's FedMedian) or trimmed mean (Flower's FedTrimmedAvg, its ``trim_mean``)
     of named arrays, unweighted; integer arrays take the median. Each tensor goes a slice of coordinates at a time,
-    the same slice of every hospital's (read from disk alone where the arrays are there: ``common.reply_store``);
+    the same slice of every hospital's (read from disk alone where the arrays are there: ``common.engine.reply_store``);
     every coordinate's value is what the rule gives over the whole tensor at once."""
-    from common.reply_store import flat_values
+    from common.engine.reply_store import flat_values
 
     result: NamedArrays = {}
     per_slice = max(2, ROBUST_CHUNK_BYTES // (8 * len(arrays)))

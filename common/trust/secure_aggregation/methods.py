@@ -6,7 +6,7 @@ round's norm bound, the mean update from two sums, the bounds the server can sti
 Nothing the server sends one hospital alone decides what that hospital adds to a sum: the plan of a round
 (:attr:`MethodPlan.common`: the layout, the norm bound, the weight cap, what each method needs) is one JSON text,
 the same for every hospital, which each hospital checks against its policy, binds its pairwise masks to and signs
-with the survivor set (``common/secure_aggregation/hospital.py``); a hospital weighs its own contribution with its
+with the survivor set (``common/trust/secure_aggregation/hospital.py``); a hospital weighs its own contribution with its
 own sample count (:func:`own_weight`) and adds that weight to the sum, which the server divides by."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from common.payload import NamedArrays, Payload
+from common.engine.payload import NamedArrays, Payload
 
 from .messages import LAYOUT_KEY, NORM_BOUND_KEY, OWN_WEIGHT_CAP_KEY, PARTS_KEY, WEIGHT_CAP_KEY
 from .settings import SecureAggregationSettings
@@ -151,7 +151,7 @@ def weighted_plan(method: "ServerMethod", hospitals: list["HospitalInfo"], setti
                   skip: tuple[str, ...] = (), extra_common: Mapping[str, Any] | None = None) -> MethodPlan:
     """FedAvg family: each hospital sums w_i x its update and w_i, w_i its own weight (:func:`own_weight`) under
     the plan's common cap; with distributed DP its model part as one rotated, rounded, noised integer entry
-    (``common/secure_aggregation/distributed_dp.py``)."""
+    (``common/trust/secure_aggregation/distributed_dp.py``)."""
     cap = common_weight_cap(method.cfg, hospitals)
     entries = float_entries(arrays, skip=skip)
     layout = Layout((Entry("weight", ()), *entries, *extra))
@@ -240,7 +240,7 @@ def stand_in(updates: list, arrays: NamedArrays, metrics: dict[str, Any] | None 
 def secure_method(name: str, job: "JobConfig | None" = None) -> SecureMethod:
     """The method's secure-aggregation functions (its package's ``MethodSpec.secure``); ValueError says why it has
     none (its ``MethodSpec.not_secure``), or why ``job``'s settings cannot use them."""
-    from strategies.registry import load, methods
+    from common.methods.registry import load, methods
 
     spec = methods().get(name)
     if spec is None or not spec.secure:
@@ -255,6 +255,6 @@ def secure_method(name: str, job: "JobConfig | None" = None) -> SecureMethod:
 
 def secure_method_names() -> list[str]:
     """The methods that run under secure aggregation."""
-    from strategies.registry import methods
+    from common.methods.registry import methods
 
     return sorted(name for name, spec in methods().items() if spec.secure)

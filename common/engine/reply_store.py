@@ -1,6 +1,6 @@
 """A round's accepted replies kept on disk until the round closes, so the server holds one reply in memory at a time.
 
-The round engine (``common.round_engine``) screens each reply as it arrives and writes the arrays the method will
+The round engine (``common.engine.round_engine``) screens each reply as it arrives and writes the arrays the method will
 aggregate here: one file per hospital and array group, the tensors back to back, their names, dtypes, shapes and
 offsets kept in memory. The method then reads them as :class:`StoredArrays`, a read-only mapping that reads a
 tensor from its file each time it is asked for (a fresh copy, nothing memory-mapped: mapped pages would count
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.payload import NamedArrays
+from common.engine.payload import NamedArrays
 
 
 class StoredArrays(Mapping):

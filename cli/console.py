@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from .app import Sources, create_app
+    from console.app import Sources, create_app
 
     sources = Sources(state=args.state.resolve() if args.state else None,
                       results=args.results.resolve() if args.results else None,

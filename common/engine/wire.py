@@ -36,7 +36,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SType
 
-from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size, size_text
+from common.engine.payload import NamedArrays, OversizedArchive, Payload, check_archive_size, size_text
 
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"
@@ -323,7 +323,7 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
 
 def message_nbytes(message: Message) -> int:
     """Bytes of the serialised message: every object Flower deflates to send it (content and metadata)."""
-    from common.audit import measure_message
+    from common.trust.audit import measure_message
 
     return measure_message(message)[0]
 

@@ -18,7 +18,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from common.cli import OneLineParser
+from cli.main import OneLineParser
 
 
 def app_hash(app_dir: Path) -> tuple[str, list[tuple[str, str, int]]]:
@@ -33,7 +33,7 @@ def app_hash(app_dir: Path) -> tuple[str, list[tuple[str, str, int]]]:
 
 
 def app_hash_command(args: argparse.Namespace) -> int:
-    from common.cli import usable_path
+    from cli.main import usable_path
     from common.config import ConfigError
 
     folder = usable_path("app-hash APP_DIR", args.app)
@@ -56,12 +56,12 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     its policy file. ConfigError (or ValueError, OSError) when they cannot be read."""
     from flwr.common.config import parse_config_args
 
-    from common.argument_gate import DEFAULT_JOB_LIMITS
-    from common.code_gate import wide_patterns
+    from common.trust.argument_gate import DEFAULT_JOB_LIMITS
+    from common.trust.code_gate import wide_patterns
     from common.config import ConfigError, server_settable_keys
 
-    from .hospital import code_gate
-    from .node_config import SIMULATION_ENGINE_FIELDS, load_node_config
+    from client_app.hospital import code_gate
+    from client_app.node_config import SIMULATION_ENGINE_FIELDS, load_node_config
 
     try:
         raw = parse_config_args([node_config]) if node_config else {"hospital": "site", "data-dir": "."}
@@ -72,9 +72,9 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     node = load_node_config(raw)
     enforcer = None
     if node.policy_file:
-        from common.policy import enforcer_for
+        from common.trust.policy import enforcer_for
 
-        from .hospital import hospital_audit
+        from client_app.hospital import hospital_audit
 
         enforcer = enforcer_for(node.policy_file, None, hospital_audit(node, "state"))
     policy = enforcer.policy if enforcer is not None else None

@@ -98,7 +98,7 @@ def check_app_keys(values: dict[str, Any], app_dir: Path | None = None) -> None:
     """Run-config keys Flower would refuse for this app (only ``[tool.flwr.app.config]`` of its pyproject.toml may
     be set): ConfigError naming the key, before anything starts."""
     from common.config import misspelt_key
-    from common.launch import PROJECT_ROOT
+    from cli.launch import PROJECT_ROOT
     from common.settings import ConfigError
 
     listed = tomllib.loads(((app_dir or PROJECT_ROOT) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -133,9 +133,9 @@ def check_federation_keys(values: dict[str, Any]) -> None:
 
 
 def check_named_code(cfg) -> None:
-    """Every network and loader the job names can be imported and is one (common/code_gate.py's rules): a
+    """Every network and loader the job names can be imported and is one (common/trust/code_gate.py's rules): a
     ConfigError naming the key, here, before Flower starts (the ServerApp would fail on it after)."""
-    from common.code_gate import resolution_problems
+    from common.trust.code_gate import resolution_problems
     from common.settings import ConfigError
 
     problems = resolution_problems(cfg)
@@ -157,7 +157,7 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
 def check_flower_config(what: str, values: dict[str, Any]) -> None:
     """Values Flower's ``--run-config`` / ``--federation-config`` cannot carry (a string holding both quote kinds
     or a line break): ConfigError naming the option and key, before anything starts."""
-    from common.launch import format_config
+    from cli.launch import format_config
     from common.settings import ConfigError
 
     try:
@@ -276,7 +276,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
     check_federation_keys(engine)
     check_named_code(cfg)
 
-    from common.launch import (
+    from cli.launch import (
         FlowerHome,
         flwr,
         free_port,
@@ -300,7 +300,7 @@ def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], 
         if (run_dir / "metrics.jsonl").exists():
             history = read_history(run_dir)
             for record in history[printed:]:
-                from common.round_engine import describe
+                from common.engine.round_engine import describe
 
                 print(f"{label}round {record['round']}: {describe(record)}", flush=True)
             printed = len(history)
@@ -496,8 +496,8 @@ PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_di
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (server_app/audit_cli.py,
-    client_app/site_cli.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
+    """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (cli/audit.py,
+    cli/site.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
     parser = OneLineParser(prog="fedmed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--app-dir", type=Path, default=None, help="the folder holding the run's own network and loader "
                        "modules (model/dataset='package.module:name'), when the one the run recorded is gone")
 
-    # their own parsers (server_app/audit_cli.py, client_app/site_cli.py); here so that --help lists them
+    # their own parsers (cli/audit.py, cli/site.py); here so that --help lists them
     sub.add_parser("audit", help="verify an audit log's chain (and against the other end's), rebuild a privacy "
                    "ledger: fedmed audit --help", add_help=False)
     sub.add_parser("app-hash", help="an app bundle's SHA-256 and files, for a hospital to review and approve",
@@ -590,15 +590,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
-        from server_app.audit_cli import main as audit_main
+        from cli.audit import main as audit_main
 
         return audit_main(sys.argv[1:] if argv is None else list(argv))
     if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
-        from client_app.site_cli import main as site_main
+        from cli.site import main as site_main
 
         return site_main(sys.argv[1:] if argv is None else list(argv))
     if (sys.argv[1:] if argv is None else list(argv))[:1] == ["console"]:  # the read-only page (docs/privacy.md)
-        from console.cli import main as console_main
+        from cli.console import main as console_main
 
         return console_main(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, option, None) is not None:
                 usable_path(f"--{option.replace('_', '-')}", getattr(args, option))
         if args.command == "demo":
-            from common.demo import demo
+            from cli.demo import demo
 
             return demo(args.hospitals, args.rounds, args.seed, args.home, args.timeout, args.results)
         if args.command == "simulate":

@@ -12,7 +12,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from common.payload import NamedArrays
+from common.engine.payload import NamedArrays
 
 
 class ArraysMismatch(ValueError):
@@ -81,10 +81,10 @@ def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterab
 
     Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not weights: they take the
     largest value instead of an average. Each tensor is summed a slice of its values at a time, each hospital's
-    slice read alone where its arrays are on disk (``common.reply_store``): every value is the same sum, in the same
+    slice read alone where its arrays are on disk (``common.engine.reply_store``): every value is the same sum, in the same
     order, as over whole tensors.
     """
-    from common.reply_store import flat_values
+    from common.engine.reply_store import flat_values
 
     arrays, weights = list(arrays), np.asarray([float(w) for w in weights], dtype=np.float64)
     if not arrays or weights.sum() <= 0:

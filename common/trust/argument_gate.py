@@ -1,6 +1,6 @@
 """What the server may hand a hospital's network and data loader: arguments that stay inside the hospital.
 
-The code gate (``common/code_gate.py``) decides which code a hospital runs; its arguments come from the server too
+The code gate (``common/trust/code_gate.py``) decides which code a hospital runs; its arguments come from the server too
 (``model-args``, ``dataset-args``, ``encoder-weights`` and the job's sizes). At a deployed hospital they may not:
 
 - **download** anything: a pretrained flag (``"pretrained": true``, ``"weights": "DEFAULT"``...) is refused unless the

@@ -108,7 +108,7 @@ class Policy(Section):
         "the count afresh."))
     models: list[str] = Field(default_factory=list, description=(
         "Networks of the consortium's own it runs, by import path ('*' matches any run of characters); built-in "
-        "ones need no listing (common/code_gate.py)."))
+        "ones need no listing (common/trust/code_gate.py)."))
     datasets: list[str] = Field(default_factory=list, description="Data loaders of its own it runs, by import path.")
     apps: list[str] = Field(default_factory=list, description=(
         "SHA-256 hashes of the app bundles (FABs) it runs (`fedmed app-hash`); fedmed-supernode refuses others."))
@@ -129,10 +129,10 @@ class Policy(Section):
         "downloaded while it answers). Default: such flags in model-args or dataset-args are refused."))
     argument_folders: list[str] = Field(default_factory=list, description=(
         "Folders besides data-dir and state-dir that paths in model-args, dataset-args and encoder-weights may "
-        "name (a folder of reviewed weights, say); any other path is refused (common/argument_gate.py)."))
+        "name (a folder of reviewed weights, say); any other path is refused (common/trust/argument_gate.py)."))
     job_limits: dict[str, int] = Field(default_factory=dict, description=(
         "The most a job may ask of this hospital, by run-config key (local-epochs, batch-size, data-workers, "
-        "image-size, ...); keys left out keep common/argument_gate.py's DEFAULT_JOB_LIMITS."))
+        "image-size, ...); keys left out keep common/trust/argument_gate.py's DEFAULT_JOB_LIMITS."))
     min_update_norm_bound: float = Field(0.0, ge=0.0, description=(
         "Under secure aggregation: the round plan's norm bound (every hospital clips its update to it) may not be "
         "below this (0: any)."))
@@ -157,7 +157,7 @@ class Policy(Section):
     @field_validator("methods")
     @classmethod
     def _known_methods(cls, value: list[str]) -> list[str]:
-        from strategies.registry import method_names
+        from common.methods.registry import method_names
 
         unknown = [name for name in value if name not in method_names()]
         if unknown:
@@ -176,7 +176,7 @@ class Policy(Section):
     @field_validator("job_limits")
     @classmethod
     def _known_limits(cls, value: dict[str, int]) -> dict[str, int]:
-        from common.argument_gate import DEFAULT_JOB_LIMITS
+        from common.trust.argument_gate import DEFAULT_JOB_LIMITS
 
         for key, most in value.items():
             if key not in DEFAULT_JOB_LIMITS:
@@ -188,7 +188,7 @@ class Policy(Section):
     @property
     def limits(self) -> dict[str, int]:
         """The most each job key may ask of this hospital: the policy's ``job-limits`` over the defaults."""
-        from common.argument_gate import DEFAULT_JOB_LIMITS
+        from common.trust.argument_gate import DEFAULT_JOB_LIMITS
 
         return {**DEFAULT_JOB_LIMITS, **self.job_limits}
 
@@ -360,7 +360,7 @@ class PrivacyLedger:
 
     def __init__(self, folder: str | Path | None, audit: Any = None):
         self.folder = Path(folder) if folder else None
-        self.audit = audit  #: the hospital's AuditLog (common/audit.py), or None
+        self.audit = audit  #: the hospital's AuditLog (common/trust/audit.py), or None
         self._memory: list[dict[str, Any]] = []
 
     @property
@@ -468,11 +468,11 @@ class PrivacyLedger:
 
 def releases_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
     """Epsilon at ``delta`` of ledger entries: local DP's Gaussian releases by Google's RDP accountant; with any
-    secure sum under distributed DP among them, every entry composed by :mod:`common.secure_aggregation.
+    secure sum under distributed DP among them, every entry composed by :mod:`common.trust.secure_aggregation.
     distributed_dp` (Skellam sums and Gaussian releases alike). A training without noise makes it infinite."""
     if not any(r.get("distributed-dp") for r in releases):
         return epsilon_of([r.get("noise-multiplier") for r in releases], delta)
-    from common.secure_aggregation import distributed_dp as ddp
+    from common.trust.secure_aggregation import distributed_dp as ddp
 
     mechanisms = []
     for release in releases:
@@ -486,7 +486,7 @@ def releases_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
 def audit_releases(path: str | Path) -> list[dict[str, Any]]:
     """The ``privacy-release`` lines of an audit log (its chain checked: PolicyRefusal when it is broken), with the
     line's time."""
-    from common.audit import records_of, verify
+    from common.trust.audit import records_of, verify
 
     path = Path(path)
     if not path.exists():
@@ -603,8 +603,8 @@ class Enforcer:
         table = self.policy.distributed_dp
         if table is None:
             return None
-        from common.secure_aggregation import distributed_dp as ddp
-        from common.secure_aggregation.messages import PLAN_KEY
+        from common.trust.secure_aggregation import distributed_dp as ddp
+        from common.trust.secure_aggregation.messages import PLAN_KEY
 
         text = payload.config.get(PLAN_KEY)
         try:
@@ -775,7 +775,7 @@ def initial_norm_layers(method, payload, names: set[str]) -> dict[str, np.ndarra
     about the hospital's data."""
     import torch
 
-    from common.arrays import model_arrays
+    from common.engine.arrays import model_arrays
 
     method.task.adopt_spec(payload.config)
     torch.manual_seed(method.cfg.seed)
