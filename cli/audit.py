@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.trust.audit import cross_check, verify
 from cli.main import OneLineParser
+from common.trust.audit import cross_check, verify
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,8 +97,8 @@ def positive(kind: type, least: float = 1):
 def check_app_keys(values: dict[str, Any], app_dir: Path | None = None) -> None:
     """Run-config keys Flower would refuse for this app (only ``[tool.flwr.app.config]`` of its pyproject.toml may
     be set): ConfigError naming the key, before anything starts."""
-    from common.config import misspelt_key
     from cli.launch import PROJECT_ROOT
+    from common.config import misspelt_key
     from common.settings import ConfigError
 
     listed = tomllib.loads(((app_dir or PROJECT_ROOT) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -135,8 +135,8 @@ def check_federation_keys(values: dict[str, Any]) -> None:
 def check_named_code(cfg) -> None:
     """Every network and loader the job names can be imported and is one (common/trust/code_gate.py's rules): a
     ConfigError naming the key, here, before Flower starts (the ServerApp would fail on it after)."""
-    from common.trust.code_gate import resolution_problems
     from common.settings import ConfigError
+    from common.trust.code_gate import resolution_problems
 
     problems = resolution_problems(cfg)
     if problems:

@@ -11,15 +11,15 @@ import contextlib
 from collections import OrderedDict
 from typing import Any, Mapping
 
+from common.config import JobConfig, hospital_job_config
+from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
+from common.methods.registry import hospital_class
+from common.methods.site import HospitalStateStore, Site, build_site
 from common.trust.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside, offline
 from common.trust.audit import AuditLog
 from common.trust.code_gate import CodeGate, split_list
-from common.config import JobConfig, hospital_job_config
 from common.trust.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
-from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
 from common.trust.policy import Enforcer, PolicyRefusal, enforcer_for
-from common.methods.site import HospitalStateStore, Site, build_site
-from common.methods.registry import hospital_class
 
 from .node_config import NodeConfig, load_node_config
 

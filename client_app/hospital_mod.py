@@ -23,8 +23,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
-from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import TRAINS_ITSELF
+from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, sign_identity
 
 from .api import Hospital
 

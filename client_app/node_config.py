@@ -80,7 +80,8 @@ class NodeConfig(Section):
         "Deployment: keep torch and the data loaded in a worker process between messages (client_app/worker.py); "
         "false: do all the work in each message's own ClientApp process."))
     policy_file: str = Field("", description=(
-        "The hospital's data-protection policy (TOML, or JSON ending in .json; common/trust/policy.py, docs/privacy.md): "
+        "The hospital's data-protection policy (TOML, or JSON ending in .json; common/trust/policy.py, "
+        "docs/privacy.md): "
         "tasks and methods it allows, min-samples, max-rounds-per-run, local-dp. Read at the hospital for every "
         "message; nothing the server sends changes it."))
     models: str = Field("", description=(

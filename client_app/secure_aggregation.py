@@ -24,6 +24,7 @@ from typing import Any, Callable
 from flwr.app import ConfigRecord, Context, Message, MessageType
 
 from common.engine.payload import Payload
+from common.engine.wire import RecordKeys, from_recorddict, to_recorddict
 from common.trust.secure_aggregation import Layout, encode, modulus_bits, pack_values
 from common.trust.secure_aggregation import distributed_dp as ddp
 from common.trust.secure_aggregation.hospital import (
@@ -50,7 +51,6 @@ from common.trust.secure_aggregation.messages import (
 )
 from common.trust.secure_aggregation.methods import secure_method
 from common.trust.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
-from common.engine.wire import RecordKeys, from_recorddict, to_recorddict
 
 STATE_RECORD = "fedmed.secagg"  #: context.state: Flower's SecAggPlusState of the protocol run
 ROUND_RECORD = "fedmed.secagg.round"  #: context.state: the rest of the hospital's part in it (run, round, ...)

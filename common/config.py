@@ -14,8 +14,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from common.trust.secure_aggregation import SecureAggregationSettings
 from common.settings import ConfigError, Section, hyphenated
+from common.trust.secure_aggregation import SecureAggregationSettings
 
 __all__ = ["ConfigError", "Section", "JobConfig", "load_job_config"]
 
@@ -202,7 +202,8 @@ class CoreConfig(Section):
         "After the last round every hospital scores the final global model (and its own, for methods that "
         "personalise) on its validation data: a hospitals x models table and heatmap in the run's results."))
     message_arrays: Literal["auto", "per-tensor", "flat", "packed"] = Field("auto", description=(
-        "How a message's arrays travel (common/engine/wire.py): one Flower Array per tensor; 'flat': one Array per dtype "
+        "How a message's arrays travel (common/engine/wire.py): one Flower Array per tensor; 'flat': one Array "
+        "per dtype "
         "of each array group, every tensor raveled into it, names and shapes in the config (weights still, for "
         "Flower's client-side DP and SecAgg+ mods; each Array costs the SuperLink milliseconds, so this is "
         "several seconds a round faster); 'packed': each group as one .npz Array (bytes: no mod can read it); "
@@ -223,7 +224,8 @@ class CoreConfig(Section):
         "max:/min: loss and hd95 are minimised, other metrics maximised. Empty: no best model."))
 
     audit_log: str = Field("", description=(
-        "The server's audit log (common/trust/audit.py, docs/privacy.md): every message it sends and receives (run, round, "
+        "The server's audit log (common/trust/audit.py, docs/privacy.md): every message it sends and receives (run, "
+        "round, "
         "method, kind, bytes, SHA-256 of the content, the hospital), chained by SHA-256, appended across restarts. "
         "Empty: <results-dir>/<run-name>/audit.jsonl; 'none': no log."))
 
@@ -480,7 +482,8 @@ def one_edit_apart(a: str, b: str) -> bool:
 def server_settable_keys() -> list[str]:
     """The run-config keys a server may set in a hospital's job (its run config and every message): all of fedmed's
     but :data:`HOSPITAL_OWN_KEYS` and the server's own (``fedmed policy check`` prints them for the hospital). A
-    node config may pin more (``dataset``); what code the keys may name is the hospital's too (common/trust/code_gate.py)."""
+    node config may pin more (``dataset``); what code the keys may name is the hospital's too
+    (common/trust/code_gate.py)."""
     return sorted(key for key in _FLAT_KEYS if key not in HOSPITAL_OWN_KEYS | SERVER_ONLY_KEYS | set(RENAMED_KEYS))
 
 

@@ -24,7 +24,8 @@ from common.trust.policy import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS, Poli
 from common.trust.secure_aggregation.messages import COLLECT
 
 AUDIT_FILE = "audit.jsonl"
-MEMORY_FILE = "secure-aggregation.json"  #: common.trust.secure_aggregation.hospital.MEMORY_FILE (that module needs Flower)
+#: common.trust.secure_aggregation.hospital.MEMORY_FILE (that module needs Flower)
+MEMORY_FILE = "secure-aggregation.json"
 HOSPITAL_FILES = (AUDIT_FILE, LEDGER_FILE, MEMORY_FILE)
 #: a log written to within this many seconds belongs to a run that may still be going: the page refreshes
 LIVE_SECONDS = 300.0

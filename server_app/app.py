@@ -21,9 +21,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.config import ConfigError, JobConfig
 from common.engine.round_engine import RoundEngine
+from common.methods.registry import strategy_class
 from strategies import strategy_arguments
 from strategies.base import NoHospitalAggregated
-from common.methods.registry import strategy_class
 
 from .checkpoint import (
     CheckpointError,

@@ -30,11 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
-from common.trust.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
-from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
-from common.logs import fedmed_logger_prints
-from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
 from common.engine.payload import Payload
 from common.engine.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.engine.run_lock import claim_run_name, release
@@ -46,7 +42,11 @@ from common.engine.wire import (
     from_recorddict,
     to_recorddict,
 )
+from common.logs import fedmed_logger_prints
+from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
 from common.methods.registry import method_spec, method_tasks, methods
+from common.trust.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
+from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 
 from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
@@ -1041,8 +1041,8 @@ class HospitalStrategy(Strategy):
 
     def claim_run_folder(self) -> None:
         """Hold the run folder (results-dir/run-name: the reply store, the audit log, checkpoints) for this run, before
-        round 1 (common/engine/run_lock.py): a run name chosen for it moves to the next free one where another run holds it,
-        one the user chose is refused (ConfigError)."""
+        round 1 (common/engine/run_lock.py): a run name chosen for it moves to the next free one where another run holds
+        it, one the user chose is refused (ConfigError)."""
         if self._run_folder is not None:
             return
         name = claim_run_name(Path(self.job.results_dir), self.job.run_name, self._name_chosen_for_it)

@@ -18,9 +18,9 @@ A secure round is five exchanges of TRAIN messages whose ConfigRecord carries th
 
 Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stages 4-5 inside
 ``aggregate_train`` (through :class:`SecureRoundEngine`), so a round runs the same under our ``start()`` and under
-Flower's own loop (a DP wrapper's). The protocol itself is ``common/trust/secure_aggregation/``. :class:`SecureAggregation`
-is what ``strategies/base.py`` calls; :class:`SecureAggregationMixin` adds it to any of our strategies
-(``with_secure_aggregation(FedAvgStrategy)``).
+Flower's own loop (a DP wrapper's). The protocol itself is ``common/trust/secure_aggregation/``.
+:class:`SecureAggregation` is what ``strategies/base.py`` calls; :class:`SecureAggregationMixin` adds it to any of our
+strategies (``with_secure_aggregation(FedAvgStrategy)``).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 
-from common.trust.audit import message_digest
 from common.config import ConfigError
-from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
 from common.engine.screening import brief, cut, metrics_problem, sample_count_problem
+from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
+from common.methods.base import HospitalInfo, HospitalUpdate, Payload
+from common.trust.audit import message_digest
 from common.trust.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
 from common.trust.secure_aggregation.distributed_dp import expand
 from common.trust.secure_aggregation.messages import (
@@ -69,7 +70,6 @@ from common.trust.secure_aggregation.server import (
     unmask_sum,
 )
 from common.trust.secure_aggregation.vector import unpack_values
-from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
 
 if TYPE_CHECKING:
     from strategies.base import HospitalStrategy

@@ -1,5 +1,5 @@
-"""The audit log (common/trust/audit.py): a SHA-256 chain of JSON lines that a new process extends after checking its last
-line, that concurrent writers share without interleaving, and whose verification names every edited, inserted,
+"""The audit log (common/trust/audit.py): a SHA-256 chain of JSON lines that a new process extends after checking its
+last line, that concurrent writers share without interleaving, and whose verification names every edited, inserted,
 removed, reordered or cut-short line; both ends of a federation log the same content hashes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import multiprocessing
 
 import pytest
 
-from common.trust.audit import GENESIS, AuditError, AuditLog, cross_check, line_hash, verify
 from cli.audit import main as audit_main
+from common.trust.audit import GENESIS, AuditError, AuditLog, cross_check, line_hash, verify
 
 
 def written(path, count=5) -> list[dict]:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.site import app_hash
-from cli.main import main as fedmed
 from cli.launch import FlowerHome, free_port, start_superlink, start_supernode
+from cli.main import main as fedmed
+from cli.site import app_hash
 from server_app.results import read_history
 
 from .conftest import ROOT

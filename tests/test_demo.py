@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import load_job_config
 from cli.demo import DEMO_RUN_CONFIG, FEDERATED, LOCAL, demo_run_config, run_demo
+from common.config import load_job_config
 from common.engine.inprocess import run_rounds, simulated_sites
 from common.methods.site import HospitalStateStore
 

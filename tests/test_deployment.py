@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from cli.site import app_hash
-from cli.main import main as fedmed
 from cli.launch import FlowerHome, flwr, free_port, run_log, run_status, start_superlink, start_supernode, submit_run
+from cli.main import main as fedmed
+from cli.site import app_hash
 from server_app.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from server_app.results import read_history
 

@@ -370,8 +370,8 @@ def check_script(words: list[str], where: str) -> None:
 
 def check_flower_process(words: list[str], where: str) -> None:
     """``flower-supernode``/``flower-superlink``: Flower's own options; a node config names only our node keys."""
-    from client_app.node_config import NodeConfig
     from cli.main import parse_overrides
+    from client_app.node_config import NodeConfig
 
     if words[0].endswith("flower-supernode"):
         from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode as flower_parser

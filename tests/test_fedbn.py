@@ -8,8 +8,8 @@ import pytest
 
 from common.config import load_job_config
 from common.engine.inprocess import run_rounds, simulated_sites
-from common.methods.base import HospitalInfo
 from common.engine.round_engine import RoundEngine, RoundReply
+from common.methods.base import HospitalInfo
 from strategies.fedbn.hospital import FedBNHospital
 from strategies.fedbn.norm_layers import NORM_GROUP
 

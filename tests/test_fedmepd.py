@@ -338,8 +338,8 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
 
 def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
     from common.engine.inprocess import simulated_sites
-    from common.methods.base import HospitalInfo
     from common.engine.round_engine import RoundEngine, RoundReply
+    from common.methods.base import HospitalInfo
     from strategies.fedmepd.hospital import FedMEPDHospital
 
     cfg = tiny(num_server_rounds=1, min_train_hospitals=1,

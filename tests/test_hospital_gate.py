@@ -13,10 +13,10 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.api import Hospital
-from common.trust.audit import GENESIS, head_in_reason
-from common.trust.code_gate import CodeGate, named_code
 from common.config import load_job_config
 from common.models.networks import CodeRefused, load_factory
+from common.trust.audit import GENESIS, head_in_reason
+from common.trust.code_gate import CodeGate, named_code
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

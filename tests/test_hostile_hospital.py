@@ -14,11 +14,11 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from common.config import JobConfig
-from common.methods.base import HospitalInfo, Payload
-from common.quantization.codec import encode_model
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.engine.screening import capped_shares, norm_outliers, robust_average
 from common.engine.wire import PACKED_ARRAY, MalformedPayload, from_recorddict
+from common.methods.base import HospitalInfo, Payload
+from common.quantization.codec import encode_model
 from strategies import FedAvgStrategy, QFedPolypStrategy
 
 from .fake_grid import FakeGrid, hospital_node, simulated_hospitals

@@ -10,10 +10,10 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from common.config import ConfigError, JobConfig
-from common.methods.base import HospitalInfo, Payload
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.engine.screening import capped_shares
 from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
+from common.methods.base import HospitalInfo, Payload
 from strategies import FedAvgStrategy
 
 from .fake_grid import FakeGrid, simulated_hospitals

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main as fedmed
 from cli.launch import (
     FlowerHome,
     TLSFiles,
@@ -22,6 +21,7 @@ from cli.launch import (
     wait_for_port,
     wait_for_run,
 )
+from cli.main import main as fedmed
 from server_app.results import read_history
 
 from .flower_processes import stopped_at_exit

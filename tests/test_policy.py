@@ -1,7 +1,7 @@
-"""A hospital's own policy (common/trust/policy.py, node config ``policy-file``): read from its file only, enforced in the
-hospital-side API whatever the message says; each refusal an error reply whose reason reaches the server's record and
-metrics.jsonl's ``refused``; k on FedProIn's counts and prototypes and FedProto's class means; local DP's clipping and
-noise, and its epsilon kept across restarts."""
+"""A hospital's own policy (common/trust/policy.py, node config ``policy-file``): read from its file only, enforced in
+the hospital-side API whatever the message says; each refusal an error reply whose reason reaches the server's record
+and metrics.jsonl's ``refused``; k on FedProIn's counts and prototypes and FedProto's class means; local DP's clipping
+and noise, and its epsilon kept across restarts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 
 from common.config import ConfigError, load_job_config
 from common.engine.inprocess import simulated_sites
+from common.engine.round_engine import RoundEngine
+from common.methods.registry import hospital_class
 from common.trust.policy import (
     Enforcer,
     PolicyRefusal,
@@ -22,10 +24,8 @@ from common.trust.policy import (
     epsilon_of,
     read_policy,
 )
-from common.engine.round_engine import RoundEngine
 from server_app.results import read_history, write_results
 from strategies import FedAvgStrategy, FedProtoStrategy
-from common.methods.registry import hospital_class
 
 from .fake_grid import FakeGrid, simulated_hospitals
 from .test_strategies import SMALL_CLASSIFICATION, run_config

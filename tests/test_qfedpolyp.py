@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine.arrays import model_arrays, weighted_average
 from common.config import ConfigError, JobConfig
+from common.engine.arrays import model_arrays, weighted_average
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import (
@@ -25,7 +26,6 @@ from common.quantization.codec import (
     unpack_codes,
 )
 from common.quantization.fake_quant import fake_quantize, quantization_aware
-from common.engine.round_engine import RoundEngine, RoundReply
 from strategies.qfedpolyp.messages import BIT_WIDTH_KEY, PACKED, assign_bit_width
 
 

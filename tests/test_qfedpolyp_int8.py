@@ -25,10 +25,10 @@ from common.config import JobConfig
 from common.data.export import write_site
 from common.data.sources import generate
 from common.data.synthetic import make_polyps
+from common.engine.round_engine import RoundEngine
 from common.models.unet2d import PolypUNet
 from common.quantization.int8 import load_deployment
 from common.quantization.upsample import ShuffleUpsample
-from common.engine.round_engine import RoundEngine
 from common.tasks.base import images_to_tensor
 from server_app.checkpoint import save_checkpoint
 

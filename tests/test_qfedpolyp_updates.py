@@ -9,9 +9,9 @@ import pytest
 
 from common.config import ConfigError, load_job_config
 from common.engine.inprocess import simulated_sites
-from common.quantization.codec import decode_model, encode_model
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.site import HospitalStateStore
+from common.quantization.codec import decode_model, encode_model
 from strategies.qfedpolyp.hospital import QFedPolypHospital
 from strategies.qfedpolyp.messages import PACKED, STATISTICS, is_statistic
 

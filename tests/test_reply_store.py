@@ -9,9 +9,9 @@ import pytest
 
 import common.engine.screening as screening
 from common.config import load_job_config
-from common.methods.base import HospitalInfo, Payload
 from common.engine.reply_store import ReplyStore, StoredArrays, flat_values, materialized, selected
 from common.engine.round_engine import RoundEngine, RoundReply
+from common.methods.base import HospitalInfo, Payload
 from strategies.fedmepd.filter_personalisation import aggregate_filters
 from strategies.fedproin.server import normalised_influence_aggregation
 

@@ -354,7 +354,8 @@ def test_export_int8_and_segment_take_the_best_round(tmp_path, capsys):
 
 
 # --- two runs of one name at once ------------------------------------------------------------------------------------
-HOLDER = ("import sys, time; from pathlib import Path; from common.engine.run_lock import claim; claim(Path(sys.argv[1])); "
+HOLDER = ("import sys, time; from pathlib import Path; from common.engine.run_lock import claim; "
+          "claim(Path(sys.argv[1])); "
           "print('held', flush=True); time.sleep(120)")
 
 

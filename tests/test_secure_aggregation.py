@@ -15,10 +15,11 @@ import pytest
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from client_app.secure_aggregation import stage_of
-from common.trust.audit import cross_check
 from common.config import ConfigError, load_job_config
-from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 from common.engine.round_engine import RoundEngine
+from common.engine.wire import from_recorddict, message_nbytes
+from common.methods.base import HospitalInfo, HospitalUpdate, Payload
+from common.trust.audit import cross_check
 from common.trust.secure_aggregation import (
     INTEGER,
     Entry,
@@ -47,7 +48,6 @@ from common.trust.secure_aggregation.server import (
     setup_config,
     unmask_config,
 )
-from common.engine.wire import from_recorddict, message_nbytes
 from strategies import (
     FedAvgStrategy,
     FedBNStrategy,
@@ -544,7 +544,7 @@ def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_eve
         assert cross_check(tmp_path / "plain" / "state" / name / "audit.jsonl", server_log, name) == []
 
 
-# --- Shamir's sharing (common/trust/secure_aggregation/sharing.py) ------------------------------------------------------
+# --- Shamir's sharing (common/trust/secure_aggregation/sharing.py) ---------------------------------------------------
 def test_any_threshold_of_the_shares_rebuild_the_secret_and_fewer_do_not():
     import itertools
 

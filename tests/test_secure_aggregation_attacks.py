@@ -14,6 +14,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from client_app.secure_aggregation import stage_of
+from common.engine.wire import from_recorddict
 from common.trust.identity import sign_statement, statement_problem
 from common.trust.secure_aggregation import SecureAggregationSettings
 from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
@@ -41,7 +42,6 @@ from common.trust.secure_aggregation.server import (
     unmask_sum,
 )
 from common.trust.secure_aggregation.sharing import secret_key
-from common.engine.wire import from_recorddict
 from strategies import FedAvgStrategy
 from strategies.records import arrays_of
 from strategies.secure_aggregation import with_secure_aggregation

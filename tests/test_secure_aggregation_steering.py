@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MessageType
 
+from cli.audit import main as audit_main
 from client_app.secure_aggregation import stage_of
 from common.trust.secure_aggregation import SecureAggregationSettings
 from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
@@ -31,7 +32,6 @@ from common.trust.secure_aggregation.messages import (
     UNMASK,
 )
 from common.trust.secure_aggregation.server import add_masked_vector
-from cli.audit import main as audit_main
 from strategies import FedAvgStrategy, FedBNStrategy
 from strategies.secure_aggregation import with_secure_aggregation
 

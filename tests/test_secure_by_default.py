@@ -24,12 +24,12 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import parse_config_args
 from flwr.supercore.task_identity import TaskIdentity
 
+from cli.audit import main as audit_main
+from cli.launch import PROJECT_ROOT, SUPERNODE_WITH_EXECUTOR, project_app_hash
 from client_app.api import Hospital
 from client_app.node_config import every_hospital_in_this_process
 from common.trust.audit import AuditLog, verify
-from cli.launch import PROJECT_ROOT, SUPERNODE_WITH_EXECUTOR, project_app_hash
 from common.trust.policy import PolicyRefusal, PrivacyLedger
-from cli.audit import main as audit_main
 
 from .conftest import ROOT
 from .test_audit import lines_of

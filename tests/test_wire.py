@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
 
-from common.methods.base import Payload
 from common.engine.wire import from_recorddict, message_nbytes, to_recorddict
+from common.methods.base import Payload
 
 
 def payload_of(size: int) -> Payload:

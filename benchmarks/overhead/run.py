@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 
 from benchmarks.machine import cpu_name
-from common.config import JobConfig
-from common.data.export import export_partitions
 from cli.launch import (
     FlowerHome,
     exit_on_termination,
@@ -46,6 +44,8 @@ from cli.launch import (
     submit_run,
     wait_for_run,
 )
+from common.config import JobConfig
+from common.data.export import export_partitions
 from server_app.results import read_history
 
 from .memory import PeakMemory, role_of

@@ -1,12 +1,12 @@
-"""What a hospital policy's local DP costs: the same in-process federation (``common.engine.inprocess.run_rounds``) without
-local DP and with it at several noise levels, test accuracy and each hospital's epsilon after every round, side by
-side (docs/privacy.md).
+"""What a hospital policy's local DP costs: the same in-process federation (``common.engine.inprocess.run_rounds``)
+without local DP and with it at several noise levels, test accuracy and each hospital's epsilon after every round, side
+by side (docs/privacy.md).
 
     python -m benchmarks.privacy.run                              # FedAvg, small-cnn, 4 hospitals, 10 rounds
     python -m benchmarks.privacy.run --sigmas 0.5 2 --clip 0.5 --out benchmarks/privacy/results.md
 
-Every hospital holds the same policy (``common.trust.policy.Policy``: clip-norm C, noise-multiplier sigma, delta) and its
-own ledger; the rest of the run is exactly a run without the policy (same data, split, seeds). ``--clip 0`` takes C
+Every hospital holds the same policy (``common.trust.policy.Policy``: clip-norm C, noise-multiplier sigma, delta) and
+its own ledger; the rest of the run is exactly a run without the policy (same data, split, seeds). ``--clip 0`` takes C
 as the median update norm of round 1 without DP, measured in the run without DP.
 """
 
@@ -22,8 +22,8 @@ from unittest import mock
 from benchmarks.machine import cpu_name
 from common.config import load_job_config
 from common.engine.inprocess import run_rounds, simulated_sites
-from common.trust.policy import Enforcer, LocalDP, Policy, PrivacyLedger, effective_noise_multiplier, policed
 from common.methods.registry import hospital_class
+from common.trust.policy import Enforcer, LocalDP, Policy, PrivacyLedger, effective_noise_multiplier, policed
 
 
 def run(cfg, hospitals: int, policy: Policy | None) -> tuple[list[dict], dict[str, PrivacyLedger]]:

@@ -223,9 +223,9 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     from flwr.app import Message, MessageType
     from flwr.supercore.task_identity import TaskIdentity
 
+    from common.engine.wire import message_nbytes, to_recorddict
     from common.methods.base import Payload
     from common.quantization.codec import encode_model
-    from common.engine.wire import message_nbytes, to_recorddict
     from server_app.checkpoint import load_checkpoint
     from strategies.qfedpolyp.messages import (
         DOWNLINK_BASE_KEY,

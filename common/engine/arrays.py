@@ -81,8 +81,8 @@ def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterab
 
     Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not weights: they take the
     largest value instead of an average. Each tensor is summed a slice of its values at a time, each hospital's
-    slice read alone where its arrays are on disk (``common.engine.reply_store``): every value is the same sum, in the same
-    order, as over whole tensors.
+    slice read alone where its arrays are on disk (``common.engine.reply_store``): every value is the same sum, in the
+    same order, as over whole tensors.
     """
     from common.engine.reply_store import flat_values
 

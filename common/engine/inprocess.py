@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import JobConfig
-from common.methods.base import Payload
 from common.engine.round_engine import RoundEngine, RoundReply
-from common.methods.site import Site, build_site
+from common.methods.base import Payload
 from common.methods.registry import hospital_class
+from common.methods.site import Site, build_site
 
 log = logging.getLogger("fedmed")
 

@@ -18,19 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from common.engine.arrays import ArraysMismatch, check_like, is_exchanged
 from common.config import JobConfig
-from common.methods.base import (
-    TRAINS_ITSELF,
-    HospitalInfo,
-    HospitalUpdate,
-    Payload,
-    RejectedUpdate,
-    ServerMethod,
-    pack_json,
-    unpack_json,
-)
-from common.models.requirements import check_network
+from common.engine.arrays import ArraysMismatch, check_like, is_exchanged
 from common.engine.reply_store import ReplyStore
 from common.engine.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.engine.screening import (
@@ -45,8 +34,19 @@ from common.engine.screening import (
     sample_count_problem,
     update_distance,
 )
-from common.tasks import get_task, task_class
+from common.methods.base import (
+    TRAINS_ITSELF,
+    HospitalInfo,
+    HospitalUpdate,
+    Payload,
+    RejectedUpdate,
+    ServerMethod,
+    pack_json,
+    unpack_json,
+)
 from common.methods.registry import method_spec, server_class
+from common.models.requirements import check_network
+from common.tasks import get_task, task_class
 
 log = logging.getLogger("fedmed")
 

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from common.engine.arrays import ArraysMismatch, NamedArrays, check_like, is_exchanged
 from common.config import JobConfig
+from common.engine.arrays import ArraysMismatch, NamedArrays, check_like, is_exchanged
 from common.engine.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the methods' message type)
 from common.methods.site import Site
 from common.tasks import Task, get_task
@@ -197,8 +197,8 @@ class ServerMethod(ABC):
 class HospitalMethod(ABC):
     """A hospital's side of a method: local training (and evaluation) on its own site."""
 
-    #: Set by the hospital's policy under local DP (common/trust/policy.py): every statistic the reply carries besides the
-    #: clipped, noised model must have the sensitivity the policy accounts for (FedProIn counts its influence with
+    #: Set by the hospital's policy under local DP (common/trust/policy.py): every statistic the reply carries besides
+    #: the clipped, noised model must have the sensitivity the policy accounts for (FedProIn counts its influence with
     #: the received model, so one replaced sample moves two counts by one).
     privacy_bounded: bool = False
 

@@ -34,7 +34,8 @@ class MethodSpec:
     settings: str | None = None  #: its settings table (``common.settings.Section``), the one source of its defaults
     section: str | None = None  #: the run-config table of those settings (``fedproin`` for ``fedproin.*``)
     model_needs: str = "any"  #: what it needs of a model (``common.models.requirements``), checked before round 1
-    secure: str | None = None  #: what it sums under secure aggregation, a ``common.trust.secure_aggregation.SecureMethod``
+    #: what it sums under secure aggregation, a ``common.trust.secure_aggregation.SecureMethod``
+    secure: str | None = None
     not_secure: str = ""  #: without ``secure``: why it does not run under secure aggregation
     #: why Flower's DP wrappers (``flwr.serverapp.strategy.DifferentialPrivacy*``) cannot take its replies, which they
     #: clip tensor by tensor against the model sent; empty: they can (a reply is the model as one ArrayRecord)

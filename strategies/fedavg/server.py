@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from common.engine.arrays import weighted_average
-from common.methods.base import HospitalUpdate, ServerMethod
 from common.engine.screening import robust_average
+from common.methods.base import HospitalUpdate, ServerMethod
 
 
 class FedAvgServer(ServerMethod):

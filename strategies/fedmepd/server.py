@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from common.engine.arrays import NamedArrays, model_arrays, weighted_average
 from common.data.brats import MODALITIES
-from common.methods.base import HospitalInfo, HospitalUpdate, Payload
+from common.engine.arrays import NamedArrays, model_arrays, weighted_average
 from common.engine.reply_store import selected
+from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 
 from .anchors import MultiAnchors, collect_class_vectors
 from .decoder import DECODER, MASK_KEY, STATE_PREFIX, decoder_part, server_decoder_change

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from common.config import JobConfig
 from common.methods.base import Payload
+from common.methods.site import Site
 from common.models.prototype_net import squared_distances
 from common.models.representations import FeatureTap, frozen_copy
-from common.methods.site import Site
 from common.tasks import Task
 from common.tasks.base import ExtraLoss
 from strategies.fedavg.hospital import FedAvgHospital
