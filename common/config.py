@@ -307,7 +307,8 @@ class CoreConfig(Section):
             raise ValueError(
                 f"dataset={self.dataset!r} does not fit task={self.task!r}; use one of "
                 f"{', '.join(TASK_DATASETS[self.task])}, or a loader of your own as 'package.module:loader'")
-        from common.models.networks import TASK_BUILT_IN, parse_arguments
+        from common.models.networks import TASK_BUILT_IN
+        from common.trust.code_gate import parse_arguments
 
         if self.model and ":" not in self.model and self.model not in TASK_BUILT_IN[self.task]:
             raise ValueError(f"model={self.model!r} is not a built-in network of task={self.task!r} "

@@ -14,9 +14,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.api import Hospital
 from common.config import load_job_config
-from common.models.networks import CodeRefused, load_factory
 from common.trust.audit import GENESIS, head_in_reason
-from common.trust.code_gate import CodeGate, named_code
+from common.trust.code_gate import CodeGate, CodeRefused, load_factory, named_code
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

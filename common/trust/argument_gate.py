@@ -80,7 +80,7 @@ def argument_problems(cfg: Any, folders: tuple[str | Path, ...], allow_pretraine
                       limits: Mapping[str, int]) -> list[str]:
     """Every reason the job ``cfg`` (the server's keys over the hospital's run config) reaches outside the hospital:
     a download flag, a path outside ``folders``, a job key above ``limits``. Empty: it stays inside."""
-    from common.models.networks import parse_arguments
+    from common.trust.code_gate import parse_arguments
 
     roots = tuple(folder for folder in folders if folder)
     named = "its data-dir, state-dir and its policy's argument-folders"  # never the paths: they stay here
