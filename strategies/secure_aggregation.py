@@ -28,11 +28,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 from common.config import ConfigError
 from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
@@ -71,9 +72,6 @@ from common.trust.secure_aggregation.server import (
 )
 from common.trust.secure_aggregation.vector import unpack_values
 
-if TYPE_CHECKING:
-    from strategies.base import HospitalStrategy
-
 log = logging.getLogger("fedmed")
 
 
@@ -95,11 +93,12 @@ class SecureRound:
 
 
 class SecureAggregation:
-    """SecAgg+ for one strategy: :meth:`prepare` (from ``configure_train``) runs setup and share keys and returns the
-    training messages with the collect stage's keys; :meth:`complete` (the round engine's ``complete_round``) takes
-    the masked replies, runs the unmask stage and records the round."""
+    """SecAgg+ for one of our strategies (a ``strategies.base.HospitalStrategy``): :meth:`prepare` (from
+    ``configure_train``) runs setup and share keys and returns the training messages with the collect stage's keys;
+    :meth:`complete` (the round engine's ``complete_round``) takes the masked replies, runs the unmask stage and records
+    the round."""
 
-    def __init__(self, strategy: "HospitalStrategy", settings: SecureAggregationSettings):
+    def __init__(self, strategy: Strategy, settings: SecureAggregationSettings):
         self.strategy = strategy
         self.settings = settings
         try:
@@ -114,7 +113,7 @@ class SecureAggregation:
         self.grid: Grid | None = None
 
     @classmethod
-    def of(cls, strategy: "HospitalStrategy") -> "SecureAggregation | None":
+    def of(cls, strategy: Strategy) -> "SecureAggregation | None":
         """The strategy's secure aggregation when its job enables it (``[secure-aggregation]``), else None."""
         settings = getattr(strategy.job, "secure_aggregation", None)
         if settings is None or not settings.enabled:
@@ -217,7 +216,7 @@ class SecureAggregation:
     def exchange(self, progress: SecureRound, stage: str, configs: Mapping[int, dict[str, Any]]) -> dict[int, dict]:
         """One key stage: a TRAIN message to each node with its config, and the config of each reply (nodes that
         failed, answered out of turn or not at all are recorded in the protocol's ``lost``)."""
-        from strategies.base import messages_in_flight, send_and_receive
+        from strategies.grid_messages import messages_in_flight, send_and_receive
 
         strategy, job, protocol = self.strategy, self.strategy.job, progress.protocol
         base = {**strategy.records.as_config(), "server-round": progress.rnd, "run-name": job.run_name,

@@ -380,7 +380,7 @@ def test_messages_in_flight_keeps_at_most_that_many_pending_and_changes_nothing_
 def test_simulation_engine_gets_a_window_and_a_deployment_all_messages_at_once():
     from flwr.superlink.grid import InMemoryGrid
 
-    from strategies.base import SIMULATION_IN_FLIGHT, SIMULATION_QUERIES_IN_FLIGHT, messages_in_flight
+    from strategies.grid_messages import SIMULATION_IN_FLIGHT, SIMULATION_QUERIES_IN_FLIGHT, messages_in_flight
 
     job = JobConfig()
     simulation = InMemoryGrid.__new__(InMemoryGrid)  # only its type matters here
