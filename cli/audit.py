@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli.main import OneLineParser
+from cli.arguments import OneLineParser
 from common.trust.audit import cross_check, verify
 
 

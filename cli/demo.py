@@ -46,7 +46,7 @@ def demo_run_config(rounds: int, seed: int, out: Path, overrides: dict[str, Any]
 
 def flower_simulation(hospitals: int, home: Path, deadline: float) -> Federate:
     """Each federated run in Flower's simulation engine (``fedmed simulate``), its progress printed by round."""
-    from cli.main import EXIT_TIMEOUT, simulate
+    from cli.simulate import EXIT_TIMEOUT, simulate
     from server_app.results import read_history
 
     def federate(strategy: str, run_config: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:

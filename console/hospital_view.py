@@ -3,7 +3,7 @@
 ``secure-aggregation.json``), its policy file and, where given, the server's audit log of a run.
 
 Everything is read with the project's own readers (``common.trust.audit.verify``/``cross_check``/``records_of``,
-``common.trust.policy``'s ledger check and accountant, ``cli.site.policy_rules``), so the page says what
+``common.trust.policy``'s ledger check and accountant, ``client_app.policy_rules``), so the page says what
 ``fedmed audit verify`` and ``fedmed policy check`` say and counts epsilon as the hospital counts it. Nothing is
 written. A file that is missing or cannot be read is a problem named on the page, never an exception.
 """
@@ -586,7 +586,7 @@ def read_policy_view(policy_file: Path | None, node_config: str, records: list[t
         return PolicyView(None, [], "", logged, "")
     import hashlib
 
-    from cli.site import policy_rules
+    from client_app.policy_rules import policy_rules
     from common.settings import ConfigError
 
     config = node_config or f"hospital='{name}' data-dir='.'"

@@ -261,7 +261,7 @@ def option_words(words: list[str]) -> list[str]:
 
 def check_run_config(text: str, where: str, app_keys: frozenset[str] | None = None) -> None:
     """Every key is fedmed's (or the app's own, for an app of one's own); fedmed's app: the values validate."""
-    from cli.main import parse_overrides
+    from cli.arguments import parse_overrides
     from common.config import _FLAT_KEYS, load_job_config
 
     values = parse_overrides(text)
@@ -322,7 +322,7 @@ def app_config_keys(app_dir: str) -> frozenset[str] | None:
 def check_flwr(words: list[str], where: str) -> None:
     import click
 
-    from cli.main import parse_overrides
+    from cli.arguments import parse_overrides
 
     command, args = flwr_command(), placeholders_filled(words[1:])
     context = None
@@ -370,7 +370,7 @@ def check_script(words: list[str], where: str) -> None:
 
 def check_flower_process(words: list[str], where: str) -> None:
     """``flower-supernode``/``flower-superlink``: Flower's own options; a node config names only our node keys."""
-    from cli.main import parse_overrides
+    from cli.arguments import parse_overrides
     from client_app.node_config import NodeConfig
 
     if words[0].endswith("flower-supernode"):

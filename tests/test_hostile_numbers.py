@@ -302,6 +302,7 @@ def test_a_loader_returning_unusable_data_is_refused_at_the_hospital_naming_it(t
 def test_simulate_takes_the_old_key_classifier_as_model(monkeypatch, tmp_path):
     """`classifier=` passes fedmed's check and must not reach Flower, which knows only `model`."""
     import cli.main as cli
+    import cli.simulate as simulation
 
     seen = {}
 
@@ -309,6 +310,6 @@ def test_simulate_takes_the_old_key_classifier_as_model(monkeypatch, tmp_path):
         seen[what] = dict(values)
         raise ConfigError("stopped here")
 
-    monkeypatch.setattr(cli, "check_flower_config", stop_before_flower)
+    monkeypatch.setattr(simulation, "check_flower_config", stop_before_flower)
     assert cli.main(["simulate", "--home", str(tmp_path / "h"), "--run-config", "classifier='small-cnn'"]) == 2
     assert seen["--run-config"]["model"] == "small-cnn" and "classifier" not in seen["--run-config"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli import launch
+from cli import launch, simulate
 from cli import main as cli
 from cli.launch import ProcessInfo, marked_processes, process_table, process_tree, start_process, terminate_tree
 
@@ -230,7 +230,7 @@ def test_resume_keeps_the_checkpoints_run_name_and_timeout_stops_with_124(tmp_pa
     code = cli.main(["simulate", "--hospitals", "2", "--home", str(tmp_path / "h"), "--timeout", "5", "--run-config",
                      f"results-dir='{results}' resume-from='{source}' num-server-rounds=4"])
     out, err = capsys.readouterr()
-    assert code == cli.EXIT_TIMEOUT
+    assert code == simulate.EXIT_TIMEOUT
     (submitted,) = fake.submitted
     assert not submitted.get("run-name")  # the ServerApp takes the checkpoint's
     assert f"results in {results / 'ward-7'}\n" in out
@@ -419,6 +419,6 @@ def test_a_serverapp_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
 
     code, _, seen, err = stop_a_running_simulation(tmp_path, signal.SIGKILL, ray_agents_run, act=kill_the_serverapp,
                                                    timeout=90)
-    assert code in (1, cli.EXIT_TIMEOUT), err[-3000:]  # a failed run, or one Flower never calls finished
+    assert code in (1, simulate.EXIT_TIMEOUT), err[-3000:]  # a failed run, or one Flower never calls finished
     assert {"flower-superlink", "flwr-simulation", "raylet", "ray::DashboardAgent"} <= seen.names
     assert alive(seen) == {}
