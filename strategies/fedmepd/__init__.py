@@ -21,7 +21,7 @@ METHODS = (
                settings=SETTINGS, section="fedmepd", model_needs="multimodal", not_for_central_dp=PARTIAL_ENCODERS,
                secure="strategies.fedmepd.secure:SECURE"),
     MethodSpec("fedmepd-fedavg", BRAIN, server="strategies.fedmepd.baselines:SharedEncoderFedAvgServer",
-               hospital="strategies.fedavg.hospital:FedAvgHospital",
+               hospital="strategies.fedmepd.baselines:SharedEncoderFedAvgHospital",
                strategy="strategies.fedmepd.strategy:SharedEncoderFedAvgStrategy",
                summary="Baseline: FedAvg of the whole model with one encoder shared by all modalities",
                model_needs="multimodal", secure="strategies.fedmepd.secure:SHARED_ENCODER_FEDAVG"),

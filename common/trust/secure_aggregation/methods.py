@@ -258,3 +258,27 @@ def secure_method_names() -> list[str]:
     from common.methods.registry import methods
 
     return sorted(name for name, spec in methods().items() if spec.secure)
+
+
+def mean_update_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
+    return weighted_plan(method, hospitals, settings, norm_bound, method.global_arrays)
+
+
+def mean_update_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
+    """The checked mean update, then the method's own ``aggregate`` on it as the round's one update."""
+    check_bounds(sums, plan, updates)
+    return method.aggregate(rnd, [stand_in(updates, mean_update(sums, method.global_arrays))])
+
+
+def refuse_robust_aggregate(job: "JobConfig") -> str | None:
+    if job.screening.robust_aggregate != "mean":
+        return (f"screening.robust-aggregate={job.screening.robust_aggregate!r} needs every hospital's update; "
+                "a secure sum gives the mean only")
+    return None
+
+
+#: FedAvg under secure aggregation (also FedProx's and MOON's: their servers are FedAvg's): each hospital adds
+#: (n_i/W) x its update, clipped to the round's norm bound, and n_i/W; the server moves the global model by the
+#: ratio of the two sums, the sample-weighted mean update (docs/secure-aggregation.md, "What each method sums").
+MEAN_UPDATE = SecureMethod(mean_update_plan, weighted_update_contribution, mean_update_apply,
+                           refuse=refuse_robust_aggregate, distributed_dp=True)
