@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                          "is kept beside it)")
     args = parser.parse_args(argv)
     if args.command == "rebuild-ledger":
-        from common.trust.policy import PolicyRefusal, rebuild_ledger
+        from common.trust.ledger import rebuild_ledger
+        from common.trust.policy import PolicyRefusal
 
         try:
             count = rebuild_ledger(args.log, args.folder)

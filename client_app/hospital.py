@@ -18,8 +18,9 @@ from common.methods.site import HospitalStateStore, Site, build_site
 from common.trust.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside, offline
 from common.trust.audit import AuditLog
 from common.trust.code_gate import CodeGate, split_list
+from common.trust.enforcer import Enforcer, enforcer_for
 from common.trust.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
-from common.trust.policy import Enforcer, PolicyRefusal, enforcer_for
+from common.trust.policy import PolicyRefusal
 
 from .node_config import NodeConfig, load_node_config
 

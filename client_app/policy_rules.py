@@ -28,7 +28,7 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     enforcer = None
     if node.policy_file:
         from client_app.hospital import hospital_audit
-        from common.trust.policy import enforcer_for
+        from common.trust.enforcer import enforcer_for
 
         enforcer = enforcer_for(node.policy_file, None, hospital_audit(node, "state"))
     policy = enforcer.policy if enforcer is not None else None

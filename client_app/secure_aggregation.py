@@ -175,7 +175,7 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     values, metrics = method.contribution(received, trained, {**plan, **own},
                                           ddp.method_layout(plan) if noise is not None else layout)
     if noise is not None:
-        from common.trust.policy import noise_rng
+        from common.trust.local_dp import noise_rng
 
         values = ddp.contribute(values, noise, plan, noise_rng())
     vector = encode(layout, values, state.flower.clipping_range, state.flower.target_range)

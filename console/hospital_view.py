@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from common.trust.audit import AUDIT_HEAD_MARK, cross_check, records_of, verify
-from common.trust.policy import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS, PolicyRefusal
+from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS
+from common.trust.policy import PolicyRefusal
 from common.trust.secure_aggregation.messages import COLLECT
 
 AUDIT_FILE = "audit.jsonl"
@@ -451,7 +452,7 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
     """The ledger checked against the audit log as the hospital checks it before every training, each training's
     epsilon after it (Google's RDP accountant, as the hospital counts), per day, against the budget."""
     from common.trust.audit import AuditLog
-    from common.trust.policy import PrivacyLedger
+    from common.trust.ledger import PrivacyLedger
 
     ledger_path = folder / LEDGER_FILE
     audit_path = folder / AUDIT_FILE
@@ -542,7 +543,7 @@ def _epsilon(entries: list[dict[str, Any]], delta: float) -> float:
 def _epsilon_of(entries: tuple[str, ...], delta: float) -> float:
     """``common.trust.policy.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
     since."""
-    from common.trust.policy import releases_epsilon
+    from common.trust.ledger import releases_epsilon
 
     return releases_epsilon([json.loads(e) for e in entries], delta)
 

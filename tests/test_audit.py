@@ -260,7 +260,7 @@ def test_verify_peer_fails_on_a_name_it_cannot_find(tmp_path, capsys):
 
 
 def test_rebuild_ledger_command(tmp_path, capsys):
-    from common.trust.policy import PrivacyLedger
+    from common.trust.ledger import PrivacyLedger
 
     log = AuditLog(tmp_path / "audit.jsonl", "hospital:h")
     ledger = PrivacyLedger(tmp_path / "state", log)

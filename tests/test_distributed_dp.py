@@ -143,7 +143,7 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
     import importlib
     import json
 
-    from common.trust.policy import PrivacyLedger
+    from common.trust.ledger import PrivacyLedger
     from common.trust.secure_aggregation.messages import OWN_NAME_KEY
     from strategies import FedAvgStrategy
     from strategies.records import arrays_of, into_arrayrecord

@@ -15,15 +15,10 @@ from common.config import ConfigError, load_job_config
 from common.engine.inprocess import simulated_sites
 from common.engine.round_engine import RoundEngine
 from common.methods.registry import hospital_class
-from common.trust.policy import (
-    Enforcer,
-    PolicyRefusal,
-    PrivacyLedger,
-    clip_and_noise,
-    effective_noise_multiplier,
-    epsilon_of,
-    read_policy,
-)
+from common.trust.enforcer import Enforcer
+from common.trust.ledger import PrivacyLedger
+from common.trust.local_dp import clip_and_noise, effective_noise_multiplier, epsilon_of
+from common.trust.policy import PolicyRefusal, read_policy
 from server_app.results import read_history, write_results
 from strategies import FedAvgStrategy, FedProtoStrategy
 
@@ -275,7 +270,7 @@ def test_a_new_run_name_does_not_start_the_daily_count_afresh(tmp_path):
 
 @pytest.mark.parametrize("tamper", ["delete", "roll back", "edit"])
 def test_a_deleted_or_rolled_back_ledger_stops_training_until_an_operator_restores_it(tmp_path, tamper):
-    from common.trust.policy import LEDGER_FILE, rebuild_ledger
+    from common.trust.ledger import LEDGER_FILE, rebuild_ledger
 
     federation(tmp_path, DP, rounds=2, **{"run-name": "first"})
     folder = tmp_path / "state" / "hospital-00"

@@ -29,7 +29,8 @@ from cli.launch import PROJECT_ROOT, SUPERNODE_WITH_EXECUTOR, project_app_hash
 from client_app.api import Hospital
 from client_app.node_config import every_hospital_in_this_process
 from common.trust.audit import AuditLog, verify
-from common.trust.policy import PolicyRefusal, PrivacyLedger
+from common.trust.ledger import PrivacyLedger
+from common.trust.policy import PolicyRefusal
 
 from .conftest import ROOT
 from .test_audit import lines_of

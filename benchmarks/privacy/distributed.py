@@ -67,7 +67,7 @@ def accuracy(strategy) -> float:
 
 def ledger_epsilon(config: dict[str, Any]) -> float:
     """The largest epsilon any hospital's ledger holds after the run."""
-    from common.trust.policy import PrivacyLedger
+    from common.trust.ledger import PrivacyLedger
 
     folders = sorted(Path(config["state-dir"]).iterdir())
     return max(PrivacyLedger(folder).epsilon(DELTA) for folder in folders if (folder / "privacy-ledger.json").exists())
@@ -95,7 +95,7 @@ def run_local(config: dict[str, Any], count: int, clip: float, sigma: float, fol
 def run_central(config: dict[str, Any], count: int, clip: float, z: float) -> tuple[float, float]:
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
-    from common.trust.policy import epsilon_of
+    from common.trust.local_dp import epsilon_of
     from strategies import FedAvgStrategy
 
     strategy = FedAvgStrategy(min_train_nodes=count, min_available_nodes=count,

@@ -23,7 +23,10 @@ from benchmarks.machine import cpu_name
 from common.config import load_job_config
 from common.engine.inprocess import run_rounds, simulated_sites
 from common.methods.registry import hospital_class
-from common.trust.policy import Enforcer, LocalDP, Policy, PrivacyLedger, effective_noise_multiplier, policed
+from common.trust.enforcer import Enforcer, policed
+from common.trust.ledger import PrivacyLedger
+from common.trust.local_dp import effective_noise_multiplier
+from common.trust.policy import LocalDP, Policy
 
 
 def run(cfg, hospitals: int, policy: Policy | None) -> tuple[list[dict], dict[str, PrivacyLedger]]:
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = Policy(local_dp=LocalDP(clip_norm=clip, noise_multiplier=sigma, delta=args.delta))
         history, ledgers = run(cfg, args.hospitals, policy)
         z = effective_noise_multiplier(args.strategy, sigma)
-        from common.trust.policy import epsilon_of
+        from common.trust.local_dp import epsilon_of
 
         epsilons = [epsilon_of([z] * rnd, args.delta) for rnd in range(1, args.rounds + 1)]
         assert all(ledger.epsilon(args.delta) == epsilons[-1] for ledger in ledgers.values())  # every round, each
