@@ -8,21 +8,16 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
+from common.methods.registry import local_dp_method_names, privacy_rules
 from common.settings import ConfigError
 from common.trust.ledger import PrivacyLedger
 from common.trust.local_dp import (
-    COUNT_NOISE_FACTOR,
     accountant_module,
     clip_and_noise,
     effective_noise_multiplier,
-    initial_norm_layers,
     noise_rng,
 )
 from common.trust.policy import (
-    DP_METHODS,
-    NO_DP_REASON,
     PROTOCOL_METRICS,
     DistributedDP,
     LocalDP,
@@ -65,10 +60,10 @@ class Enforcer:
         if policy.methods and cfg.strategy not in policy.methods:
             raise self.refuse(f"method {cfg.strategy!r} is not among the methods it trains "
                               f"({', '.join(policy.methods)})", **where)
-        if policy.local_dp is not None and cfg.strategy not in DP_METHODS:
-            raise self.refuse(f"local-dp: {NO_DP_REASON.get(cfg.strategy, 'its reply is not the model')}, so it "
-                              f"cannot be trained under the policy's local DP (methods it can: "
-                              f"{', '.join(sorted(DP_METHODS))})", **where)
+        rules = privacy_rules(cfg.strategy)
+        if policy.local_dp is not None and not rules.local_dp:
+            raise self.refuse(f"local-dp: {rules.no_local_dp}, so it cannot be trained under the policy's local DP "
+                              f"(methods it can: {', '.join(local_dp_method_names())})", **where)
         if kind == "evaluate" and policy.metrics_released == "none":
             raise self.refuse("release-metrics='none': it sends no metrics, so it does not evaluate", **where)
 
@@ -154,7 +149,7 @@ class Enforcer:
             self.apply_min_samples(method, payload, reply, where)
             if self.policy.local_dp is not None:
                 self.apply_local_dp(method, payload, reply, where)
-            self.filter_metrics(reply.metrics, site, where, reply.config)
+            self.filter_metrics(reply.metrics, site, where, reply.config, cfg.strategy)
             self.ledger.record(run, rnd, cfg.strategy, z, distributed)
         if z is not None:
             dp = self.policy.local_dp
@@ -186,14 +181,17 @@ class Enforcer:
         """A metric of a part of the data (polyp ``dice/<source>``), which may hold fewer than k samples."""
         return self.policy.min_samples > 1 and "/" in key
 
-    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any], config: dict[str, Any]) -> None:
-        """What the reply's metrics (and its ``device``, in ``config``) may say under ``release-metrics``."""
+    def filter_metrics(self, metrics: dict[str, Any], site, where: dict[str, Any], config: dict[str, Any],
+                       method: str) -> None:
+        """What the reply's metrics (and its ``device``, in ``config``) may say under ``release-metrics``: the counts
+        every protocol needs and those ``method`` declares stay."""
         release = self.policy.metrics_released
+        protocol = PROTOCOL_METRICS | privacy_rules(method).protocol_metrics
         dropped = []
         if release != "all" and config.pop("device", None) is not None:
             dropped.append("device")
         for key in list(metrics):
-            if key in PROTOCOL_METRICS:
+            if key in protocol:
                 continue
             validation = key.startswith("val-")
             keep = (release == "all" or release == "validation" and validation) and not self._per_subset(key)
@@ -206,45 +204,26 @@ class Enforcer:
             self.note("metrics-withheld", metrics=sorted(dropped), **{"release-metrics": release}, **where)
 
     def apply_min_samples(self, method, payload, reply, where: dict[str, Any]) -> None:
-        """k: FedProIn's influence counts below k are sent as 0 and those prototypes as received; FedProto's means
-        of classes with fewer than k samples are not sent (count 0, the received global mean in their place)."""
-        k, name = self.policy.min_samples, method.cfg.strategy
-        if name == "fedproin":
-            received = payload.arrays["model"]["prototypes"]
-            counts = np.asarray(reply.metrics["influence"], dtype=np.float64).reshape(received.shape[:2])
-            if self.policy.local_dp is not None:  # noised first: the threshold is then applied to noisy counts
-                sigma = COUNT_NOISE_FACTOR * self.policy.local_dp.noise_multiplier
-                counts = np.clip(np.rint(counts + noise_rng().normal(0.0, sigma, counts.shape)), 0, None)
-                limit = float(len(method.site.train))
-                if counts.sum() > limit:  # the server refuses more than the declared samples (post-processing)
-                    counts = np.floor(counts * limit / counts.sum())
-            small = counts < k
-            counts[small] = 0
-            prototypes = reply.arrays["model"]["prototypes"]
-            prototypes[small] = received[small]
-            reply.metrics["influence"] = [int(c) for c in counts.ravel()]
-            self.note("min-samples", k=k, **{"prototypes-withheld": int(small.sum()), "of": int(small.size)}, **where)
-        elif name == "fedproto" and k > 1:
-            from strategies.fedproto.server import PROTOTYPES
-
-            group = reply.arrays[PROTOTYPES]
-            per_class = np.bincount(np.asarray(method.site.train.labels), minlength=len(group["count"]))
-            small = per_class[:len(group["count"])] < k
-            group["count"] = np.where(small, 0, group["count"]).astype(group["count"].dtype)
-            group["mean"][small] = payload.arrays[PROTOTYPES]["mean"][small]
-            self.note("min-samples", k=k, **{"class-means-withheld": int(small.sum()), "of": int(small.size)},
-                      **where)
+        """k: what the method declares rests on fewer than k samples is withheld (FedProIn's influence counts, noised
+        first under local DP, and their prototypes; FedProto's class means)."""
+        withhold = privacy_rules(method.cfg.strategy).withhold_small
+        if withhold is None:
+            return
+        k, dp = self.policy.min_samples, self.policy.local_dp
+        sigma = dp.noise_multiplier if dp is not None else None
+        withheld = withhold(method, payload, reply, k, sigma, noise_rng() if sigma is not None else None)
+        if withheld:
+            self.note("min-samples", k=k, **withheld, **where)
 
     def apply_local_dp(self, method, payload, reply, where: dict[str, Any]) -> None:
-        """The model update clipped to C, N(0, (sigma C)^2) added to each coordinate; FedBN sends the initial
-        normalisation layers in place of its own. Any other array group makes the reply refused (fail closed)."""
+        """The model update clipped to C, N(0, (sigma C)^2) added to each coordinate; the array groups beside it that
+        the method makes safe first (FedBN sends the initial normalisation layers in place of its own). Any other
+        array group makes the reply refused (fail closed)."""
         dp = self.policy.local_dp
         groups = set(reply.arrays) - {"model"}
-        if method.cfg.strategy == "fedbn":
-            from strategies.fedbn.norm_layers import NORM_GROUP
-
-            reply.arrays[NORM_GROUP] = initial_norm_layers(method, payload, set(reply.arrays[NORM_GROUP]))
-            groups.discard(NORM_GROUP)
+        prepare = privacy_rules(method.cfg.strategy).before_local_dp
+        if prepare is not None:
+            groups -= prepare(method, payload, reply)
         if groups:
             raise self.refuse(f"local-dp: the reply carries array groups {sorted(groups)} besides the model, which "
                               "the policy cannot bound", **where)

@@ -12,9 +12,6 @@ import numpy as np
 from common.settings import ConfigError
 from common.trust.policy import PolicyRefusal
 
-#: FedProIn's influence counts are noised with this many times noise-multiplier (in samples) under local DP.
-COUNT_NOISE_FACTOR = 2.0
-
 
 def accountant_module():
     try:
@@ -45,13 +42,12 @@ def epsilon_of(noise_multipliers: list[float | None], delta: float) -> float:
 
 
 def effective_noise_multiplier(method: str, noise_multiplier: float) -> float:
-    """The noise multiplier of one round's release relative to its sensitivity when one sample of the hospital's
-    data is replaced by another: the clipped update moves by at most 2C, so sigma * C of noise is sigma / 2 of it;
-    FedProIn's influence counts (one sample moves two counts by 1, noise COUNT_NOISE_FACTOR * sigma) add to it."""
-    ratio = (2.0 / noise_multiplier) ** 2
-    if method == "fedproin":
-        ratio += (math.sqrt(2.0) / (COUNT_NOISE_FACTOR * noise_multiplier)) ** 2
-    return 1.0 / math.sqrt(ratio)
+    """The noise multiplier of one round's release of ``method`` relative to its sensitivity when one sample of the
+    hospital's data is replaced by another, as the method declares it (``PrivacyRules.noise_multiplier``: sigma / 2
+    for a clipped update, which moves by at most 2C; FedProIn adds its noised influence counts)."""
+    from common.methods.registry import privacy_rules
+
+    return privacy_rules(method).noise_multiplier(noise_multiplier)
 
 
 def noise_rng() -> np.random.Generator:
@@ -82,16 +78,3 @@ def clip_and_noise(received: Mapping[str, np.ndarray], trained: Mapping[str, np.
             value = np.maximum(value, 1e-5)
         noised[name] = value.astype(np.asarray(trained[name]).dtype)
     return noised, norm
-
-
-def initial_norm_layers(method, payload, names: set[str]) -> dict[str, np.ndarray]:
-    """FedBN: the normalisation layers of the job's initial model (the same seed as the server's), which say nothing
-    about the hospital's data."""
-    import torch
-
-    from common.engine.arrays import model_arrays
-
-    method.task.adopt_spec(payload.config)
-    torch.manual_seed(method.cfg.seed)
-    initial = model_arrays(method.task.initial_model())
-    return {name: initial[name] for name in names}

@@ -16,9 +16,9 @@ at the hospital, whatever the server asks (docs/privacy.md).
 
 What the rules do to each method's reply, and what epsilon means, is docs/privacy.md. Nothing in a message changes a
 policy: the hospital reads the file (again for every message) and the server only sees what it leads to (a smaller
-reply, a refusal with its reason). The privacy ledger (every round the hospital trained in, with its noise) is kept
-in the hospital's state folder, so its epsilon survives restarts and counts every run on the same data; epsilon is
-computed with Google's ``dp-accounting`` (RDP accountant), installed by the ``privacy`` extra.
+reply, a refusal with its reason). This module reads the file; ``enforcer.py`` applies it to every job and reply, as
+each method declares its reply (its package's ``privacy.py``); ``ledger.py`` keeps every training with its noise in
+the hospital's state folder, so its epsilon survives restarts; ``local_dp.py`` clips, noises and counts epsilon.
 """
 
 from __future__ import annotations
@@ -32,23 +32,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.settings import ConfigError, Section
 
-#: Methods whose reply is the model the hospital received, trained: local DP clips and noises its update.
-DP_METHODS = frozenset({"fedavg", "fedprox", "moon", "fedbn", "fedproin"})
-#: Why local DP is refused for the others (their reply is not the received model).
-NO_DP_REASON = {
-    "fedproto": "FedProto's reply is its class means and its own model, never a model it received, so there is no "
-                "update to clip",
-    "qfedpolyp": "QFedPolyp's reply is b-bit packed codes of its update (common/quantization), which noise added "
-                 "here would not survive",
-    "fedmepd": "FedMEPD's reply (modality encoders and shared decoder filters, its personal filters masked out) is "
-               "not covered: local DP is not implemented for the FedMEPD family",
-    "fedmepd-fedavg": "local DP is not implemented for the FedMEPD family",
-    "fedmepd-federated-decoder": "local DP is not implemented for the FedMEPD family",
-    "fedmepd-local": "local DP is not implemented for the FedMEPD family",
-}
-#: Reply metrics that are counts the protocol needs, not statistics of the data (``release-metrics`` keeps them).
-PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "state-from-round", "bit-width", "influence",
-                              "personal-filters"})
+#: Reply metrics that are counts every method's protocol needs, not statistics of the data (``release-metrics``
+#: keeps them, and those each method declares: ``common.methods.privacy.PrivacyRules.protocol_metrics``).
+PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "state-from-round"})
 #: What a reply says of the hospital's machine (its compute time, its device): sent only with release-metrics='all',
 #: as under secure aggregation (timing tells something of the data's size and the site's hardware).
 MACHINE_METRICS = frozenset({"hospital-seconds", "clientapp-start-seconds"})
@@ -204,11 +190,13 @@ class Policy(Section):
     @model_validator(mode="after")
     def _dp_methods_only(self) -> "Policy":
         if self.local_dp is not None and self.methods:
-            refused = [name for name in self.methods if name not in DP_METHODS]
+            from common.methods.registry import local_dp_method_names, privacy_rules
+
+            refused = [name for name in self.methods if not privacy_rules(name).local_dp]
             if refused:
                 raise ValueError(f"local-dp: method {refused[0]!r} cannot be trained under local DP "
-                                 f"({NO_DP_REASON.get(refused[0], 'its reply is not the model')}); allow only "
-                                 f"{', '.join(sorted(DP_METHODS))} with local-dp")
+                                 f"({privacy_rules(refused[0]).no_local_dp}); allow only "
+                                 f"{', '.join(local_dp_method_names())} with local-dp")
         return self
 
     @property

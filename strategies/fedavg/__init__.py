@@ -11,5 +11,6 @@ METHODS = (
                hospital="strategies.fedavg.hospital:FedAvgHospital",
                strategy="strategies.fedavg.strategy:FedAvgStrategy",
                summary="Federated averaging weighted by sample counts",
-               secure="strategies.fedavg.secure:SECURE", flower_contract=True),
+               secure="strategies.fedavg.secure:SECURE",
+               privacy="strategies.fedavg.privacy:RULES", flower_contract=True),
 )

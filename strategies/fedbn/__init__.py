@@ -15,5 +15,6 @@ METHODS = (
                summary="FedAvg with every hospital's normalisation layers kept local",
                not_for_central_dp="a reply carries the hospital's own normalisation layers beside the shared "
                "weights, which are not the model the wrapper sent, so it cannot clip the update tensor by tensor",
-               secure="strategies.fedbn.secure:SECURE", flower_contract=True),
+               secure="strategies.fedbn.secure:SECURE", privacy="strategies.fedbn.privacy:RULES",
+               flower_contract=True),
 )

@@ -14,5 +14,6 @@ METHODS = (
                strategy="strategies.fedproin.strategy:FedProInStrategy",
                summary="Learnable multi-prototypes, FDL + PCL, normalised influence aggregation",
                settings="strategies.fedproin.settings:FedProInSettings", section="fedproin",
-               model_needs="features", secure="strategies.fedproin.secure:SECURE"),
+               model_needs="features", secure="strategies.fedproin.secure:SECURE",
+               privacy="strategies.fedproin.privacy:RULES"),
 )

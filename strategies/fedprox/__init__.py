@@ -9,5 +9,6 @@ METHODS = (
                strategy="strategies.fedprox.strategy:FedProxStrategy",
                summary="FedAvg with a proximal term on the hospital side",
                settings="strategies.fedprox.settings:FedProxSettings", section="fedprox",
-               secure="common.trust.secure_aggregation.methods:MEAN_UPDATE", flower_contract=True),
+               secure="common.trust.secure_aggregation.methods:MEAN_UPDATE",
+               privacy="common.methods.privacy:MODEL_UPDATE", flower_contract=True),
 )

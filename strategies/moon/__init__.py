@@ -7,5 +7,6 @@ METHODS = (
                hospital="strategies.moon.hospital:MoonHospital", strategy="strategies.moon.strategy:MoonStrategy",
                summary="FedAvg with a model-contrastive term on the representation",
                settings="strategies.moon.settings:MoonSettings", section="moon", model_needs="features",
-               secure="common.trust.secure_aggregation.methods:MEAN_UPDATE"),
+               secure="common.trust.secure_aggregation.methods:MEAN_UPDATE",
+               privacy="common.methods.privacy:MODEL_UPDATE"),
 )

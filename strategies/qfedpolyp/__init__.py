@@ -12,5 +12,6 @@ METHODS = (
                settings="strategies.qfedpolyp.settings:QFedPolypSettings", section="qfedpolyp",
                model_needs="quantisable",
                not_for_central_dp="a reply is the model's b-bit quantised codes (uint8 data, ranges, header), not its "
-               "weights, so there is no update for the wrapper to clip", secure="strategies.qfedpolyp.secure:SECURE"),
+               "weights, so there is no update for the wrapper to clip", secure="strategies.qfedpolyp.secure:SECURE",
+               privacy="strategies.qfedpolyp.privacy:RULES"),
 )
