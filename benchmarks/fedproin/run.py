@@ -37,17 +37,11 @@ from common.engine.inprocess import run_rounds, simulated_sites
 from common.engine.references import run_centralised, run_solo
 from common.methods.site import HospitalStateStore
 
-from .pretrain import OTHER, pretrain
+from .pretrain import DATASETS, OTHER, pretrain
 from .report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT.parent / "shared" / "data"
 log = logging.getLogger("fedmed")
-
-DATASETS: dict[str, dict[str, Any]] = {
-    "ham10000": {"dataset": "ham10000", "data_dir": str(DATA / "ham10000")},
-    "blood": {"dataset": "npz", "data_dir": str(DATA / "blood" / "pbc_blood_28.npz")},
-}
 
 #: The paper's protocol (K = 10, 50 % per round, Adam, 128x128, E = 5, 50 rounds, batch 128, lr 1e-4, 3 seeds),
 #: and a CPU preset that keeps the protocol but shrinks images, rounds and epochs to fit two cores.
