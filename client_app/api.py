@@ -46,8 +46,8 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
-from common.engine.payload import Payload
 from common.engine.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
+from common.payload import Payload
 from common.trust.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.trust.secure_aggregation.messages import COLLECT, STAGE_KEY
 

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
 
-from common.engine.payload import Payload
 from common.engine.wire import RecordKeys, from_recorddict, to_recorddict
+from common.payload import Payload
 from common.trust.secure_aggregation import Layout, encode, modulus_bits, pack_values
 from common.trust.secure_aggregation import distributed_dp as ddp
 from common.trust.secure_aggregation.hospital import (

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.engine.payload import Payload, payload_from_bytes, payload_to_bytes
+from common.payload import Payload, payload_from_bytes, payload_to_bytes
 
 APP_DIR = Path(__file__).resolve().parent.parent  # the installed app: the worker runs the same code
 IDLE_EXIT = 1800.0  # seconds without a message before the worker exits

@@ -30,7 +30,6 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.superlink.grid import InMemoryGrid
 
 from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
-from common.engine.payload import Payload
 from common.engine.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
 from common.engine.run_lock import claim_run_name, release
 from common.engine.screening import brief, cut, declared_count_problem
@@ -44,6 +43,7 @@ from common.engine.wire import (
 from common.logs import fedmed_logger_prints
 from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
 from common.methods.registry import method_spec, method_tasks, methods
+from common.payload import Payload
 from common.trust.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
 from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
 

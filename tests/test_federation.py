@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from common.engine.arrays import weighted_average
+from common.arrays import weighted_average
 from common.engine.inprocess import run_rounds, simulated_sites
 from common.engine.round_engine import RoundEngine, RoundReply, select_hospitals
 from common.methods.base import HospitalInfo, Payload

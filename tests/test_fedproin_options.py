@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.arrays import model_arrays
 from common.config import JobConfig
 from common.data.containers import LabelledImages
-from common.engine.arrays import model_arrays
 from common.engine.inprocess import run_rounds, simulated_sites
 from common.engine.round_engine import RoundEngine
 from common.engine.wire import from_recorddict, to_recorddict

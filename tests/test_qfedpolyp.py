@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.arrays import model_arrays, weighted_average
 from common.config import ConfigError, JobConfig
-from common.engine.arrays import model_arrays, weighted_average
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
 from common.models.unet2d import PolypUNet

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
-from common.engine.arrays import model_arrays
 from common.engine.inprocess import run_rounds, simulated_sites
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import Payload

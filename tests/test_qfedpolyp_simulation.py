@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.engine.arrays import model_arrays
+from common.arrays import model_arrays
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import encode_model, encoded_nbytes
 from server_app.checkpoint import load_checkpoint

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
-from common.engine.arrays import model_arrays
 from common.engine.inprocess import run_rounds, simulated_sites
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.site import HospitalStateStore
@@ -727,7 +727,7 @@ def test_a_forged_or_mismatched_downlink_is_refused_by_the_hospital(quick_traini
             hospital.received_arrays(payload, reference, memory)
 
     def changed(arrays=None, **config):
-        from common.engine.payload import Payload
+        from common.payload import Payload
 
         return Payload(arrays={**good.arrays, **(arrays or {})}, config={**good.config, **config})
 

@@ -116,7 +116,7 @@ def test_hospitals_rebuild_a_quantised_downlink_exactly_as_the_server_does():
     info = QFedPolypHospital(cfg, site).info()
     engine.select(1, [info])
     payload = engine.downlink(1, info)
-    from common.engine.arrays import model_arrays
+    from common.arrays import model_arrays
 
     received = model_arrays(QFedPolypHospital(cfg, site).received_model(payload))
     server_view = engine.method.received_by_hospitals()
@@ -159,7 +159,7 @@ def test_training_from_its_own_model_starts_at_the_received_model_plus_the_resid
     twice."""
     import torch
 
-    from common.engine.arrays import model_arrays
+    from common.arrays import model_arrays
 
     def run(train_from: str):
         cfg = job(**{"qfedpolyp.bit-widths": "2", "qfedpolyp.error-feedback": True,

@@ -172,8 +172,8 @@ def test_decoder_filters_upload_by_upload_equal_the_sum_over_the_stacked_uploads
 
 @pytest.mark.parametrize("hospitals", [1, 3, 11])
 def test_fedavg_slice_by_slice_from_disk_equals_the_sum_over_whole_tensors(tmp_path, monkeypatch, hospitals):
-    import common.engine.arrays
-    from common.engine.arrays import weighted_average
+    import common.arrays
+    from common.arrays import weighted_average
 
     rng = np.random.default_rng(hospitals)
     shapes = {"scalar": (), "bias": (7,), "conv": (16, 8, 3, 3), "half": (33,)}
@@ -192,7 +192,7 @@ def test_fedavg_slice_by_slice_from_disk_equals_the_sum_over_whole_tensors(tmp_p
             expected[name] = np.max(np.stack([m[name] for m in models]), axis=0)
     store = ReplyStore(tmp_path / ".round-1")
     stored = [store.keep(model) for model in models]
-    monkeypatch.setattr(common.engine.arrays, "AVERAGE_SLICE", 50)  # the conv tensor in 24 slices
+    monkeypatch.setattr(common.arrays, "AVERAGE_SLICE", 50)  # the conv tensor in 24 slices
     for given in (models, stored):
         result = weighted_average(given, counts)
         for name, value in expected.items():

@@ -42,7 +42,7 @@ def test_payload_travels_in_flowers_own_records():
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    from common.engine.arrays import model_arrays
+    from common.arrays import model_arrays
 
     content = to_recorddict(Payload(arrays={"model": model_arrays(model), "anchors": {"a": np.ones(2)}},
                                     config={"mask": b"\x01"}, metrics={"influence": [3, 0, 1, 2], "loss": 0.5}))

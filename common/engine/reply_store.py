@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.engine.payload import NamedArrays
+from common.payload import NamedArrays
 
 
 class StoredArrays(Mapping):

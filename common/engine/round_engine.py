@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from common.arrays import ArraysMismatch, check_like, is_exchanged
 from common.config import JobConfig
-from common.engine.arrays import ArraysMismatch, check_like, is_exchanged
 from common.engine.reply_store import ReplyStore
 from common.engine.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.engine.screening import (

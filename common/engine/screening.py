@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from common.engine.payload import NamedArrays
+from common.payload import NamedArrays
 
 #: Most characters of a hospital's own text (a value, a key, an error it reports) that a log line, a refusal reason
 #: or the history keeps: a hostile 100 MB string is cut, never copied.

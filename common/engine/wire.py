@@ -36,7 +36,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SType
 
-from common.engine.payload import NamedArrays, OversizedArchive, Payload, check_archive_size, size_text
+from common.payload import NamedArrays, OversizedArchive, Payload, check_archive_size, size_text
 
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"

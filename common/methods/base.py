@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from common.arrays import ArraysMismatch, NamedArrays, check_like, is_exchanged
 from common.config import JobConfig
-from common.engine.arrays import ArraysMismatch, NamedArrays, check_like, is_exchanged
-from common.engine.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the methods' message type)
 from common.methods.site import Site
+from common.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the methods' message type)
 from common.tasks import Task, get_task
 
 #: Evaluate-message config key: score the final models for the run's cross-site table (``HospitalMethod.cross_site``).
@@ -90,7 +90,7 @@ class ServerMethod(ABC):
     def initialize(self) -> None:
         """Create the initial global model, seeded by the job's seed."""
         torch.manual_seed(self.cfg.seed)
-        from common.engine.arrays import model_arrays
+        from common.arrays import model_arrays
 
         self.global_arrays = model_arrays(self.task.initial_model())
 
@@ -170,7 +170,7 @@ class ServerMethod(ABC):
     # --- evaluation -------------------------------------------------------------------------------
     def evaluation_model(self, hospital: str | None = None) -> torch.nn.Module:
         """The global model (``hospital``: that hospital's own model, for methods whose server keeps one)."""
-        from common.engine.arrays import load_model_arrays
+        from common.arrays import load_model_arrays
 
         if hospital:
             raise ValueError(f"strategy {self.name!r} keeps no hospital's own model at the server (personal models "

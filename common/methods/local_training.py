@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.arrays import model_arrays
+from common.arrays import model_arrays
 from common.methods.base import HospitalMethod, Payload
 from common.tasks.base import ExtraLoss
 

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from common.engine.arrays import ArraysMismatch, NamedArrays, check_like
+from common.arrays import ArraysMismatch, NamedArrays, check_like
 
 FORMAT = "fedmed-packed-model"
 VERSION = 1

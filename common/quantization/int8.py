@@ -130,7 +130,7 @@ def run_config_of(state: dict[str, np.ndarray]) -> JobConfig:
 def model_from_checkpoint(state: dict[str, np.ndarray]) -> tuple[JobConfig, nn.Module, int]:
     """(run config, float global model, rounds done) from a checkpoint's arrays (the run's own network importable:
     :func:`common.engine.run_imports.run_modules_importable`)."""
-    from common.engine.arrays import load_model_arrays
+    from common.arrays import load_model_arrays
     from common.methods.base import unpack_json
     from common.tasks import get_task
 

@@ -27,7 +27,7 @@ from typing import Mapping
 
 import numpy as np
 
-from common.engine.arrays import NamedArrays
+from common.arrays import NamedArrays
 
 from .codec import PayloadError, decode_model, encode_model
 from .sparse import DENSE_BELOW

@@ -46,7 +46,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from common.engine.arrays import NamedArrays
+from common.arrays import NamedArrays
 
 from .codec import (
     PayloadError,

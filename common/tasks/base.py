@@ -100,7 +100,7 @@ class Task(ABC):
         return self.build_model()
 
     def model_from_payload(self, payload) -> torch.nn.Module:
-        from common.engine.arrays import load_model_arrays
+        from common.arrays import load_model_arrays
 
         self.adopt_spec(payload.config)
         model = self.build_model()

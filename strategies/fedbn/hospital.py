@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.arrays import load_model_arrays, model_arrays
+from common.arrays import load_model_arrays, model_arrays
 from common.methods.base import Payload
 from common.methods.local_training import LocalTraining
 

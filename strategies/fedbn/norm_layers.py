@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
-from common.engine.arrays import NamedArrays, is_exchanged
+from common.arrays import NamedArrays, is_exchanged
 
 #: the group a FedBN reply carries its normalisation layers in, for the server's scoring of its own model only
 NORM_GROUP = "norm-layers"

@@ -14,7 +14,7 @@ def initial_norm_layers(method, payload, reply) -> set[str]:
     """The reply's normalisation layers replaced by the job's initial model's (the same seed as the server's)."""
     import torch
 
-    from common.engine.arrays import model_arrays
+    from common.arrays import model_arrays
 
     method.task.adopt_spec(payload.config)
     torch.manual_seed(method.cfg.seed)

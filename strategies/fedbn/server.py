@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.engine.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, weighted_average
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, weighted_average
 from common.engine.reply_store import materialized
 from common.engine.round_engine import weighted_mean_metrics
 from common.engine.screening import batchnorm_problem, robust_average

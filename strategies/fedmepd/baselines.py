@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.engine.arrays import model_arrays, weighted_average
+from common.arrays import model_arrays, weighted_average
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate
 from common.methods.local_training import LocalTraining
 

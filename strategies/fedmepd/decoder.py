@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from common.engine.arrays import NamedArrays
+from common.arrays import NamedArrays
 from common.engine.reply_store import selected
 
 from .filter_personalisation import subtract

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from common.engine.arrays import NamedArrays
+from common.arrays import NamedArrays
 
 EPS = 1e-12
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.arrays import NamedArrays, load_model_arrays, model_arrays
 from common.data.brats import MODALITIES, parse_modalities
 from common.data.containers import DataError
 from common.devices import server_device
-from common.engine.arrays import NamedArrays, load_model_arrays, model_arrays
 from common.methods.base import HospitalInfo, HospitalMethod, HospitalUpdate, RejectedUpdate, ServerMethod
 
 

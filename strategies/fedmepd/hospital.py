@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.engine.arrays import check_like, load_model_arrays, model_arrays
+from common.arrays import check_like, load_model_arrays, model_arrays
 from common.methods.base import Payload
 
 from .decoder import DECODER, MASK_KEY, decoder_part

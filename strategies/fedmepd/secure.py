@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from common.engine.payload import Payload
+from common.payload import Payload
 from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY, PREFIX, WEIGHT_CAP_KEY
 from common.trust.secure_aggregation.methods import (
     Contribution,

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from common.arrays import NamedArrays, model_arrays, weighted_average
 from common.data.brats import MODALITIES
-from common.engine.arrays import NamedArrays, model_arrays, weighted_average
 from common.engine.reply_store import selected
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
 

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from common.engine.payload import Payload
+from common.payload import Payload
 from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, PREFIX
 from common.trust.secure_aggregation.methods import (
     Contribution,

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.arrays import model_arrays, weighted_average
 from common.config import JobConfig
-from common.engine.arrays import model_arrays, weighted_average
 from common.methods.base import HospitalUpdate, NamedArrays, RejectedUpdate, ServerMethod
 from common.tasks import Task, get_task
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.engine.arrays import load_model_arrays
+from common.arrays import load_model_arrays
 from common.methods.base import Payload
 from common.methods.local_training import LocalTraining
 from common.models.representations import classifier_features

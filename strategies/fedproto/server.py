@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.engine.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays
 from common.engine.reply_store import materialized
 from common.engine.round_engine import weighted_mean_metrics
 from common.methods.base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.engine.arrays import load_model_arrays
+from common.arrays import load_model_arrays
 from common.methods.base import Payload
 from common.methods.local_training import LocalTraining
 from common.models.representations import ClassifierFeatures, FeatureTap, classifier_features, frozen_copy

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.engine.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays
 from common.methods.base import HospitalMethod, Payload
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 from common.quantization.fake_quant import quantization_aware

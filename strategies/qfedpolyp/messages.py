@@ -8,8 +8,8 @@ import hashlib
 
 import numpy as np
 
+from common.arrays import NamedArrays
 from common.config import ConfigError
-from common.engine.arrays import NamedArrays
 from common.methods.base import HospitalInfo
 from common.quantization.codec import PayloadError, check_bit_width, decode_model, encode_model
 

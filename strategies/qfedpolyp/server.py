@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from common.engine.arrays import ArraysMismatch, NamedArrays, weighted_average
+from common.arrays import ArraysMismatch, NamedArrays, weighted_average
 from common.methods.base import (
     HospitalInfo,
     HospitalUpdate,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from common.engine.payload import NamedArrays, Payload
+from common.payload import NamedArrays, Payload
 
 from .messages import LAYOUT_KEY, NORM_BOUND_KEY, OWN_WEIGHT_CAP_KEY, PARTS_KEY, WEIGHT_CAP_KEY
 from .settings import SecureAggregationSettings

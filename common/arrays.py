@@ -12,7 +12,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from common.engine.payload import NamedArrays
+from common.payload import NamedArrays
 
 
 class ArraysMismatch(ValueError):
