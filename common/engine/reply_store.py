@@ -98,10 +98,3 @@ def selected(arrays: Mapping[str, np.ndarray], prefix: str | tuple[str, ...]) ->
         return StoredArrays(arrays.path, {name: entry for name, entry in arrays.index.items()
                                           if name.startswith(prefix)})
     return {name: arrays[name] for name in arrays if name.startswith(prefix)}
-
-
-def flat_values(arrays: Mapping[str, np.ndarray], name: str, start: int, stop: int) -> np.ndarray:
-    """Values ``start:stop`` of tensor ``name`` raveled, read from disk alone where the arrays are there."""
-    if isinstance(arrays, StoredArrays):
-        return arrays.flat_slice(name, start, stop)
-    return np.asarray(arrays[name]).reshape(-1)[start:stop]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.arrays import weighted_average
-from common.engine.screening import robust_average
+from common.arrays import robust_average, weighted_average
 from common.methods.base import HospitalUpdate, ServerMethod
 
 
