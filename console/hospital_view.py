@@ -3,7 +3,7 @@
 ``secure-aggregation.json``), its policy file and, where given, the server's audit log of a run.
 
 Everything is read with the project's own readers (``common.trust.audit.verify``/``cross_check``/``records_of``,
-``common.trust.policy``'s ledger check and accountant, ``client_app.policy_rules``), so the page says what
+``common.trust.ledger``'s check and accountant, ``client_app.policy_rules``), so the page says what
 ``fedmed audit verify`` and ``fedmed policy check`` say and counts epsilon as the hospital counts it. Nothing is
 written. A file that is missing or cannot be read is a problem named on the page, never an exception.
 """
@@ -541,7 +541,7 @@ def _epsilon(entries: list[dict[str, Any]], delta: float) -> float:
 
 @functools.lru_cache(maxsize=8192)
 def _epsilon_of(entries: tuple[str, ...], delta: float) -> float:
-    """``common.trust.policy.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
+    """``common.trust.ledger.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
     since."""
     from common.trust.ledger import releases_epsilon
 

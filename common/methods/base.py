@@ -197,7 +197,7 @@ class ServerMethod(ABC):
 class HospitalMethod(ABC):
     """A hospital's side of a method: local training (and evaluation) on its own site."""
 
-    #: Set by the hospital's policy under local DP (common/trust/policy.py): every statistic the reply carries besides
+    #: Set by the hospital's policy under local DP (common/trust/enforcer.py): every statistic the reply carries besides
     #: the clipped, noised model must have the sensitivity the policy accounts for (FedProIn counts its influence with
     #: the received model, so one replaced sample moves two counts by one).
     privacy_bounded: bool = False
