@@ -70,7 +70,7 @@ def section_environment(args) -> list[str]:
 
 
 def section_simulation(args) -> list[str]:
-    from common.launch import (
+    from cli.launch import (
         FlowerHome,
         free_port,
         run_log,
@@ -111,7 +111,7 @@ def section_simulation(args) -> list[str]:
 
 def one_round(label: str, build: Callable[[], Any]) -> str:
     """``build()`` returns (cfg, sites); one round in process, its seconds and the peak GPU memory."""
-    from common.inprocess import run_rounds
+    from common.engine.inprocess import run_rounds
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -133,7 +133,7 @@ def section_presets(args) -> list[str]:
     from benchmarks.qfedpolyp.table1 import PRESETS as POLYP
     from benchmarks.qfedpolyp.table1 import PROTOCOL as POLYP_PROTOCOL
     from common.config import JobConfig, load_job_config
-    from common.inprocess import simulated_sites
+    from common.engine.inprocess import simulated_sites
 
     lines = ["| paper preset, one round (generated data of its sizes) | seconds | peak GPU GiB | aggregated | "
              "test |", "|---|---|---|---|---|"]

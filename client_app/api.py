@@ -26,11 +26,11 @@ server's strategy. fedmed's own ClientApp (``client_app/app.py``) is these three
 Any failure becomes an error reply whose reason names the hospital and the file or key at fault, so the server
 logs it and goes on.
 
-The hospital's policy (node config ``policy-file``: methods, min-samples, local DP, rounds; ``common/policy.py``) is
-applied to every answer, here or in the warm worker, so a ClientApp of your own enforces it as fedmed's does; what it
-refuses is an error reply with the reason. Every message received and every reply sent is a line of the hospital's
-audit log (node config ``audit-log``, default ``audit.jsonl`` in its state folder; ``common/audit.py``), and each
-reply carries the log's last hash (``audit-head``), which the server's own audit log records.
+The hospital's policy (node config ``policy-file``: methods, min-samples, local DP, rounds; ``common/trust/policy.py``)
+is applied to every answer, here or in the warm worker, so a ClientApp of your own enforces it as fedmed's does; what it
+refuses is an error reply with the reason. Every message received and every reply sent is a line of the hospital's audit
+log (node config ``audit-log``, default ``audit.jsonl`` in its state folder; ``common/trust/audit.py``), and each reply
+carries the log's last hash (``audit-head``), which the server's own audit log records.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
-from common.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
+from common.engine.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
 from common.payload import Payload
-from common.secure_aggregation.messages import COLLECT, STAGE_KEY
-from common.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
+from common.trust.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
+from common.trust.secure_aggregation.messages import COLLECT, STAGE_KEY
 
 from .secure_aggregation import secure_train
 
@@ -170,7 +170,7 @@ def without_local_paths(reason: str) -> str:
 
 def with_audit_head(reason: str, audit: AuditLog | None) -> str:
     """An error reply's reason with the hospital's audit head at its end (a Flower error reply carries no records),
-    so the server's log anchors refusals as it anchors answers (:func:`common.audit.head_in_reason`)."""
+    so the server's log anchors refusals as it anchors answers (:func:`common.trust.audit.head_in_reason`)."""
     if audit is None:
         return reason
     try:

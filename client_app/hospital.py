@@ -11,15 +11,16 @@ import contextlib
 from collections import OrderedDict
 from typing import Any, Mapping
 
-from common.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside, offline
-from common.audit import AuditLog
-from common.code_gate import CodeGate, split_list
 from common.config import JobConfig, hospital_job_config
-from common.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
-from common.policy import Enforcer, PolicyRefusal, enforcer_for
-from common.site import HospitalStateStore, Site, build_site
-from strategies.registry import hospital_class
+from common.methods.registry import hospital_class
+from common.methods.site import HospitalStateStore, Site, build_site
+from common.trust.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside, offline
+from common.trust.audit import AuditLog
+from common.trust.code_gate import CodeGate, split_list
+from common.trust.enforcer import Enforcer, enforcer_for
+from common.trust.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
+from common.trust.policy import PolicyRefusal
 
 from .node_config import NodeConfig, load_node_config
 
@@ -74,7 +75,7 @@ def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:
 
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:
     """The reply to one message: ``query`` (identity in config), ``train`` or ``evaluate`` (metrics), within the
-    hospital's policy (``policy-file``) and the code it approved (``common/code_gate.py``): a message it does not
+    hospital's policy (``policy-file``) and the code it approved (``common/trust/code_gate.py``): a message it does not
     allow raises ``PolicyRefusal`` with the reason, before anything the message names is imported."""
     node = load_node_config(node_config)
     cfg = hospital_job_config(run_config, payload.config, node.pinned_keys())
@@ -92,7 +93,7 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
 
 
 def argument_problems_at(node: NodeConfig, cfg: JobConfig, enforcer: Enforcer | None) -> list[str]:
-    """Why the server's arguments would reach outside this deployed hospital (common/argument_gate.py): its own
+    """Why the server's arguments would reach outside this deployed hospital (common/trust/argument_gate.py): its own
     folders are its data-dir, state folder and its policy's argument-folders; its limits its policy's or the
     defaults."""
     policy = enforcer.policy if enforcer is not None else None

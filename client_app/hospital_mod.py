@@ -23,8 +23,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
-from common.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.methods.base import TRAINS_ITSELF
+from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, sign_identity
 
 from .api import Hospital
 
@@ -51,7 +51,7 @@ def fedmed_config(message: Message) -> ConfigRecord | None:
 def trains_itself(config: ConfigRecord) -> bool:
     """Whether the job's method takes a ClientApp's own training (Flower's FedAvg contract), so that this app's own
     train handler answers its rounds."""
-    from strategies.registry import method_spec
+    from common.methods.registry import method_spec
 
     try:
         spec = method_spec(str(config.get("strategy", "")))

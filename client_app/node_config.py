@@ -80,13 +80,14 @@ class NodeConfig(Section):
         "Deployment: keep torch and the data loaded in a worker process between messages (client_app/worker.py); "
         "false: do all the work in each message's own ClientApp process."))
     policy_file: str = Field("", description=(
-        "The hospital's data-protection policy (TOML, or JSON ending in .json; common/policy.py, docs/privacy.md): "
+        "The hospital's data-protection policy (TOML, or JSON ending in .json; common/trust/policy.py, "
+        "docs/privacy.md): "
         "tasks and methods it allows, min-samples, max-rounds-per-run, local-dp. Read at the hospital for every "
         "message; nothing the server sends changes it."))
     models: str = Field("", description=(
         "Networks of the consortium's own this hospital runs, by import path, comma-separated; '*' matches any run "
         "of characters ('monai.networks.nets:DenseNet121, my_site.nets:*'). Built-in networks need no listing; "
-        "anything else a message names is refused before it is imported (common/code_gate.py)."))
+        "anything else a message names is refused before it is imported (common/trust/code_gate.py)."))
     datasets: str = Field("", description=(
         "Data loaders of the consortium's own this hospital runs, by import path, comma-separated (as models)."))
     dataset: str = Field("", description=(
@@ -97,7 +98,7 @@ class NodeConfig(Section):
         "prints an app's); fedmed-supernode refuses any other (deploy/fedmed_supernode.py). The policy's 'apps' "
         "adds to them."))
     audit_log: str = Field("", description=(
-        "The hospital's audit log (common/audit.py): every message received and sent and every policy decision, "
+        "The hospital's audit log (common/trust/audit.py): every message received and sent and every policy decision, "
         "chained by SHA-256. Empty: audit.jsonl in its state folder; 'none': no log."))
 
     @field_validator("bit_width")

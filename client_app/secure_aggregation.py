@@ -2,7 +2,7 @@
 
 ``secure_train(message, context, train)`` answers a training message: one without a stage goes to ``train`` as
 today (refused when the hospital's policy says ``require-secure-aggregation``); the key stages (setup, share keys,
-consistency check, unmask) are answered by the protocol (``common/secure_aggregation/hospital.py``) under the
+consistency check, unmask) are answered by the protocol (``common/trust/secure_aggregation/hospital.py``) under the
 hospital's own rules (its node config's name, ``identity-key`` and ``peer-keys``, its policy's minimums, its replay
 memory in its state folder), its secrets kept between stages in the ClientApp's ``context.state`` as Flower's
 ``secaggplus_mod`` keeps them. In the collect stage it trains with ``train`` (the method's hospital half, as today)
@@ -23,10 +23,11 @@ from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
 
+from common.engine.wire import RecordKeys, from_recorddict, to_recorddict
 from common.payload import Payload
-from common.secure_aggregation import Layout, encode, modulus_bits, pack_values
-from common.secure_aggregation import distributed_dp as ddp
-from common.secure_aggregation.hospital import (
+from common.trust.secure_aggregation import Layout, encode, modulus_bits, pack_values
+from common.trust.secure_aggregation import distributed_dp as ddp
+from common.trust.secure_aggregation.hospital import (
     HospitalRound,
     HospitalRules,
     ReplayMemory,
@@ -37,7 +38,7 @@ from common.secure_aggregation.hospital import (
     model_digest,
     round_plan,
 )
-from common.secure_aggregation.messages import (
+from common.trust.secure_aggregation.messages import (
     COLLECT,
     LAYOUT_KEY,
     MASKED_ARRAY,
@@ -48,9 +49,8 @@ from common.secure_aggregation.messages import (
     STAGE_KEY,
     STAGES,
 )
-from common.secure_aggregation.methods import secure_method
-from common.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
-from common.wire import RecordKeys, from_recorddict, to_recorddict
+from common.trust.secure_aggregation.methods import secure_method
+from common.trust.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
 
 STATE_RECORD = "fedmed.secagg"  #: context.state: Flower's SecAggPlusState of the protocol run
 ROUND_RECORD = "fedmed.secagg.round"  #: context.state: the rest of the hospital's part in it (run, round, ...)
@@ -74,7 +74,7 @@ def stage_of(message: Message) -> str | None:
 
 def hospital_policy(context: Context):
     """The hospital's policy (node config ``policy-file``, read afresh for every message); None without one."""
-    from common.policy import read_policy
+    from common.trust.policy import read_policy
 
     path = context.node_config.get("policy-file")
     return read_policy(str(path))[0] if path else None
@@ -84,7 +84,7 @@ def hospital_rules(context: Context):
     """This hospital's rules (node config and policy, read afresh for every message) and its policy (None: none).
     Its replay memory is mirrored in its audit log; a deployed hospital whose policy requires secure aggregation
     takes part only with the consortium's keys (``peer-keys``), so it counts only registered hospitals."""
-    from common.audit import AuditLog
+    from common.trust.audit import AuditLog
 
     from .node_config import load_node_config
 
@@ -127,7 +127,7 @@ def secure_train(message: Message, context: Context, train: TrainHandler, requir
             if required or (policy is not None and policy.require_secure_aggregation):
                 from pathlib import Path
 
-                from common.policy import PolicyRefusal
+                from common.trust.policy import PolicyRefusal
 
                 source = Path(str(context.node_config.get("policy-file") or "its ClientApp")).name
                 raise PolicyRefusal(f"refused by its policy ({source}): require-secure-aggregation: this hospital "
@@ -175,7 +175,7 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     values, metrics = method.contribution(received, trained, {**plan, **own},
                                           ddp.method_layout(plan) if noise is not None else layout)
     if noise is not None:
-        from common.policy import noise_rng
+        from common.trust.local_dp import noise_rng
 
         values = ddp.contribute(values, noise, plan, noise_rng())
     vector = encode(layout, values, state.flower.clipping_range, state.flower.target_range)

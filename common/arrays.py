@@ -81,11 +81,9 @@ def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterab
 
     Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not weights: they take the
     largest value instead of an average. Each tensor is summed a slice of its values at a time, each hospital's
-    slice read alone where its arrays are on disk (``common.reply_store``): every value is the same sum, in the same
-    order, as over whole tensors.
+    slice read alone where its arrays are on disk (``common.engine.reply_store``): every value is the same sum, in the
+    same order, as over whole tensors.
     """
-    from common.reply_store import flat_values
-
     arrays, weights = list(arrays), np.asarray([float(w) for w in weights], dtype=np.float64)
     if not arrays or weights.sum() <= 0:
         raise ValueError("weighted_average needs at least one array set with positive weight")
@@ -106,6 +104,44 @@ def weighted_average(arrays: Iterable[Mapping[str, np.ndarray]], weights: Iterab
                 total += w * flat_values(item, name, start, stop)
             average[start:stop] = total
         result[name] = average.reshape(shape)
+    return result
+
+
+def flat_values(arrays: Mapping[str, np.ndarray], name: str, start: int, stop: int) -> np.ndarray:
+    """Values ``start:stop`` of tensor ``name`` raveled; arrays that can read a slice themselves (the reply store's
+    ``StoredArrays``, on disk) read only it."""
+    flat_slice = getattr(arrays, "flat_slice", None)
+    if flat_slice is not None:
+        return flat_slice(name, start, stop)
+    return np.asarray(arrays[name]).reshape(-1)[start:stop]
+
+
+ROBUST_CHUNK_BYTES = 64 * 2**20
+
+
+def robust_average(arrays: list[Mapping[str, np.ndarray]], rule: str, trim_fraction: float = 0.2) -> NamedArrays:
+    """Coordinate-wise median (Flower's FedMedian) or trimmed mean (Flower's FedTrimmedAvg, its ``trim_mean``)
+    of named arrays, unweighted; integer arrays take the median. Each tensor goes a slice of coordinates at a time,
+    the same slice of every hospital's (read from disk alone where the arrays are there: :func:`flat_values`);
+    every coordinate's value is what the rule gives over the whole tensor at once."""
+    result: NamedArrays = {}
+    per_slice = max(2, ROBUST_CHUNK_BYTES // (8 * len(arrays)))
+    for name in arrays[0]:
+        first = np.asarray(arrays[0][name])
+        size = first.size
+        slices = max(1, -(-size // per_slice))
+        step = -(-size // slices)  # slices of (nearly) equal length, none of a single value but a 1-value tensor's
+        value = np.empty(size, dtype=first.dtype)
+        for start in range(0, size, step):
+            stacked = np.stack([flat_values(item, name, start, start + step) for item in arrays])
+            if rule == "trimmed-mean" and first.dtype.kind == "f":
+                from flwr.serverapp.strategy.fedtrimmedavg import trim_mean  # Flower's own rule, where Flower is
+
+                part = trim_mean(stacked.astype(np.float64), trim_fraction)
+            else:
+                part = np.median(stacked, axis=0)
+            value[start:start + step] = np.asarray(part).astype(first.dtype)
+        result[name] = value.reshape(first.shape)
     return result
 
 

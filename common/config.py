@@ -14,8 +14,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from common.secure_aggregation import SecureAggregationSettings
 from common.settings import ConfigError, Section, hyphenated
+from common.trust.secure_aggregation import SecureAggregationSettings
 
 __all__ = ["ConfigError", "Section", "JobConfig", "load_job_config"]
 
@@ -202,7 +202,8 @@ class CoreConfig(Section):
         "After the last round every hospital scores the final global model (and its own, for methods that "
         "personalise) on its validation data: a hospitals x models table and heatmap in the run's results."))
     message_arrays: Literal["auto", "per-tensor", "flat", "packed"] = Field("auto", description=(
-        "How a message's arrays travel (common/wire.py): one Flower Array per tensor; 'flat': one Array per dtype "
+        "How a message's arrays travel (common/engine/wire.py): one Flower Array per tensor; 'flat': one Array "
+        "per dtype "
         "of each array group, every tensor raveled into it, names and shapes in the config (weights still, for "
         "Flower's client-side DP and SecAgg+ mods; each Array costs the SuperLink milliseconds, so this is "
         "several seconds a round faster); 'packed': each group as one .npz Array (bytes: no mod can read it); "
@@ -223,7 +224,8 @@ class CoreConfig(Section):
         "max:/min: loss and hd95 are minimised, other metrics maximised. Empty: no best model."))
 
     audit_log: str = Field("", description=(
-        "The server's audit log (common/audit.py, docs/privacy.md): every message it sends and receives (run, round, "
+        "The server's audit log (common/trust/audit.py, docs/privacy.md): every message it sends and receives (run, "
+        "round, "
         "method, kind, bytes, SHA-256 of the content, the hospital), chained by SHA-256, appended across restarts. "
         "Empty: <results-dir>/<run-name>/audit.jsonl; 'none': no log."))
 
@@ -292,7 +294,7 @@ class CoreConfig(Section):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
-        from strategies.registry import method_names
+        from common.methods.registry import method_names
 
         if value not in method_names():
             raise ValueError(f"unknown strategy {value!r}; choose one of {', '.join(method_names())}")
@@ -305,7 +307,8 @@ class CoreConfig(Section):
             raise ValueError(
                 f"dataset={self.dataset!r} does not fit task={self.task!r}; use one of "
                 f"{', '.join(TASK_DATASETS[self.task])}, or a loader of your own as 'package.module:loader'")
-        from common.models.networks import TASK_BUILT_IN, parse_arguments
+        from common.models.networks import TASK_BUILT_IN
+        from common.trust.code_gate import parse_arguments
 
         if self.model and ":" not in self.model and self.model not in TASK_BUILT_IN[self.task]:
             raise ValueError(f"model={self.model!r} is not a built-in network of task={self.task!r} "
@@ -327,7 +330,7 @@ class CoreConfig(Section):
                              f"this job's task is {self.task}")
         if self.min_available_hospitals < self.min_train_hospitals:
             raise ValueError("min-available-hospitals must be at least min-train-hospitals")
-        from strategies.registry import method_tasks
+        from common.methods.registry import method_tasks
 
         if self.task not in method_tasks(self.strategy):
             raise ValueError(f"strategy={self.strategy!r} does not support task={self.task!r}")
@@ -365,7 +368,7 @@ class CoreConfig(Section):
 def _job_config_type() -> type[CoreConfig]:
     """The core keys with one table per method that has settings (``strategies/<method>/settings.py``), each
     method's defaults written once, in its settings class."""
-    from strategies.registry import settings_tables
+    from common.methods.registry import settings_tables
 
     tables = {name: (table, table()) for name, table in settings_tables().items()}
     return create_model("JobConfig", __base__=CoreConfig, __doc__="Every run-config key: the core keys and each "
@@ -480,7 +483,8 @@ def one_edit_apart(a: str, b: str) -> bool:
 def server_settable_keys() -> list[str]:
     """The run-config keys a server may set in a hospital's job (its run config and every message): all of fedmed's
     but :data:`HOSPITAL_OWN_KEYS` and the server's own (``fedmed policy check`` prints them for the hospital). A
-    node config may pin more (``dataset``); what code the keys may name is the hospital's too (common/code_gate.py)."""
+    node config may pin more (``dataset``); what code the keys may name is the hospital's too
+    (common/trust/code_gate.py)."""
     return sorted(key for key in _FLAT_KEYS if key not in HOSPITAL_OWN_KEYS | SERVER_ONLY_KEYS | set(RENAMED_KEYS))
 
 

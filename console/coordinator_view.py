@@ -3,8 +3,8 @@ hospitals (asked, answered, refused, aggregated) with bytes, the metric curves, 
 the cross-site table, the server's audit chain, and where the run's TensorBoard or MLflow record is.
 
 Read with ``server_app.results`` (``describe_run``, ``read_history``, ``best_round``, ``run_state``),
-``server_app.checkpoint.read_best`` and ``common.audit.verify``: the page says what the CLI says. Nothing is written;
-a file that cannot be read is a problem named on the page.
+``server_app.checkpoint.read_best`` and ``common.trust.audit.verify``: the page says what the CLI says. Nothing is
+written; a file that cannot be read is a problem named on the page.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``audit.jsonl``, the privacy ledger ``privacy-ledger.json``, the secure-aggregation memory
 ``secure-aggregation.json``), its policy file and, where given, the server's audit log of a run.
 
-Everything is read with the project's own readers (``common.audit.verify``/``cross_check``/``records_of``,
-``common.policy``'s ledger check and accountant, ``client_app.site_cli.policy_rules``), so the page says what
+Everything is read with the project's own readers (``common.trust.audit.verify``/``cross_check``/``records_of``,
+``common.trust.ledger``'s check and accountant, ``client_app.policy_rules``), so the page says what
 ``fedmed audit verify`` and ``fedmed policy check`` say and counts epsilon as the hospital counts it. Nothing is
 written. A file that is missing or cannot be read is a problem named on the page, never an exception.
 """
@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.audit import AUDIT_HEAD_MARK, cross_check, records_of, verify
-from common.policy import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS, PolicyRefusal
-from common.secure_aggregation.messages import COLLECT
+from common.trust.audit import AUDIT_HEAD_MARK, cross_check, records_of, verify
+from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS
+from common.trust.policy import PolicyRefusal
+from common.trust.secure_aggregation.messages import COLLECT
 
 AUDIT_FILE = "audit.jsonl"
-MEMORY_FILE = "secure-aggregation.json"  #: common.secure_aggregation.hospital.MEMORY_FILE (that module needs Flower)
+#: common.trust.secure_aggregation.hospital.MEMORY_FILE (that module needs Flower)
+MEMORY_FILE = "secure-aggregation.json"
 HOSPITAL_FILES = (AUDIT_FILE, LEDGER_FILE, MEMORY_FILE)
 #: a log written to within this many seconds belongs to a run that may still be going: the page refreshes
 LIVE_SECONDS = 300.0
@@ -449,8 +451,8 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
                  now: float) -> Privacy:
     """The ledger checked against the audit log as the hospital checks it before every training, each training's
     epsilon after it (Google's RDP accountant, as the hospital counts), per day, against the budget."""
-    from common.audit import AuditLog
-    from common.policy import PrivacyLedger
+    from common.trust.audit import AuditLog
+    from common.trust.ledger import PrivacyLedger
 
     ledger_path = folder / LEDGER_FILE
     audit_path = folder / AUDIT_FILE
@@ -475,7 +477,7 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
     delta, max_epsilon, budget_from, max_per_day = None, None, "", None
     if policy_file is not None:
         try:
-            from common.policy import read_policy
+            from common.trust.policy import read_policy
 
             policy, _ = read_policy(policy_file)
             max_per_day = policy.max_trainings_per_day
@@ -539,9 +541,9 @@ def _epsilon(entries: list[dict[str, Any]], delta: float) -> float:
 
 @functools.lru_cache(maxsize=8192)
 def _epsilon_of(entries: tuple[str, ...], delta: float) -> float:
-    """``common.policy.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
+    """``common.trust.ledger.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
     since."""
-    from common.policy import releases_epsilon
+    from common.trust.ledger import releases_epsilon
 
     return releases_epsilon([json.loads(e) for e in entries], delta)
 
@@ -585,7 +587,7 @@ def read_policy_view(policy_file: Path | None, node_config: str, records: list[t
         return PolicyView(None, [], "", logged, "")
     import hashlib
 
-    from client_app.site_cli import policy_rules
+    from client_app.policy_rules import policy_rules
     from common.settings import ConfigError
 
     config = node_config or f"hospital='{name}' data-dir='.'"

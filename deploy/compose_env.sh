@@ -7,5 +7,5 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${FEDMED_PYTHON:-python3}  # a Python with the project installed (`fedmed app-hash`)
-hash=$("$python" -m common.cli app-hash --hash-only "$root")
+hash=$("$python" -m cli.main app-hash --hash-only "$root")
 printf 'FEDMED_UID=%s\nFEDMED_GID=%s\nFEDMED_APPROVED_APPS=%s\n' "$(id -u)" "$(id -g)" "$hash"

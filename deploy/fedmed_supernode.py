@@ -177,7 +177,7 @@ def approved_apps(node_config: dict[str, Any]) -> frozenset[str] | None:
 
 
 def read_table(path: Path) -> Any:
-    """A policy file's table (the format its suffix names, as common/policy.py reads it)."""
+    """A policy file's table (the format its suffix names, as common/trust/policy.py reads it)."""
     data = path.read_bytes()
     suffix = path.suffix.lower()
     if suffix == ".json":

@@ -38,7 +38,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 if [ ${#any_app[@]} -eq 0 ]; then
   if [ -z "$approve" ]; then  # the checkout beside this script: the app the hospital reviewed
-    approve=$("$python" -m common.cli app-hash --hash-only "$root")
+    approve=$("$python" -m cli.main app-hash --hash-only "$root")
   fi
   extra="approved-apps='$approve' $extra"
 fi

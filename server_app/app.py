@@ -20,10 +20,10 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.config import ConfigError, JobConfig
-from common.round_engine import RoundEngine
+from common.engine.round_engine import RoundEngine
+from common.methods.registry import strategy_class
 from strategies import strategy_arguments
 from strategies.base import NoHospitalAggregated
-from strategies.registry import strategy_class
 
 from .checkpoint import (
     CheckpointError,

@@ -115,9 +115,9 @@ def evaluate_run(run: Path, data: Path, *, round_number: int | None = None, int8
     (and ``"best"``: round, metric and value, for the best round's model). The run's own network, model arguments,
     loader and its arguments are the run's (its checkpoint's config): a loader of its own reads ``data`` as the
     server's test set, and its modules are imported from where the run took them, or ``app_dir``
-    (:mod:`common.run_imports`)."""
+    (:mod:`common.engine.run_imports`)."""
+    from common.engine.run_imports import run_modules_importable
     from common.methods.base import unpack_json
-    from common.run_imports import run_modules_importable
 
     from .checkpoint import checkpoint_dir, find_best, load_checkpoint, read_best
 
@@ -153,8 +153,8 @@ def score_checkpoint(run: Path, source: Path, state: dict[str, Any], cfg: JobCon
     from common.data.brats import parse_modalities
     from common.data.loaders import is_custom
     from common.methods.base import unpack_json
+    from common.methods.registry import server_class
     from common.tasks import get_task, task_class
-    from strategies.registry import server_class
 
     own = cfg.dataset if is_custom(cfg.dataset) else ""  # the run's own loader reads the folder, as it read its data
     eval_cfg = cfg.model_copy(update={"dataset": dataset or own or folder_format(cfg.task, data),

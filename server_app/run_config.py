@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from common.config import ConfigError, JobConfig, fedmed_keys_of, flatten, load_job_config, upgrade_keys
+from common.engine.run_lock import claim_run_name
 from common.methods.base import unpack_json
-from common.run_lock import claim_run_name
 
 from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint
 
@@ -113,7 +113,8 @@ def load_run_config(run_config: Mapping[str, Any]) -> tuple[JobConfig, dict[str,
     except OSError:
         check_writable(cfg.run_dir)  # says which folder cannot be written, as whom
         raise
-    cfg = cfg.model_copy(update={"run_name": name})  # held until this ServerApp's process ends (common/run_lock.py)
+    # held until this ServerApp's process ends (common/engine/run_lock.py)
+    cfg = cfg.model_copy(update={"run_name": name})
     claim_run_folder(cfg, resuming=checkpoint is not None and same_folder(cfg))
     check_writable(cfg.run_dir)
     return cfg, checkpoint

@@ -1,5 +1,5 @@
 """Our Flower strategies, one package per method (``strategies/<method>/``: settings, server half, hospital half,
-strategy), listed in ``strategies/registry.py``. Each strategy is a Flower ``Strategy`` that owns its method:
+strategy), listed in ``common/methods/registry.py``. Each strategy is a Flower ``Strategy`` that owns its method:
 
     from strategies import FedProInStrategy
     strategy = FedProInStrategy(fraction_train=0.5, min_train_nodes=2, num_prototypes=2)

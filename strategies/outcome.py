@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: what the hospitals' replay memory says when a secure-aggregation round is run again (common/secure_aggregation)
+#: what the hospitals' replay memory says when a secure-aggregation round is run again (common/trust/secure_aggregation)
 REPLAY_REFUSALS = ("already took part in secure aggregation", "already helped unmask a sum")
 REPLAY_ADVICE = ("the hospitals' replay memory refused a secure-aggregation round they took part in before (their "
                  "secure-aggregation.json in their state folder): each hospital takes part in one protocol run per "

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 
+from common.engine.wire import array_view
 from common.payload import NamedArrays
-from common.wire import array_view
 
 
 def into_arrayrecord(arrays: NamedArrays) -> ArrayRecord:

@@ -18,9 +18,9 @@ A secure round is five exchanges of TRAIN messages whose ConfigRecord carries th
 
 Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stages 4-5 inside
 ``aggregate_train`` (through :class:`SecureRoundEngine`), so a round runs the same under our ``start()`` and under
-Flower's own loop (a DP wrapper's). The protocol itself is ``common/secure_aggregation/``. :class:`SecureAggregation`
-is what ``strategies/base.py`` calls; :class:`SecureAggregationMixin` adds it to any of our strategies
-(``with_secure_aggregation(FedAvgStrategy)``).
+Flower's own loop (a DP wrapper's). The protocol itself is ``common/trust/secure_aggregation/``.
+:class:`SecureAggregation` is what ``strategies/base.py`` calls; :class:`SecureAggregationMixin` adds it to any of our
+strategies (``with_secure_aggregation(FedAvgStrategy)``).
 """
 
 from __future__ import annotations
@@ -28,20 +28,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
-from common.audit import message_digest
 from common.config import ConfigError
+from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
+from common.engine.screening import brief, cut, metrics_problem, sample_count_problem
+from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
-from common.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
-from common.screening import brief, cut, metrics_problem, sample_count_problem
-from common.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
-from common.secure_aggregation.distributed_dp import expand
-from common.secure_aggregation.messages import (
+from common.trust.audit import message_digest
+from common.trust.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
+from common.trust.secure_aggregation.distributed_dp import expand
+from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
     MASKED_ARRAY,
@@ -51,8 +53,8 @@ from common.secure_aggregation.messages import (
     STAGE_KEY,
     UNMASK,
 )
-from common.secure_aggregation.methods import MethodPlan, secure_method
-from common.secure_aggregation.server import (
+from common.trust.secure_aggregation.methods import MethodPlan, secure_method
+from common.trust.secure_aggregation.server import (
     ServerRound,
     Verifier,
     add_masked_vector,
@@ -68,11 +70,7 @@ from common.secure_aggregation.server import (
     unmask_config,
     unmask_sum,
 )
-from common.secure_aggregation.vector import unpack_values
-from common.wire import MalformedPayload, from_recorddict, to_recorddict
-
-if TYPE_CHECKING:
-    from strategies.base import HospitalStrategy
+from common.trust.secure_aggregation.vector import unpack_values
 
 log = logging.getLogger("fedmed")
 
@@ -95,11 +93,12 @@ class SecureRound:
 
 
 class SecureAggregation:
-    """SecAgg+ for one strategy: :meth:`prepare` (from ``configure_train``) runs setup and share keys and returns the
-    training messages with the collect stage's keys; :meth:`complete` (the round engine's ``complete_round``) takes
-    the masked replies, runs the unmask stage and records the round."""
+    """SecAgg+ for one of our strategies (a ``strategies.base.HospitalStrategy``): :meth:`prepare` (from
+    ``configure_train``) runs setup and share keys and returns the training messages with the collect stage's keys;
+    :meth:`complete` (the round engine's ``complete_round``) takes the masked replies, runs the unmask stage and records
+    the round."""
 
-    def __init__(self, strategy: "HospitalStrategy", settings: SecureAggregationSettings):
+    def __init__(self, strategy: Strategy, settings: SecureAggregationSettings):
         self.strategy = strategy
         self.settings = settings
         try:
@@ -114,7 +113,7 @@ class SecureAggregation:
         self.grid: Grid | None = None
 
     @classmethod
-    def of(cls, strategy: "HospitalStrategy") -> "SecureAggregation | None":
+    def of(cls, strategy: Strategy) -> "SecureAggregation | None":
         """The strategy's secure aggregation when its job enables it (``[secure-aggregation]``), else None."""
         settings = getattr(strategy.job, "secure_aggregation", None)
         if settings is None or not settings.enabled:
@@ -194,7 +193,7 @@ class SecureAggregation:
         folder = self.strategy.job.hospital_keys
         if not folder:
             return None
-        from common.identity import statement_problem
+        from common.trust.identity import statement_problem
 
         return lambda name, statement, signature: statement_problem(folder, name, statement, signature)
 
@@ -217,7 +216,7 @@ class SecureAggregation:
     def exchange(self, progress: SecureRound, stage: str, configs: Mapping[int, dict[str, Any]]) -> dict[int, dict]:
         """One key stage: a TRAIN message to each node with its config, and the config of each reply (nodes that
         failed, answered out of turn or not at all are recorded in the protocol's ``lost``)."""
-        from strategies.base import messages_in_flight, send_and_receive
+        from strategies.grid_messages import messages_in_flight, send_and_receive
 
         strategy, job, protocol = self.strategy, self.strategy.job, progress.protocol
         base = {**strategy.records.as_config(), "server-round": progress.rnd, "run-name": job.run_name,

@@ -1,5 +1,5 @@
 """Helpers for tests that start real Flower processes; each process is stopped afterwards, with its whole process
-tree (by PID, and by the launch mark its descendants inherit: see common.launch)."""
+tree (by PID, and by the launch mark its descendants inherit: see cli.launch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from common.launch import FlowerHome, ManagedProcess, free_port, run_log, start_superlink, submit_run, wait_for_run
+from cli.launch import FlowerHome, ManagedProcess, free_port, run_log, start_superlink, submit_run, wait_for_run
 
 TINY_JOB = {"synthetic-samples": 120, "image-size": 16, "batch-size": 16, "min-partition-size": 5,
             "round-timeout": 300.0}

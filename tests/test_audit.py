@@ -1,5 +1,5 @@
-"""The audit log (common/audit.py): a SHA-256 chain of JSON lines that a new process extends after checking its last
-line, that concurrent writers share without interleaving, and whose verification names every edited, inserted,
+"""The audit log (common/trust/audit.py): a SHA-256 chain of JSON lines that a new process extends after checking its
+last line, that concurrent writers share without interleaving, and whose verification names every edited, inserted,
 removed, reordered or cut-short line; both ends of a federation log the same content hashes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import multiprocessing
 
 import pytest
 
-from common.audit import GENESIS, AuditError, AuditLog, cross_check, line_hash, verify
-from server_app.audit_cli import main as audit_main
+from cli.audit import main as audit_main
+from common.trust.audit import GENESIS, AuditError, AuditLog, cross_check, line_hash, verify
 
 
 def written(path, count=5) -> list[dict]:
@@ -192,7 +192,7 @@ def test_both_ends_log_the_same_content_hashes(tmp_path):
 
 def rechained(lines: list[dict]) -> bytes:
     """Lines rewritten as their log's operator could: each line's prev and hash made afresh, so the chain verifies."""
-    from common.audit import GENESIS, canonical, line_hash
+    from common.trust.audit import GENESIS, canonical, line_hash
 
     out, previous = [], GENESIS
     for seq, record in enumerate(lines, start=1):
@@ -260,7 +260,7 @@ def test_verify_peer_fails_on_a_name_it_cannot_find(tmp_path, capsys):
 
 
 def test_rebuild_ledger_command(tmp_path, capsys):
-    from common.policy import PrivacyLedger
+    from common.trust.ledger import PrivacyLedger
 
     log = AuditLog(tmp_path / "audit.jsonl", "hospital:h")
     ledger = PrivacyLedger(tmp_path / "state", log)

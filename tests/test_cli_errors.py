@@ -9,11 +9,12 @@ import shlex
 
 import pytest
 
-from common import cli, launch
+from cli import launch
+from cli import main as cli
 from common.config import load_job_config
 from common.data.export import write_site
 from common.data.sources import generate
-from common.round_engine import RoundEngine
+from common.engine.round_engine import RoundEngine
 from server_app.checkpoint import save_checkpoint
 
 TINY = {"synthetic-samples": 40, "image-size": 8, "model": "small-cnn", "min-partition-size": 5}

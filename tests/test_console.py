@@ -22,7 +22,7 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from common.cli import main as fedmed
+from cli.main import main as fedmed
 from console.app import CSP, Sources, create_app
 from console.charts import Series, line_chart, nice_ticks
 from console.coordinator_view import read_run, round_row, run_folders, trackers_of
@@ -374,7 +374,7 @@ def test_a_bad_argument_is_one_line(tmp_path, capsys, args, named):
 
 
 def test_policy_options_name_each_hospital():
-    from console.cli import policies
+    from cli.console import policies
 
     assert policies(["hospital-00=/etc/p.toml", "/etc/all.toml"]) == [("hospital-00", Path("/etc/p.toml")),
                                                                       ("", Path("/etc/all.toml"))]

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from client_app.site_cli import app_hash
-from common.cli import main as fedmed
-from common.launch import FlowerHome, free_port, start_superlink, start_supernode
+from cli.launch import FlowerHome, free_port, start_superlink, start_supernode
+from cli.main import main as fedmed
+from cli.site import app_hash
 from server_app.results import read_history
 
 from .conftest import ROOT
@@ -87,7 +87,7 @@ def deployment(tmp_path: Path) -> dict:
 
 def serve(folders: dict, port: int) -> subprocess.Popen:
     """``fedmed console`` as a user starts it; returns once it answers."""
-    args = [sys.executable, "-m", "common.cli", "console", "--state", str(folders["state"]), "--results",
+    args = [sys.executable, "-m", "cli.main", "console", "--state", str(folders["state"]), "--results",
             str(folders["results"]), "--port", str(port)]
     for name, path in folders["policies"].items():
         args += ["--policy", f"{name}={path}"]

@@ -1,4 +1,4 @@
-"""``fedmed demo`` (common/demo.py): its job is valid and its hospitals' data differ; the comparison of local
+"""``fedmed demo`` (cli/demo.py): its job is valid and its hospitals' data differ; the comparison of local
 training, FedAvg and FedProIn is computed, written and plotted from the runs' records (here on a tiny job with the
 federated runs in this process, seconds instead of the demo's minutes in Flower); a failed run stops it."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from cli.demo import DEMO_RUN_CONFIG, FEDERATED, LOCAL, demo_run_config, run_demo
 from common.config import load_job_config
-from common.demo import DEMO_RUN_CONFIG, FEDERATED, LOCAL, demo_run_config, run_demo
-from common.inprocess import run_rounds, simulated_sites
-from common.site import HospitalStateStore
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.methods.site import HospitalStateStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,7 +30,7 @@ def test_the_demo_job_is_valid_and_each_hospital_holds_mostly_two_of_the_four_cl
 
 
 def in_process(hospitals: int):
-    """The demo's federated runs in this process (common.inprocess), as the Flower runs would record them."""
+    """The demo's federated runs in this process (common.engine.inprocess), as the Flower runs would record them."""
     def federate(strategy: str, run_config: dict) -> tuple[int, list[dict]]:
         cfg = load_job_config({**run_config, "strategy": strategy, "run-name": strategy})
         sites = simulated_sites(cfg, hospitals)

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from client_app.site_cli import app_hash
-from common.cli import main as fedmed
-from common.launch import FlowerHome, flwr, free_port, run_log, run_status, start_superlink, start_supernode, submit_run
+from cli.launch import FlowerHome, flwr, free_port, run_log, run_status, start_superlink, start_supernode, submit_run
+from cli.main import main as fedmed
+from cli.site import app_hash
 from server_app.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from server_app.results import read_history
 
@@ -133,7 +133,7 @@ def test_a_results_folder_that_cannot_be_written_stops_the_run_before_round_1(tm
 
 def test_a_failed_checkpoint_write_is_logged_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
     from common.config import JobConfig
-    from common.round_engine import RoundEngine
+    from common.engine.round_engine import RoundEngine
     from server_app import app as server
     from server_app.results import read_history
 

@@ -64,7 +64,7 @@ def test_precision_picks_autocast_and_scaling(four_gpus):
 
 
 def test_bf16_training_on_the_cpu_trains_and_each_round_records_the_devices(one_thread):
-    from common.inprocess import run_rounds, simulated_sites
+    from common.engine.inprocess import run_rounds, simulated_sites
 
     cfg = load_job_config({"model": "small-cnn", "image-size": 16, "synthetic-samples": 60, "batch-size": 16,
                            "min-partition-size": 5, "num-server-rounds": 1, "precision": "bf16", "device": "cpu"})
@@ -78,7 +78,7 @@ def test_bf16_training_on_the_cpu_trains_and_each_round_records_the_devices(one_
 def test_fedmed_simulate_shares_the_visible_gpus_among_the_hospitals_unless_told():
     from pathlib import Path
 
-    from common.launch import flower_env, simulation_resources
+    from cli.launch import flower_env, simulation_resources
 
     assert simulation_resources(4, {}, gpus=1) == {"num-supernodes": 4, "client-resources-num-gpus": 0.25}
     assert simulation_resources(8, {}, gpus=4)["client-resources-num-gpus"] == 0.5

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from common.secure_aggregation import distributed_dp as ddp
+from common.trust.secure_aggregation import distributed_dp as ddp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,8 +143,8 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
     import importlib
     import json
 
-    from common.policy import PrivacyLedger
-    from common.secure_aggregation.messages import OWN_NAME_KEY
+    from common.trust.ledger import PrivacyLedger
+    from common.trust.secure_aggregation.messages import OWN_NAME_KEY
     from strategies import FedAvgStrategy
     from strategies.records import arrays_of, into_arrayrecord
     from strategies.secure_aggregation import with_secure_aggregation
@@ -203,7 +203,7 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
     assert measured < expected + 5 / np.sqrt(size) and measured < 0.1, (measured, expected)
     assert np.std(difference - target) == pytest.approx(noise, rel=0.05)  # the noise the sums carry, as stated
 
-    from common.secure_aggregation import distributed_dp as ddp
+    from common.trust.secure_aggregation import distributed_dp as ddp
 
     for pid, sums_in in ((0, 2), (3, 1)):
         ledger = PrivacyLedger(tmp_path / "hospitals" / f"hospital-{pid:02d}")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main as fedmed
-from common.launch import FlowerHome, flwr, free_port, run_log, submit_run, wait_for_run
+from cli.launch import FlowerHome, flwr, free_port, run_log, submit_run, wait_for_run
+from cli.main import main as fedmed
 from server_app.results import read_history
 
 from .conftest import ROOT

@@ -261,7 +261,7 @@ def option_words(words: list[str]) -> list[str]:
 
 def check_run_config(text: str, where: str, app_keys: frozenset[str] | None = None) -> None:
     """Every key is fedmed's (or the app's own, for an app of one's own); fedmed's app: the values validate."""
-    from common.cli import parse_overrides
+    from cli.arguments import parse_overrides
     from common.config import _FLAT_KEYS, load_job_config
 
     values = parse_overrides(text)
@@ -273,12 +273,12 @@ def check_run_config(text: str, where: str, app_keys: frozenset[str] | None = No
 
 
 def check_fedmed(words: list[str], where: str) -> None:
-    from common.cli import build_parser
+    from cli.main import build_parser
 
     args = words[1:]
     if args[:1] in (["audit"], ["app-hash"], ["policy"], ["console"]):  # their own parsers, in their own modules
-        module = {"audit": "server_app/audit_cli.py", "console": "console/cli.py"}.get(args[0],
-                                                                                 "client_app/site_cli.py")
+        module = {"audit": "cli/audit.py", "console": "cli/console.py"}.get(args[0],
+                                                                                 "cli/site.py")
         source = (ROOT / module).read_text()
         action = args[1:2] if args[0] in ("audit", "policy") else []  # app-hash takes a path
         missing = [w for w in [*option_words(args), *action] if f'"{w}"' not in source]
@@ -322,7 +322,7 @@ def app_config_keys(app_dir: str) -> frozenset[str] | None:
 def check_flwr(words: list[str], where: str) -> None:
     import click
 
-    from common.cli import parse_overrides
+    from cli.arguments import parse_overrides
 
     command, args = flwr_command(), placeholders_filled(words[1:])
     context = None
@@ -370,8 +370,8 @@ def check_script(words: list[str], where: str) -> None:
 
 def check_flower_process(words: list[str], where: str) -> None:
     """``flower-supernode``/``flower-superlink``: Flower's own options; a node config names only our node keys."""
+    from cli.arguments import parse_overrides
     from client_app.node_config import NodeConfig
-    from common.cli import parse_overrides
 
     if words[0].endswith("flower-supernode"):
         from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode as flower_parser
@@ -480,13 +480,13 @@ def flatten(table: dict, prefix: str = "") -> dict:
 
 
 def policy_keys() -> set[str]:
-    from common.policy import Policy
+    from common.trust.policy import Policy
 
     return {field.alias or name for name, field in Policy.model_fields.items()}
 
 
 def check_policy(text: str, suffix: str, where: str, tmp_path: Path) -> None:
-    from common.policy import read_policy
+    from common.trust.policy import read_policy
 
     path = tmp_path / f"policy{suffix}"
     path.write_text(text)

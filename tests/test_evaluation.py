@@ -15,7 +15,7 @@ from common.config import ConfigError, load_job_config
 from common.data.containers import DataError, SegmentationImages, concat
 from common.data.export import write_site
 from common.data.sources import generate
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
 from common.quantization.int8 import load_deployment
 from server_app.app import save_round
 from server_app.evaluation import evaluate_run, render_evaluation, write_cross_site
@@ -122,7 +122,7 @@ def test_fedmed_evaluate_scores_a_fedproto_hospitals_own_model_and_per_source_po
 
 
 def test_the_evaluate_command_prints_and_writes_the_table_and_names_a_bad_folder(tmp_path, capsys):
-    from common.cli import main
+    from cli.main import main
 
     cfg = finished_run(tmp_path, {**SMALL_CLASSIFICATION, "strategy": "fedavg"}, rounds=1)
     folder = tmp_path / "site-x"
@@ -209,10 +209,10 @@ def forget_consortium_code() -> None:
 
 
 def test_post_run_tools_take_the_runs_own_network_loader_and_normalisation(tmp_path, consortium_code, capsys):
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
+    from common.engine.round_engine import RoundEngine
     from common.methods.base import unpack_json
     from common.quantization.int8 import calibration_batches
-    from common.round_engine import RoundEngine
     from server_app.checkpoint import save_best, save_checkpoint
 
     app = consortium_code

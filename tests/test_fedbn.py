@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from common.config import load_job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo
-from common.round_engine import RoundEngine, RoundReply
 from strategies.fedbn.hospital import FedBNHospital
 from strategies.fedbn.norm_layers import NORM_GROUP
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from common.arrays import weighted_average
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine, RoundReply, select_hospitals
 from common.methods.base import HospitalInfo, Payload
-from common.round_engine import RoundEngine, RoundReply, select_hospitals
 
 
 def test_weighted_average_by_sample_count_and_integer_buffers():

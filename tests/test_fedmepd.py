@@ -255,7 +255,7 @@ def test_bad_brain_settings_name_their_key():
 
 
 def test_simulated_hospitals_hold_their_modalities_and_are_scored_on_the_test_cases():
-    from common.inprocess import simulated_sites
+    from common.engine.inprocess import simulated_sites
     from common.tasks.brain import BrainTumourTask
 
     cfg = tiny(**{"brain.hospital-modalities": "t2;flair,t1ce"})
@@ -291,8 +291,8 @@ def test_real_brats_cases_are_divided_between_test_server_and_hospitals(tmp_path
 
 # --- whole rounds in one process ------------------------------------------------------------------------
 def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_path):
-    from common.inprocess import run_rounds, simulated_sites
-    from common.round_engine import RoundEngine
+    from common.engine.inprocess import run_rounds, simulated_sites
+    from common.engine.round_engine import RoundEngine
     from server_app.checkpoint import load_checkpoint, save_checkpoint
     from strategies.fedmepd.decoder import decoder_part
     from strategies.fedmepd.filter_personalisation import filter_layers
@@ -337,9 +337,9 @@ def test_rounds_keep_personal_filters_across_a_restart_and_resume_exactly(tmp_pa
 
 
 def test_broken_hospital_updates_are_refused_and_the_round_goes_on():
-    from common.inprocess import simulated_sites
+    from common.engine.inprocess import simulated_sites
+    from common.engine.round_engine import RoundEngine, RoundReply
     from common.methods.base import HospitalInfo
-    from common.round_engine import RoundEngine, RoundReply
     from strategies.fedmepd.hospital import FedMEPDHospital
 
     cfg = tiny(num_server_rounds=1, min_train_hospitals=1,
@@ -378,7 +378,7 @@ def test_fedmepd_hospitals_that_miss_modalities_gain_from_federation():
     so it is a benchmark, not a test: benchmarks/results/fedmepd/personalisation_rules.md."""
     import numpy as np
 
-    from common.inprocess import evaluate_hospitals, run_rounds, simulated_sites
+    from common.engine.inprocess import evaluate_hospitals, run_rounds, simulated_sites
 
     averages = {}
     for strategy in ("fedmepd", "fedmepd-local"):

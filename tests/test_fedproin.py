@@ -11,11 +11,11 @@ import torch
 
 from common.config import JobConfig
 from common.data.containers import LabelledImages
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
+from common.methods.site import HospitalStateStore, Site
 from common.models.prototype_net import PrototypeNet
-from common.round_engine import RoundEngine, RoundReply
-from common.site import HospitalStateStore, Site
 from common.tasks.base import images_to_tensor
 from strategies.fedproin.class_balance import augment_by_class, augmentation_probabilities, balanced_draws
 from strategies.fedproin.hospital import (

@@ -11,14 +11,14 @@ import torch
 from common.arrays import model_arrays
 from common.config import JobConfig
 from common.data.containers import LabelledImages
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine
+from common.engine.wire import from_recorddict, to_recorddict
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
+from common.methods.site import HospitalStateStore, Site
 from common.models.prototype_net import PrototypeNet
 from common.models.resnet import build_resnet18_classifier
-from common.round_engine import RoundEngine
-from common.site import HospitalStateStore, Site
 from common.tasks.base import images_to_tensor
-from common.wire import from_recorddict, to_recorddict
 from strategies.fedproin.hospital import FedProInHospital, initialise_prototypes, reseed_prototypes
 from strategies.fedproin.messages import INFLUENCE, RESEED
 from strategies.fedproin.optimizer_state import optimizer_arrays, restore_optimizer

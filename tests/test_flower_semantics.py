@@ -25,13 +25,13 @@ from flwr.serverapp.strategy import (
 )
 
 from common.config import ConfigError
-from common.wire import from_recorddict
+from common.engine.wire import from_recorddict
+from common.methods.registry import load, methods
 from server_app.app import RoundSaver
 from server_app.checkpoint import checkpoint_dir, read_checkpoint
 from strategies import FedAvgStrategy, FedProInStrategy, QFedPolypStrategy
 from strategies.base import HospitalStrategy
 from strategies.records import arrays_of
-from strategies.registry import load, methods
 from strategies.secure_aggregation import with_secure_aggregation
 
 from .fake_grid import FakeGrid, simulated_hospitals

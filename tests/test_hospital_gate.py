@@ -13,10 +13,9 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.api import Hospital
-from common.audit import GENESIS, head_in_reason
-from common.code_gate import CodeGate, named_code
 from common.config import load_job_config
-from common.models.networks import CodeRefused, load_factory
+from common.trust.audit import GENESIS, head_in_reason
+from common.trust.code_gate import CodeGate, CodeRefused, load_factory, named_code
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -205,7 +204,7 @@ def test_app_hash_is_the_hash_a_supernode_is_sent(tmp_path, capsys):
 
     from flwr.cli.build import build_fab_from_disk
 
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
 
     from .conftest import ROOT
 
@@ -224,7 +223,7 @@ def test_app_hash_is_the_hash_a_supernode_is_sent(tmp_path, capsys):
 
 
 def test_policy_check_prints_what_a_site_allows(tmp_path, capsys):
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
 
     path_yaml = tmp_path / "p.yaml"
     path_yaml.write_text(f'methods: [fedavg]\nmodels: ["site_code:*"]\napps: ["{"a" * 64}"]\n')

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
+from common.arrays import robust_average
 from common.config import JobConfig
+from common.engine.round_engine import RoundEngine, RoundReply
+from common.engine.screening import capped_shares, norm_outliers
+from common.engine.wire import PACKED_ARRAY, MalformedPayload, from_recorddict
 from common.methods.base import HospitalInfo, Payload
 from common.quantization.codec import encode_model
-from common.round_engine import RoundEngine, RoundReply
-from common.screening import capped_shares, norm_outliers, robust_average
-from common.wire import PACKED_ARRAY, MalformedPayload, from_recorddict
 from strategies import FedAvgStrategy, QFedPolypStrategy
 
 from .fake_grid import FakeGrid, hospital_node, simulated_hospitals

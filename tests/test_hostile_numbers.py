@@ -10,10 +10,10 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from common.config import ConfigError, JobConfig
+from common.engine.round_engine import RoundEngine, RoundReply
+from common.engine.screening import capped_shares
+from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
 from common.methods.base import HospitalInfo, Payload
-from common.round_engine import RoundEngine, RoundReply
-from common.screening import capped_shares
-from common.wire import MalformedPayload, from_recorddict, to_recorddict
 from strategies import FedAvgStrategy
 
 from .fake_grid import FakeGrid, simulated_hospitals
@@ -234,7 +234,7 @@ def test_a_reply_of_too_many_tensors_is_refused_before_any_is_decoded(attack):
 
     from flwr.app import Array
 
-    from common.wire import FLAT_ARRAY, FLAT_LAYOUT
+    from common.engine.wire import FLAT_ARRAY, FLAT_LAYOUT
 
     if attack == "many arrays":
         content = RecordDict({"arrays": ArrayRecord({f"t{i}": Array(np.zeros(1, np.float32))
@@ -301,7 +301,8 @@ def test_a_loader_returning_unusable_data_is_refused_at_the_hospital_naming_it(t
 
 def test_simulate_takes_the_old_key_classifier_as_model(monkeypatch, tmp_path):
     """`classifier=` passes fedmed's check and must not reach Flower, which knows only `model`."""
-    import common.cli as cli
+    import cli.main as cli
+    import cli.simulate as simulation
 
     seen = {}
 
@@ -309,6 +310,6 @@ def test_simulate_takes_the_old_key_classifier_as_model(monkeypatch, tmp_path):
         seen[what] = dict(values)
         raise ConfigError("stopped here")
 
-    monkeypatch.setattr(cli, "check_flower_config", stop_before_flower)
+    monkeypatch.setattr(simulation, "check_flower_config", stop_before_flower)
     assert cli.main(["simulate", "--home", str(tmp_path / "h"), "--run-config", "classifier='small-cnn'"]) == 2
     assert seen["--run-config"]["model"] == "small-cnn" and "classifier" not in seen["--run-config"]

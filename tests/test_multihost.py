@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main as fedmed
-from common.launch import (
+from cli.launch import (
     FlowerHome,
     TLSFiles,
     flwr,
@@ -22,6 +21,7 @@ from common.launch import (
     wait_for_port,
     wait_for_run,
 )
+from cli.main import main as fedmed
 from server_app.results import read_history
 
 from .flower_processes import stopped_at_exit

@@ -16,8 +16,8 @@ from PIL import Image
 
 from common.config import ConfigError, load_job_config
 from common.data.synthetic import make_classification, make_polyps
-from common.inprocess import run_rounds, simulated_sites
-from common.round_engine import RoundEngine
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_model"
 TINY = {"image-size": 16, "synthetic-samples": 60, "batch-size": 8, "min-partition-size": 5}
@@ -120,7 +120,7 @@ def not_a_pair(request):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_consortiums_own_serverapp_and_clientapp_run_monai_networks_in_simulation(tmp_path):
-    from common.launch import run_log, submit_run, wait_for_run
+    from cli.launch import run_log, submit_run, wait_for_run
 
     from .flower_processes import simulation_superlink
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.launch import run_log, submit_run, wait_for_run
+from cli.launch import run_log, submit_run, wait_for_run
 
 from .flower_processes import simulation_superlink
 

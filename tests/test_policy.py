@@ -1,7 +1,7 @@
-"""A hospital's own policy (common/policy.py, node config ``policy-file``): read from its file only, enforced in the
-hospital-side API whatever the message says; each refusal an error reply whose reason reaches the server's record and
-metrics.jsonl's ``refused``; k on FedProIn's counts and prototypes and FedProto's class means; local DP's clipping and
-noise, and its epsilon kept across restarts."""
+"""A hospital's own policy (common/trust/policy.py, node config ``policy-file``): read from its file only, enforced in
+the hospital-side API whatever the message says; each refusal an error reply whose reason reaches the server's record
+and metrics.jsonl's ``refused``; k on FedProIn's counts and prototypes and FedProto's class means; local DP's clipping
+and noise, and its epsilon kept across restarts."""
 
 from __future__ import annotations
 
@@ -12,20 +12,15 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, load_job_config
-from common.inprocess import simulated_sites
-from common.policy import (
-    Enforcer,
-    PolicyRefusal,
-    PrivacyLedger,
-    clip_and_noise,
-    effective_noise_multiplier,
-    epsilon_of,
-    read_policy,
-)
-from common.round_engine import RoundEngine
+from common.engine.inprocess import simulated_sites
+from common.engine.round_engine import RoundEngine
+from common.methods.registry import hospital_class
+from common.trust.enforcer import Enforcer
+from common.trust.ledger import PrivacyLedger
+from common.trust.local_dp import clip_and_noise, effective_noise_multiplier, epsilon_of
+from common.trust.policy import PolicyRefusal, read_policy
 from server_app.results import read_history, write_results
 from strategies import FedAvgStrategy, FedProtoStrategy
-from strategies.registry import hospital_class
 
 from .fake_grid import FakeGrid, simulated_hospitals
 from .test_strategies import SMALL_CLASSIFICATION, run_config
@@ -242,7 +237,7 @@ def test_an_evaluation_is_refused_when_no_metrics_may_leave(tmp_path):
 
 
 def test_every_decision_is_in_the_hospitals_audit_log(tmp_path):
-    from common.audit import verify
+    from common.trust.audit import verify
 
     federation(tmp_path, 'methods = ["fedprox"]\n')
     path = tmp_path / "state" / "hospital-00" / "audit.jsonl"
@@ -275,7 +270,7 @@ def test_a_new_run_name_does_not_start_the_daily_count_afresh(tmp_path):
 
 @pytest.mark.parametrize("tamper", ["delete", "roll back", "edit"])
 def test_a_deleted_or_rolled_back_ledger_stops_training_until_an_operator_restores_it(tmp_path, tamper):
-    from common.policy import LEDGER_FILE, rebuild_ledger
+    from common.trust.ledger import LEDGER_FILE, rebuild_ledger
 
     federation(tmp_path, DP, rounds=2, **{"run-name": "first"})
     folder = tmp_path / "state" / "hospital-00"

@@ -10,10 +10,10 @@ import torch
 
 from common.config import JobConfig
 from common.data.sources import server_test_set
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.references import reference_config, run_centralised, run_solo
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
-from common.references import reference_config, run_centralised, run_solo
-from common.round_engine import RoundEngine, RoundReply
 from strategies.moon.hospital import model_contrastive_loss
 
 

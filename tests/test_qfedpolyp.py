@@ -12,6 +12,7 @@ import torch
 
 from common.arrays import model_arrays, weighted_average
 from common.config import ConfigError, JobConfig
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import (
@@ -25,7 +26,6 @@ from common.quantization.codec import (
     unpack_codes,
 )
 from common.quantization.fake_quant import fake_quantize, quantization_aware
-from common.round_engine import RoundEngine, RoundReply
 from strategies.qfedpolyp.messages import BIT_WIDTH_KEY, PACKED, assign_bit_width
 
 
@@ -276,7 +276,7 @@ def test_a_hospital_that_drops_out_does_not_shift_the_others_bit_widths_even_aft
 
 
 def test_two_in_process_rounds_with_mixed_bit_widths_and_a_quantised_downlink(polyp_job):
-    from common.inprocess import run_rounds, simulated_sites
+    from common.engine.inprocess import run_rounds, simulated_sites
 
     cfg = polyp_job.model_copy(update={"qfedpolyp": polyp_job.qfedpolyp.model_copy(update={"downlink_bit_width": 8})})
     engine = RoundEngine(cfg)

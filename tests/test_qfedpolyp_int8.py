@@ -20,15 +20,15 @@ from torch import nn
 from torch.ao.nn import intrinsic, quantized
 
 from benchmarks.qfedpolyp.eager_int8 import int8_model
-from common.cli import main as fedmed
+from cli.main import main as fedmed
 from common.config import JobConfig
 from common.data.export import write_site
 from common.data.sources import generate
 from common.data.synthetic import make_polyps
+from common.engine.round_engine import RoundEngine
 from common.models.unet2d import PolypUNet
 from common.quantization.int8 import load_deployment
 from common.quantization.upsample import ShuffleUpsample
-from common.round_engine import RoundEngine
 from common.tasks.base import images_to_tensor
 from server_app.checkpoint import save_checkpoint
 
@@ -168,7 +168,7 @@ def test_the_first_int8_example_of_the_docs_lets_every_engine_be_timed():
     """docs/qfedpolyp.md's first export is what users copy: it must not narrow the choice to one file type."""
     import shlex
 
-    from common.cli import build_parser
+    from cli.main import build_parser
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "qfedpolyp.md").read_text()
     first = next(line for line in docs.splitlines() if line.startswith("fedmed export-int8"))

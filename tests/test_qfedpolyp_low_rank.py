@@ -13,12 +13,12 @@ import torch
 
 from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import Payload
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import PayloadError, encode_model, encoded_nbytes
 from common.quantization.low_rank import LEFT, RIGHT, decode_low_rank, encode_low_rank, rank_for
-from common.round_engine import RoundEngine, RoundReply
 from strategies.qfedpolyp.hospital import QFedPolypHospital
 from strategies.qfedpolyp.messages import PACKED, split_statistics
 

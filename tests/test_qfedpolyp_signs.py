@@ -11,12 +11,12 @@ import pytest
 
 from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine
 from common.methods.base import HospitalInfo
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import PayloadError, decode_model, encode_model, encoded_nbytes
 from common.quantization.sparse import decode_sparse, encode_sparse, kept_count
-from common.round_engine import RoundEngine
 from strategies.qfedpolyp.messages import (
     DOWNLINK_DIGEST_KEY,
     STATISTICS,

@@ -13,7 +13,9 @@ import torch
 
 from common.arrays import model_arrays
 from common.config import ConfigError, load_job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine, RoundReply
+from common.methods.site import HospitalStateStore
 from common.models.unet2d import PolypUNet
 from common.quantization.codec import PayloadError, decode_model, encode_model, encoded_nbytes, packed_nbytes
 from common.quantization.sparse import (
@@ -26,8 +28,6 @@ from common.quantization.sparse import (
     kept_count,
     sparse_summary,
 )
-from common.round_engine import RoundEngine, RoundReply
-from common.site import HospitalStateStore
 from strategies.qfedpolyp.hospital import QFedPolypHospital
 from strategies.qfedpolyp.messages import (
     DOWNLINK_BASE_KEY,

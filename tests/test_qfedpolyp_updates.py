@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, load_job_config
-from common.inprocess import simulated_sites
+from common.engine.inprocess import simulated_sites
+from common.engine.round_engine import RoundEngine, RoundReply
+from common.methods.site import HospitalStateStore
 from common.quantization.codec import decode_model, encode_model
-from common.round_engine import RoundEngine, RoundReply
-from common.site import HospitalStateStore
 from strategies.qfedpolyp.hospital import QFedPolypHospital
 from strategies.qfedpolyp.messages import PACKED, STATISTICS, is_statistic
 

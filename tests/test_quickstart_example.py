@@ -16,7 +16,7 @@ import tomllib
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MessageType, RecordDict
 
-from common.launch import run_log, submit_run, wait_for_run
+from cli.launch import run_log, submit_run, wait_for_run
 from strategies.own_network import into_network
 
 from .conftest import ROOT

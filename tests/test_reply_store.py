@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import common.screening as screening
+import common.arrays as named_arrays
+from common.arrays import flat_values
 from common.config import load_job_config
+from common.engine.reply_store import ReplyStore, StoredArrays, materialized, selected
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
-from common.reply_store import ReplyStore, StoredArrays, flat_values, materialized, selected
-from common.round_engine import RoundEngine, RoundReply
 from strategies.fedmepd.filter_personalisation import aggregate_filters
 from strategies.fedproin.server import normalised_influence_aggregation
 
@@ -114,9 +115,9 @@ def test_robust_rules_slice_by_slice_from_disk_give_what_they_give_on_the_stacke
     expected = robust_reference(arrays, rule, 0.2)
     store = ReplyStore(tmp_path / ".round-1")
     stored = [store.keep(item) for item in arrays]
-    monkeypatch.setattr(screening, "ROBUST_CHUNK_BYTES", 8 * hospitals * 50)  # slices of 50 values: many per tensor
+    monkeypatch.setattr(named_arrays, "ROBUST_CHUNK_BYTES", 8 * hospitals * 50)  # slices of 50 values: many per tensor
     for given in (arrays, stored):
-        result = screening.robust_average(given, rule, 0.2)
+        result = named_arrays.robust_average(given, rule, 0.2)
         for name, value in expected.items():
             assert result[name].shape == value.shape and result[name].dtype == value.dtype
             assert result[name].tobytes() == value.tobytes(), name

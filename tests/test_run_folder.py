@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, JobConfig, load_job_config
-from common.round_engine import RoundEngine
-from common.run_lock import LOCK_FILE
+from common.engine.round_engine import RoundEngine
+from common.engine.run_lock import LOCK_FILE
 from server_app.checkpoint import checkpoint_dir, save_checkpoint
 from server_app.run_config import load_run_config
 
@@ -117,7 +117,7 @@ def test_a_deployed_node_config_without_a_hospital_name_is_refused_naming_the_ke
 
 
 def test_a_damaged_hospital_state_file_is_set_aside_and_the_one_before_it_used(tmp_path, caplog):
-    from common.site import HospitalStateStore
+    from common.methods.site import HospitalStateStore
 
     store = HospitalStateStore(tmp_path)
     store.save(1, {"w": np.ones(3)})
@@ -323,7 +323,7 @@ def test_the_best_checkpoint_holds_the_round_with_the_best_value(tmp_path):
 def test_export_int8_and_segment_take_the_best_round(tmp_path, capsys):
     from PIL import Image
 
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
     from common.quantization.int8 import load_deployment
 
     cfg = load_job_config({"task": "polyp-segmentation", "strategy": "qfedpolyp", "synthetic-samples": 40,
@@ -354,7 +354,8 @@ def test_export_int8_and_segment_take_the_best_round(tmp_path, capsys):
 
 
 # --- two runs of one name at once ------------------------------------------------------------------------------------
-HOLDER = ("import sys, time; from pathlib import Path; from common.run_lock import claim; claim(Path(sys.argv[1])); "
+HOLDER = ("import sys, time; from pathlib import Path; from common.engine.run_lock import claim; "
+          "claim(Path(sys.argv[1])); "
           "print('held', flush=True); time.sleep(120)")
 
 

@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from common.cli import runs_command
+from cli.main import runs_command
 from common.config import load_job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
 from server_app.app import save_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,11 +15,12 @@ import pytest
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from client_app.secure_aggregation import stage_of
-from common.audit import cross_check
 from common.config import ConfigError, load_job_config
+from common.engine.round_engine import RoundEngine
+from common.engine.wire import from_recorddict, message_nbytes
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
-from common.round_engine import RoundEngine
-from common.secure_aggregation import (
+from common.trust.audit import cross_check
+from common.trust.secure_aggregation import (
     INTEGER,
     Entry,
     Layout,
@@ -30,9 +31,9 @@ from common.secure_aggregation import (
     pack_values,
     unpack_values,
 )
-from common.secure_aggregation.hospital import HospitalRound, SecureAggregationRefusal, hospital_stage
-from common.secure_aggregation.inprocess import InProcess
-from common.secure_aggregation.messages import (
+from common.trust.secure_aggregation.hospital import HospitalRound, SecureAggregationRefusal, hospital_stage
+from common.trust.secure_aggregation.inprocess import InProcess
+from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
     MASKED_ARRAY,
@@ -40,14 +41,13 @@ from common.secure_aggregation.messages import (
     SETUP,
     UNMASK,
 )
-from common.secure_aggregation.methods import float_names
-from common.secure_aggregation.server import (
+from common.trust.secure_aggregation.methods import float_names
+from common.trust.secure_aggregation.server import (
     add_masked_vector,
     consistency_config,
     setup_config,
     unmask_config,
 )
-from common.wire import from_recorddict, message_nbytes
 from strategies import (
     FedAvgStrategy,
     FedBNStrategy,
@@ -369,7 +369,7 @@ def test_a_sum_no_honest_hospitals_could_have_sent_is_refused(tmp_path, monkeypa
     """Masking hides who broke their bounds, not that someone did: a hospital that weighs itself five times above
     its samples, or skips the norm bound, gives a sum the server refuses (FedAvg family)."""
     import strategies.fedavg.secure as fedavg_secure
-    from common.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY
+    from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY
 
     honest = fedavg_secure.SECURE.contribution
 
@@ -507,8 +507,8 @@ def test_the_settings_import_without_flower():
     import sys
 
     code = ("import sys; sys.modules['flwr'] = None\n"
-            "from common.secure_aggregation import SecureAggregationSettings, Layout, Entry\n"
-            "from common.secure_aggregation.methods import secure_method_names\n"
+            "from common.trust.secure_aggregation import SecureAggregationSettings, Layout, Entry\n"
+            "from common.trust.secure_aggregation.methods import secure_method_names\n"
             "print(SecureAggregationSettings(enabled=True).reconstruction_threshold, secure_method_names())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("0.5 ['fedavg', 'fedbn', 'fedmepd', 'fedmepd-fedavg', 'fedmepd-federated-decoder', "
@@ -544,11 +544,11 @@ def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_eve
         assert cross_check(tmp_path / "plain" / "state" / name / "audit.jsonl", server_log, name) == []
 
 
-# --- Shamir's sharing (common/secure_aggregation/sharing.py) ------------------------------------------------------
+# --- Shamir's sharing (common/trust/secure_aggregation/sharing.py) ---------------------------------------------------
 def test_any_threshold_of_the_shares_rebuild_the_secret_and_fewer_do_not():
     import itertools
 
-    from common.secure_aggregation.sharing import combine_shares, create_shares, key_secret, secret_key
+    from common.trust.secure_aggregation.sharing import combine_shares, create_shares, key_secret, secret_key
 
     secret = bytes(range(32))
     shares = create_shares(secret, 4, 7)

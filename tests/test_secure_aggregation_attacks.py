@@ -14,11 +14,12 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from client_app.secure_aggregation import stage_of
-from common.identity import sign_statement, statement_problem
-from common.secure_aggregation import SecureAggregationSettings
-from common.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
-from common.secure_aggregation.masks import expand_mask
-from common.secure_aggregation.messages import (
+from common.engine.wire import from_recorddict
+from common.trust.identity import sign_statement, statement_problem
+from common.trust.secure_aggregation import SecureAggregationSettings
+from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
+from common.trust.secure_aggregation.masks import expand_mask
+from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
     SESSION_KEY,
@@ -29,7 +30,7 @@ from common.secure_aggregation.messages import (
     UNMASK,
     keys_statement,
 )
-from common.secure_aggregation.server import (
+from common.trust.secure_aggregation.server import (
     add_masked_vector,
     collect_config,
     consistency_config,
@@ -40,8 +41,7 @@ from common.secure_aggregation.server import (
     unmask_config,
     unmask_sum,
 )
-from common.secure_aggregation.sharing import secret_key
-from common.wire import from_recorddict
+from common.trust.secure_aggregation.sharing import secret_key
 from strategies import FedAvgStrategy
 from strategies.records import arrays_of
 from strategies.secure_aggregation import with_secure_aggregation
@@ -241,7 +241,7 @@ def test_bad_signatures_and_substituted_keys_are_refused(tmp_path):
     nodes = [1, 2, 3, 4]
     protocol, server_key, registered = signed_protocol(tmp_path, nodes)
     plan = protocol.plan
-    from common.secure_aggregation.server import receive_public_keys
+    from common.trust.secure_aggregation.server import receive_public_keys
 
     verify = lambda name, statement, signature: statement_problem(registered, name, statement, signature)  # noqa: E731
     answers = protocol.answers(SETUP, lambda n: setup_config(plan), nodes)

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MessageType
 
+from cli.audit import main as audit_main
 from client_app.secure_aggregation import stage_of
-from common.secure_aggregation import SecureAggregationSettings
-from common.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
-from common.secure_aggregation.inprocess import InProcess
-from common.secure_aggregation.messages import (
+from common.trust.secure_aggregation import SecureAggregationSettings
+from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
+from common.trust.secure_aggregation.inprocess import InProcess
+from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
     NORM_BOUND_KEY,
@@ -30,8 +31,7 @@ from common.secure_aggregation.messages import (
     SURVIVORS_SIGNATURE_PREFIX,
     UNMASK,
 )
-from common.secure_aggregation.server import add_masked_vector
-from server_app.audit_cli import main as audit_main
+from common.trust.secure_aggregation.server import add_masked_vector
 from strategies import FedAvgStrategy, FedBNStrategy
 from strategies.secure_aggregation import with_secure_aggregation
 

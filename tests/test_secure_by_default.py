@@ -24,12 +24,13 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import parse_config_args
 from flwr.supercore.task_identity import TaskIdentity
 
+from cli.audit import main as audit_main
+from cli.launch import PROJECT_ROOT, SUPERNODE_WITH_EXECUTOR, project_app_hash
 from client_app.api import Hospital
 from client_app.node_config import every_hospital_in_this_process
-from common.audit import AuditLog, verify
-from common.launch import PROJECT_ROOT, SUPERNODE_WITH_EXECUTOR, project_app_hash
-from common.policy import PolicyRefusal, PrivacyLedger
-from server_app.audit_cli import main as audit_main
+from common.trust.audit import AuditLog, verify
+from common.trust.ledger import PrivacyLedger
+from common.trust.policy import PolicyRefusal
 
 from .conftest import ROOT
 from .test_audit import lines_of
@@ -58,7 +59,7 @@ def consortium_keys(folder: Path) -> Path:
 
 def script_node_config(folder: Path) -> dict:
     """The node config deploy/start_supernode.sh hands fedmed-supernode (its Python replaced by one that records
-    its arguments, except for `python -m common.cli app-hash`, which runs)."""
+    its arguments, except for `python -m cli.main app-hash`, which runs)."""
     keys = consortium_keys(folder)
     recorder = folder / "python"
     recorder.write_text(textwrap.dedent(f"""\
@@ -285,7 +286,7 @@ def test_an_approved_pattern_reaches_only_the_modules_own_networks_and_loaders(t
 
 
 def test_policy_check_warns_about_package_wide_patterns(tmp_path, capsys):
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
 
     node = f"hospital='h-a' data-dir='{tmp_path}' models='monai.*,my_site.nets:Net' datasets='my_site.data:load'"
     assert fedmed(["policy", "check", "--node-config", node]) == 0
@@ -413,7 +414,7 @@ def test_the_ledgers_clock_is_checked_against_the_audit_log(tmp_path):
 
 
 def _releases_in(path):
-    from common.audit import records_of
+    from common.trust.audit import records_of
 
     return [(n, r) for n, r in records_of(path) if r.get("event") == "privacy-release"]
 
@@ -477,7 +478,7 @@ def test_a_cut_server_log_tail_is_caught_by_verify_peer(tmp_path):
 
 # --- the command line -----------------------------------------------------------------------------------------------
 def run_fedmed(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120,
                           cwd=PROJECT_ROOT, env={**os.environ, "FLWR_HOME": str(home)})
 
 
@@ -507,7 +508,7 @@ def test_every_subcommand_fails_with_one_line_before_anything_starts(tmp_path, c
 
 
 def test_help_lists_every_subcommand():
-    done = subprocess.run([sys.executable, "-m", "common.cli", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "cli.main", "--help"], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, timeout=60)
     for command in ("demo", "simulate", "partition", "export-int8", "segment", "evaluate", "audit", "app-hash",
                     "policy", "runs"):

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import cli, launch
-from common.launch import ProcessInfo, marked_processes, process_table, process_tree, start_process, terminate_tree
+from cli import launch, simulate
+from cli import main as cli
+from cli.launch import ProcessInfo, marked_processes, process_table, process_tree, start_process, terminate_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a run that would take many minutes: it is stopped long before its end
@@ -166,7 +167,7 @@ def test_terminate_tree_without_marks_follows_children_out_of_their_session():
 def test_too_few_hospitals_are_refused_at_once_and_nothing_starts(tmp_path):
     home = tmp_path / "flwr-home"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "common.cli", "simulate", "--hospitals", "0", "--home", str(home),
+    done = subprocess.run([sys.executable, "-m", "cli.main", "simulate", "--hospitals", "0", "--home", str(home),
                            "--run-config", f"results-dir='{tmp_path / 'results'}' min-available-hospitals=3 "
                                            "min-train-hospitals=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -187,7 +188,7 @@ def test_too_few_hospitals_in_process(tmp_path, monkeypatch, capsys):
 
 # --- the CLI's own flow, with the Flower processes faked ------------------------------------------------
 class FakeFlower:
-    """Stands in for common.launch's process and run functions: records what simulate() asks."""
+    """Stands in for cli.launch's process and run functions: records what simulate() asks."""
 
     def __init__(self, monkeypatch, wait):
         self.submitted: list[dict] = []
@@ -229,7 +230,7 @@ def test_resume_keeps_the_checkpoints_run_name_and_timeout_stops_with_124(tmp_pa
     code = cli.main(["simulate", "--hospitals", "2", "--home", str(tmp_path / "h"), "--timeout", "5", "--run-config",
                      f"results-dir='{results}' resume-from='{source}' num-server-rounds=4"])
     out, err = capsys.readouterr()
-    assert code == cli.EXIT_TIMEOUT
+    assert code == simulate.EXIT_TIMEOUT
     (submitted,) = fake.submitted
     assert not submitted.get("run-name")  # the ServerApp takes the checkpoint's
     assert f"results in {results / 'ward-7'}\n" in out
@@ -319,7 +320,7 @@ def stop_a_running_simulation(tmp_path: Path, signum: int, ready, act=None,
     stderr."""
     results = tmp_path / "results"
     config = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in LONG_RUN.items())
-    args = [sys.executable, "-m", "common.cli", "simulate", "--hospitals", "2", "--home", str(tmp_path / "home"),
+    args = [sys.executable, "-m", "cli.main", "simulate", "--hospitals", "2", "--home", str(tmp_path / "home"),
             "--timeout", str(timeout),
             "--run-config", f"{config} results-dir='{results}' state-dir='{tmp_path / 'state'}'"]
     cli_process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -418,6 +419,6 @@ def test_a_serverapp_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
 
     code, _, seen, err = stop_a_running_simulation(tmp_path, signal.SIGKILL, ray_agents_run, act=kill_the_serverapp,
                                                    timeout=90)
-    assert code in (1, cli.EXIT_TIMEOUT), err[-3000:]  # a failed run, or one Flower never calls finished
+    assert code in (1, simulate.EXIT_TIMEOUT), err[-3000:]  # a failed run, or one Flower never calls finished
     assert {"flower-superlink", "flwr-simulation", "raylet", "ray::DashboardAgent"} <= seen.names
     assert alive(seen) == {}

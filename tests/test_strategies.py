@@ -11,8 +11,8 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
 import strategies
 from common.config import ConfigError, JobConfig, load_job_config
-from common.inprocess import run_rounds, simulated_sites
-from common.wire import from_recorddict
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.wire import from_recorddict
 from strategies import (
     FedAvgStrategy,
     FederatedDecoderStrategy,
@@ -261,7 +261,7 @@ def test_identity_replies_without_a_usable_name_are_skipped(tmp_path, caplog):
 
 
 def test_own_arguments_come_from_the_methods_settings_and_are_validated():
-    from strategies.registry import load, methods
+    from common.methods.registry import load, methods
 
     defaults = JobConfig()
     for spec in methods().values():
@@ -380,7 +380,7 @@ def test_messages_in_flight_keeps_at_most_that_many_pending_and_changes_nothing_
 def test_simulation_engine_gets_a_window_and_a_deployment_all_messages_at_once():
     from flwr.superlink.grid import InMemoryGrid
 
-    from strategies.base import SIMULATION_IN_FLIGHT, SIMULATION_QUERIES_IN_FLIGHT, messages_in_flight
+    from strategies.grid_messages import SIMULATION_IN_FLIGHT, SIMULATION_QUERIES_IN_FLIGHT, messages_in_flight
 
     job = JobConfig()
     simulation = InMemoryGrid.__new__(InMemoryGrid)  # only its type matters here

@@ -15,13 +15,14 @@ from flwr.app import MessageType
 import strategies.base
 from benchmarks.memory.grid import SyntheticGrid
 from common.config import load_job_config
-from common.inprocess import simulated_sites
+from common.engine.inprocess import simulated_sites
+from common.engine.reply_store import StoredArrays
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
+from common.methods.registry import hospital_class
 from common.quantization.codec import decode_model, encode_model
 from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
-from common.reply_store import StoredArrays
-from common.round_engine import RoundEngine, RoundReply
 from strategies import FedAvgStrategy
 from strategies.fedproto.server import PROTOTYPES
 from strategies.qfedpolyp.messages import (
@@ -33,7 +34,6 @@ from strategies.qfedpolyp.messages import (
     unpack_statistics,
 )
 from strategies.records import arrays_of
-from strategies.registry import hospital_class
 
 from .fake_grid import FakeGrid, simulated_hospitals
 

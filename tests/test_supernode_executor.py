@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.launch import SUPERNODE_WITH_EXECUTOR
+from cli.launch import SUPERNODE_WITH_EXECUTOR
 
 
 def load_script():

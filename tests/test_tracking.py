@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, load_job_config
-from common.round_engine import RoundEngine
+from common.engine.round_engine import RoundEngine
 from server_app import tracking
 from server_app.app import RoundSaver, finish
 from server_app.checkpoint import checkpoint_dir, load_checkpoint, read_best
@@ -63,7 +63,7 @@ def tracked_run(tmp_path_factory):
     pytest.importorskip("mlflow")
     import torch
 
-    from common.inprocess import run_rounds, simulated_sites
+    from common.engine.inprocess import run_rounds, simulated_sites
     from common.methods.base import HospitalMethod
 
     folder = tmp_path_factory.mktemp("tracked")
@@ -158,7 +158,7 @@ def test_mlflow_holds_every_round_the_config_and_the_result_files(tracked_run):
 
 
 def test_evaluate_best_scores_the_round_select_by_chose(tracked_run, tmp_path, capsys):
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
     from common.data.export import write_site
     from common.data.sources import generate
     from server_app.results import best_round
@@ -348,7 +348,7 @@ def test_the_plots_show_each_hospitals_validation_bit_widths_and_influence(tmp_p
 
 # --- fedmed runs --------------------------------------------------------------------------------------------------
 def test_fedmed_runs_lists_a_results_folders_runs_newest_first(tmp_path, capsys):
-    from common.cli import main as fedmed
+    from cli.main import main as fedmed
 
     results = tmp_path / "results"
 

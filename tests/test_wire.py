@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
 
+from common.engine.wire import from_recorddict, message_nbytes, to_recorddict
 from common.methods.base import Payload
-from common.wire import from_recorddict, message_nbytes, to_recorddict
 
 
 def payload_of(size: int) -> Payload:
@@ -59,7 +59,7 @@ def test_recorddict_from_elsewhere_is_refused():
     import pytest
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
-    from common.wire import MalformedPayload
+    from common.engine.wire import MalformedPayload
 
     for foreign in (RecordDict({"settings": ConfigRecord({"a": 1})}), RecordDict({"scores": MetricRecord({"a": 1})})):
         with pytest.raises(MalformedPayload, match="unexpected"):
@@ -76,7 +76,7 @@ def test_packed_layout_carries_each_group_as_one_array_and_reads_back_the_same()
     import pytest
     from flwr.app import Array, ArrayRecord
 
-    from common.wire import PACKED_ARRAY, MalformedPayload
+    from common.engine.wire import PACKED_ARRAY, MalformedPayload
 
     original = payload_of(1000)
     original.arrays["anchors"] = {"scale0": np.ones((2, 3))}
@@ -95,7 +95,7 @@ def test_packed_layout_carries_each_group_as_one_array_and_reads_back_the_same()
 
 
 def test_flat_layout_carries_one_array_per_dtype_and_reads_back_the_same():
-    from common.wire import FLAT_ARRAY, FLAT_LAYOUT
+    from common.engine.wire import FLAT_ARRAY, FLAT_LAYOUT
 
     original = payload_of(1000)
     original.arrays["model"]["bias"] = np.full((2, 3), 0.5, np.float32)
@@ -120,7 +120,7 @@ def test_a_flat_record_whose_layout_does_not_fit_its_values_is_refused():
     import pytest
     from flwr.app import Array, ArrayRecord
 
-    from common.wire import FLAT_ARRAY, FLAT_LAYOUT, MalformedPayload
+    from common.engine.wire import FLAT_ARRAY, FLAT_LAYOUT, MalformedPayload
 
     def broken(change):
         content = to_recorddict(payload_of(100), "flat")
@@ -168,7 +168,7 @@ def test_clipping_a_flat_update_is_clipping_the_tensors():
 
 
 def test_a_large_flat_group_is_split_between_tensors_into_arrays_of_bounded_size(monkeypatch):
-    import common.wire as wire
+    import common.engine.wire as wire
 
     monkeypatch.setattr(wire, "FLAT_SEGMENT_BYTES", 4000)
     model = {f"layer{i}": np.full(300, i, np.float32) for i in range(8)}  # 1200 bytes each

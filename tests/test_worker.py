@@ -11,9 +11,9 @@ import pytest
 from client_app import hospital
 from client_app.worker import WorkerFailed, ask_worker, socket_path
 from common.config import load_job_config
+from common.engine.round_engine import RoundEngine
 from common.methods.base import HospitalInfo
 from common.payload import Payload, payload_from_bytes, payload_to_bytes
-from common.round_engine import RoundEngine
 from tests.flower_processes import TINY_JOB
 
 JOB = {**TINY_JOB, "model": "small-cnn", "run-name": "worker-test"}

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.machine import cpu_name
 from common.config import load_job_config
-from common.inprocess import evaluate_hospitals, run_rounds, simulated_sites
+from common.engine.inprocess import evaluate_hospitals, run_rounds, simulated_sites
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "fedmepd" / "personalisation_rules.md"
 JOB = {"task": "brain-tumour-segmentation", "batch-size": 4, "brain.widths": "4,8,16,32", "brain.crop-size": 16,

@@ -11,7 +11,7 @@ subsets (``brain.hospital-modalities``; the first ``--hospitals`` of them), and 
 the same split, rounds, crops and learning rate. The 17 cases of ``../shared/data/brats`` go 3 to the
 held-out test set, 2 to the server and 3 to each of 4 hospitals (each seed draws its own split). A
 hospital's final score is that of the model it holds after the last round
-(``common.inprocess.evaluate_hospitals``) on the test cases restricted to its modalities; the server's is
+(``common.engine.inprocess.evaluate_hospitals``) on the test cases restricted to its modalities; the server's is
 the global model's on the full-modality test cases.
 ``generated-cpu`` has 36 generated volumes: 8 test cases, 4 for the server, 3 for each of the paper's
 8 hospital kinds, so that a hospital's personal filters are scored on cases it never trained on.
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from common.config import load_job_config
-from common.inprocess import evaluate_hospitals, run_rounds, simulated_sites
-from common.site import HospitalStateStore
+from common.engine.inprocess import evaluate_hospitals, run_rounds, simulated_sites
+from common.methods.site import HospitalStateStore
 
 from .report import write_report
 

@@ -22,13 +22,19 @@ from typing import Any
 import torch
 
 from common.config import JobConfig
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "benchmarks" / "cache"
+DATA = ROOT.parent / "shared" / "data"
 log = logging.getLogger("fedmed")
 #: target data set -> the data set its encoder is pretrained on
 OTHER = {"ham10000": "blood", "blood": "ham10000"}
+#: the data sets the benchmark trains on, as run-config keys
+DATASETS: dict[str, dict[str, Any]] = {
+    "ham10000": {"dataset": "ham10000", "data_dir": str(DATA / "ham10000")},
+    "blood": {"dataset": "npz", "data_dir": str(DATA / "blood" / "pbc_blood_28.npz")},
+}
 
 
 def encoder_path(source: str, image_size: int, width: float, epochs: int, seed: int) -> Path:
@@ -62,8 +68,6 @@ def pretrain(source: dict[str, Any], name: str, image_size: int, width: float, e
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .run import DATASETS
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", choices=sorted(DATASETS), required=True)
     parser.add_argument("--image-size", type=int, default=28)

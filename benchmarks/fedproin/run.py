@@ -5,7 +5,7 @@
 
 Every method runs on the same hospitals (K = 10 partitions of the same pool, IID and Dirichlet
 alpha = 0.5), the same server test set, rounds, local epochs, batch size and learning rate; SOLO and
-centralised training are references with the same budget (common.references). Each finished run
+centralised training are references with the same budget (common.engine.references). Each finished run
 is written to ``<out>/runs/<method>-<partition>-seed<s>.json`` and skipped when the script is
 started again, so an interrupted benchmark resumes. The table (mean +- std over seeds of the final
 round's accuracy, weighted F1 and MCC) and a plot of accuracy over rounds are rebuilt at the end.
@@ -33,21 +33,15 @@ import torch
 
 from common.config import JobConfig
 from common.data.sources import server_test_set
-from common.inprocess import run_rounds, simulated_sites
-from common.references import run_centralised, run_solo
-from common.site import HospitalStateStore
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.references import run_centralised, run_solo
+from common.methods.site import HospitalStateStore
 
-from .pretrain import OTHER, pretrain
+from .pretrain import DATASETS, OTHER, pretrain
 from .report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT.parent / "shared" / "data"
 log = logging.getLogger("fedmed")
-
-DATASETS: dict[str, dict[str, Any]] = {
-    "ham10000": {"dataset": "ham10000", "data_dir": str(DATA / "ham10000")},
-    "blood": {"dataset": "npz", "data_dir": str(DATA / "blood" / "pbc_blood_28.npz")},
-}
 
 #: The paper's protocol (K = 10, 50 % per round, Adam, 128x128, E = 5, 50 rounds, batch 128, lr 1e-4, 3 seeds),
 #: and a CPU preset that keeps the protocol but shrinks images, rounds and epochs to fit two cores.

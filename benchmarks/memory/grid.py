@@ -18,7 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from common.wire import CONFIG_RECORD, FLAT_ARRAY, FLAT_LAYOUT, METRICS_RECORD, MODEL_RECORD
+from common.engine.wire import CONFIG_RECORD, FLAT_ARRAY, FLAT_LAYOUT, METRICS_RECORD, MODEL_RECORD
 
 SAMPLES = 10  #: training samples every synthetic hospital declares and reports
 

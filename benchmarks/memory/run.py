@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.machine import cpu_name
-from common.launch import exit_on_termination
+from cli.launch import exit_on_termination
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 STORES = ("memory", "disk")

@@ -2,7 +2,7 @@
 
 A thread samples every second the proportional set size (PSS: shared pages split between the processes
 that share them, so the parts add up) of every process the benchmark started, found by its launch mark
-(``common.launch``), and keeps the peak of each role and of their sum.
+(``cli.launch``), and keeps the peak of each role and of their sum.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-from common.launch import ManagedProcess, marked_processes
+from cli.launch import ManagedProcess, marked_processes
 
 #: role -> words of a command line that mark it (first match wins)
 ROLES = (("serverapp", ("flwr-serverapp", "server_app")), ("simulation", ("flwr-simulation",)),

@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.machine import cpu_name
-from common.config import JobConfig
-from common.data.export import export_partitions
-from common.launch import (
+from cli.launch import (
     FlowerHome,
     exit_on_termination,
     free_port,
@@ -46,6 +44,8 @@ from common.launch import (
     submit_run,
     wait_for_run,
 )
+from common.config import JobConfig
+from common.data.export import export_partitions
 from server_app.results import read_history
 
 from .memory import PeakMemory, role_of
@@ -253,7 +253,7 @@ def main() -> None:
     if args.profile and not (shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists()):
         parser.error("--profile needs py-spy: pip install -e '.[profile]'")
     # SIGTERM (timeout, a scheduler) or SIGHUP unwind the finally blocks, which stop each SuperLink and SuperNode
-    # with everything they spawned (common.launch also stops leftovers at exit)
+    # with everything they spawned (cli.launch also stops leftovers at exit)
     exit_on_termination()
 
     measured: dict[str, dict] = {}

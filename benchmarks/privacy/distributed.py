@@ -50,7 +50,7 @@ def job(data: str, hospitals: int, rounds: int, seed: int, folder: Path, name: s
 
 def reads_from(config: dict[str, Any]) -> str:
     """The policy line that lets a hospital read the benchmark's data file (a path the run config names must lie in
-    the hospital's own folders: common/argument_gate.py)."""
+    the hospital's own folders: common/trust/argument_gate.py)."""
     where = config.get("data-dir")
     return f"argument-folders = [{json.dumps(str(Path(where).parent))}]\n" if where else ""
 
@@ -67,7 +67,7 @@ def accuracy(strategy) -> float:
 
 def ledger_epsilon(config: dict[str, Any]) -> float:
     """The largest epsilon any hospital's ledger holds after the run."""
-    from common.policy import PrivacyLedger
+    from common.trust.ledger import PrivacyLedger
 
     folders = sorted(Path(config["state-dir"]).iterdir())
     return max(PrivacyLedger(folder).epsilon(DELTA) for folder in folders if (folder / "privacy-ledger.json").exists())
@@ -95,7 +95,7 @@ def run_local(config: dict[str, Any], count: int, clip: float, sigma: float, fol
 def run_central(config: dict[str, Any], count: int, clip: float, z: float) -> tuple[float, float]:
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
-    from common.policy import epsilon_of
+    from common.trust.local_dp import epsilon_of
     from strategies import FedAvgStrategy
 
     strategy = FedAvgStrategy(min_train_nodes=count, min_available_nodes=count,

@@ -1,12 +1,12 @@
-"""What a hospital policy's local DP costs: the same in-process federation (``common.inprocess.run_rounds``) without
-local DP and with it at several noise levels, test accuracy and each hospital's epsilon after every round, side by
-side (docs/privacy.md).
+"""What a hospital policy's local DP costs: the same in-process federation (``common.engine.inprocess.run_rounds``)
+without local DP and with it at several noise levels, test accuracy and each hospital's epsilon after every round, side
+by side (docs/privacy.md).
 
     python -m benchmarks.privacy.run                              # FedAvg, small-cnn, 4 hospitals, 10 rounds
     python -m benchmarks.privacy.run --sigmas 0.5 2 --clip 0.5 --out benchmarks/privacy/results.md
 
-Every hospital holds the same policy (``common.policy.Policy``: clip-norm C, noise-multiplier sigma, delta) and its
-own ledger; the rest of the run is exactly a run without the policy (same data, split, seeds). ``--clip 0`` takes C
+Every hospital holds the same policy (``common.trust.policy.Policy``: clip-norm C, noise-multiplier sigma, delta) and
+its own ledger; the rest of the run is exactly a run without the policy (same data, split, seeds). ``--clip 0`` takes C
 as the median update norm of round 1 without DP, measured in the run without DP.
 """
 
@@ -21,9 +21,12 @@ from unittest import mock
 
 from benchmarks.machine import cpu_name
 from common.config import load_job_config
-from common.inprocess import run_rounds, simulated_sites
-from common.policy import Enforcer, LocalDP, Policy, PrivacyLedger, effective_noise_multiplier, policed
-from strategies.registry import hospital_class
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.methods.registry import hospital_class
+from common.trust.enforcer import Enforcer, policed
+from common.trust.ledger import PrivacyLedger
+from common.trust.local_dp import effective_noise_multiplier
+from common.trust.policy import LocalDP, Policy
 
 
 def run(cfg, hospitals: int, policy: Policy | None) -> tuple[list[dict], dict[str, PrivacyLedger]]:
@@ -36,7 +39,7 @@ def run(cfg, hospitals: int, policy: Policy | None) -> tuple[list[dict], dict[st
     def enforcer(name: str) -> Enforcer:
         return Enforcer(policy, ledgers.setdefault(name, PrivacyLedger(None)))
 
-    with mock.patch("common.inprocess.hospital_class", lambda method: policed(hospital_class(method), enforcer,
+    with mock.patch("common.engine.inprocess.hospital_class", lambda method: policed(hospital_class(method), enforcer,
                                                                                cfg.run_name)):
         return run_rounds(cfg, sites).history, ledgers
 
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = Policy(local_dp=LocalDP(clip_norm=clip, noise_multiplier=sigma, delta=args.delta))
         history, ledgers = run(cfg, args.hospitals, policy)
         z = effective_noise_multiplier(args.strategy, sigma)
-        from common.policy import epsilon_of
+        from common.trust.local_dp import epsilon_of
 
         epsilons = [epsilon_of([z] * rnd, args.delta) for rnd in range(1, args.rounds + 1)]
         assert all(ledger.epsilon(args.delta) == epsilons[-1] for ledger in ledgers.values())  # every round, each

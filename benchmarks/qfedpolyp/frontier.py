@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.qfedpolyp.table1 import NUM_HOSPITALS, PRESETS, PROTOCOL, job_config
-from common.inprocess import run_rounds, simulated_sites
+from common.engine.inprocess import run_rounds, simulated_sites
 from common.quantization.codec import decode_model, encode_model
 from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse

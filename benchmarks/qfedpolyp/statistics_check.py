@@ -20,11 +20,11 @@ import torch
 from common.config import JobConfig
 from common.machine import cpu_name
 from common.methods.base import unpack_json
+from common.methods.registry import server_class
 from common.quantization.codec import decode_model
 from common.tasks import get_task, task_class
 from server_app.checkpoint import find_checkpoint, load_checkpoint
 from strategies.qfedpolyp.messages import is_statistic, pack_statistics
-from strategies.registry import server_class
 
 
 def global_model(run: Path, data: Path, statistics_bits: int = 32):

@@ -14,7 +14,7 @@ is skipped and an interrupted one resumes from its checkpoint when the script is
 
 Definitions: Dice/IoU are the final global model's on each data set's test images. The round of
 convergence is the first round whose test Dice on that data set is within 0.01 of the best it
-reached. Uplink bytes per round: the serialised Flower messages (``common.wire.message_nbytes``)
+reached. Uplink bytes per round: the serialised Flower messages (``common.engine.wire.message_nbytes``)
 of the five hospitals' replies, rebuilt from the codec output at each hospital's bit-width with the
 metrics it sent; they are checked against the in-process byte counts of the run itself. A sparse update's or
 delta downlink's size depends on its positions: those messages are rebuilt with the array sizes the server recorded
@@ -45,8 +45,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 
 from common.config import JobConfig
-from common.inprocess import run_rounds, simulated_sites
-from common.round_engine import RoundEngine
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.engine.round_engine import RoundEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "polyp"
@@ -223,9 +223,9 @@ def uplink_message_bytes(cfg: JobConfig, history: list[dict[str, Any]]) -> dict[
     from flwr.app import Message, MessageType
     from flwr.supercore.task_identity import TaskIdentity
 
+    from common.engine.wire import message_nbytes, to_recorddict
     from common.methods.base import Payload
     from common.quantization.codec import encode_model
-    from common.wire import message_nbytes, to_recorddict
     from server_app.checkpoint import load_checkpoint
     from strategies.qfedpolyp.messages import (
         DOWNLINK_BASE_KEY,

@@ -26,8 +26,8 @@ import torch
 
 from benchmarks.machine import cpu_name
 from common.config import load_job_config
-from common.inprocess import run_rounds, simulated_sites
-from common.site import HospitalStateStore
+from common.engine.inprocess import run_rounds, simulated_sites
+from common.methods.site import HospitalStateStore
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"

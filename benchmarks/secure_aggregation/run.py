@@ -86,7 +86,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
     trained = [m for m in grid.replies if m.metadata.message_type == "train" and not m.has_error()
                and (not secure or m.content.config_records.get("config", {}).get("secagg.stage")
                     == "collect_masked_vectors")]
-    from common.wire import message_nbytes
+    from common.engine.wire import message_nbytes
 
     row: dict[str, Any] = {
         "hospitals": hospitals, "kind": kind, "rounds": rounds, "num-shares": num_shares,
@@ -114,10 +114,10 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
 def measure_protocol(values: int = 11_200_000, count: int = 5) -> dict[str, Any]:
     """The protocol alone at a ResNet-18's size, no training: one hospital's quantisation and masking, the server's
     sum and unmasking, in seconds; the masked vector's bytes; the sum's largest error."""
-    from common.secure_aggregation import Entry, Layout, SecureAggregationSettings, decode_sum, encode
-    from common.secure_aggregation.inprocess import InProcess
-    from common.secure_aggregation.server import add_masked_vector
-    from common.secure_aggregation.vector import pack_values, unpack_values
+    from common.trust.secure_aggregation import Entry, Layout, SecureAggregationSettings, decode_sum, encode
+    from common.trust.secure_aggregation.inprocess import InProcess
+    from common.trust.secure_aggregation.server import add_masked_vector
+    from common.trust.secure_aggregation.vector import pack_values, unpack_values
 
     layout = Layout((Entry("weight", ()), Entry("model/all", (values,))))
     update = np.random.default_rng(0).normal(0, 1e-3, values)
@@ -149,9 +149,9 @@ def measure_differencing(hospitals: int = 4) -> dict[str, Any]:
     draw); the replay's difference of sums (round again without hospital 0) correlates with hospital 0's update
     about as well as with the same seeds (1.0)."""
     from common.config import load_job_config
-    from common.inprocess import simulated_sites
-    from common.round_engine import RoundEngine
-    from strategies.registry import hospital_class
+    from common.engine.inprocess import simulated_sites
+    from common.engine.round_engine import RoundEngine
+    from common.methods.registry import hospital_class
 
     cfg = load_job_config({**JOB, "synthetic-samples": SAMPLES_PER_HOSPITAL * hospitals, "strategy": "fedavg"})
     sites, engine = simulated_sites(cfg, hospitals), RoundEngine(cfg)

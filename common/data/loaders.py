@@ -2,11 +2,11 @@
 (a consortium's own), with ``dataset-args`` (a JSON object, from the run config and, over it, the hospital's node
 config) handed to the loader.
 
-A loader is called once per process with a :class:`DataRequest` and returns, for a hospital, its
-``(train, validation)`` data sets and, for the server, its held-out test set (or ``None``: no test set, the server
-then scores nothing itself). A data set is one of ours (``common.data.containers``) or any map-style torch
-``Dataset`` of ``(image, target)`` items (``common.data.torch_data``). The built-in formats are loaders of the same
-kind (:data:`BUILT_IN`), so the server, the hospitals, ``fedmed partition`` and ``fedmed evaluate`` read them the
+A loader is called once per process with a :class:`DataRequest` and returns, for a hospital, its ``(train, validation)``
+data sets and, for the server, its held-out test set (or ``None``: no test set, the server then scores nothing itself).
+A data set is one of ours (``common.data.containers``) or any map-style torch ``Dataset`` of ``(image, target)`` items
+(``common.data.torch_data``). The built-in formats are loaders of the same kind (``DATA_FORMATS`` of
+``common/trust/code_gate.py``), so the server, the hospitals, ``fedmed partition`` and ``fedmed evaluate`` read them the
 same way.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
+from common.trust.code_gate import DATA_FORMATS, load_factory, parse_arguments
+
 from .containers import DataError
 
 if TYPE_CHECKING:
@@ -22,8 +24,6 @@ if TYPE_CHECKING:
 
 #: items of a torch Dataset of a consortium's own checked when its loader returns it (the rest batch by batch)
 FIRST_ITEMS_CHECKED = 8
-#: the formats we read, each a loader of the task's (``common.tasks.base.Task.builtin_data``)
-BUILT_IN = ("synthetic", "ham10000", "npz", "image-mask", "brats")
 
 
 @dataclass(frozen=True)
@@ -41,21 +41,17 @@ class DataRequest:
 
 
 def is_custom(dataset: str) -> bool:
-    return dataset not in BUILT_IN
+    return dataset not in DATA_FORMATS
 
 
 def dataset_arguments(cfg: "JobConfig", node_arguments: str = "") -> dict[str, Any]:
     """``dataset-args`` of the run config with the node config's over them."""
-    from common.models.networks import parse_arguments
-
     return {**parse_arguments(cfg.dataset_args, "dataset-args"), **parse_arguments(node_arguments, "dataset-args")}
 
 
 def call_loader(request: DataRequest):
     """The user's loader's answer to ``request``; DataError naming the loader for anything it raises or returns
     that is not data."""
-    from common.models.networks import load_factory
-
     name = request.job.dataset
     loader = load_factory(name, "dataset")
     try:

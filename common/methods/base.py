@@ -21,8 +21,8 @@ import torch
 
 from common.arrays import ArraysMismatch, NamedArrays, check_like, is_exchanged
 from common.config import JobConfig
+from common.methods.site import Site
 from common.payload import ConfigValue, Payload  # noqa: F401  (re-exported: the methods' message type)
-from common.site import Site
 from common.tasks import Task, get_task
 
 #: Evaluate-message config key: score the final models for the run's cross-site table (``HospitalMethod.cross_site``).
@@ -63,7 +63,7 @@ class HospitalUpdate:
     @property
     def num_examples(self) -> int:
         """The reported sample count (0 when it is not a finite number); the round engine refuses a reply whose
-        count is not positive or exceeds what the hospital declared (``common.screening``) before ``check``."""
+        count is not positive or exceeds what the hospital declared (``common.engine.screening``) before ``check``."""
         value = self.payload.metrics.get(self.weight_key, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             return 0
@@ -78,7 +78,7 @@ class ServerMethod(ABC):
     """Server side of a method. Subclasses set ``name`` and implement the abstract methods."""
 
     name: ClassVar[str]
-    #: reply metrics this method reads as lists (every other metric must be a number: ``common.screening``)
+    #: reply metrics this method reads as lists (every other metric must be a number: ``common.engine.screening``)
     list_metrics: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cfg: JobConfig, task: Task | None = None):
@@ -144,7 +144,7 @@ class ServerMethod(ABC):
 
     def screened_arrays(self, update: HospitalUpdate) -> tuple[NamedArrays, NamedArrays]:
         """The arrays of a checked reply that the round's screening compares across hospitals, and what the
-        hospital received of them (``common.screening``: BatchNorm variances, the update-norm rule).
+        hospital received of them (``common.engine.screening``: BatchNorm variances, the update-norm rule).
         Default: the reply's model against the global model."""
         return update.payload.arrays.get("model", {}), self.expected_model(update)
 
@@ -159,9 +159,9 @@ class ServerMethod(ABC):
     def aggregate(self, rnd: int, updates: list[HospitalUpdate]) -> dict[str, Any]:
         """Fold the accepted updates into the global state; return round metrics worth recording.
 
-        Each update's arrays may be on disk (``common.reply_store.StoredArrays``: each tensor read from its file
+        Each update's arrays may be on disk (``common.engine.reply_store.StoredArrays``: each tensor read from its file
         when asked for): go tensor by tensor, or hospital by hospital, never holding every reply's whole arrays at
-        once, and copy what is kept beyond the round (``common.reply_store.materialized``)."""
+        once, and copy what is kept beyond the round (``common.engine.reply_store.materialized``)."""
 
     def server_step(self, rnd: int) -> dict[str, Any]:
         """Work the server does on its own after aggregation (e.g. training on its data)."""
@@ -197,8 +197,8 @@ class ServerMethod(ABC):
 class HospitalMethod(ABC):
     """A hospital's side of a method: local training (and evaluation) on its own site."""
 
-    #: Set by the hospital's policy under local DP (common/policy.py): every statistic the reply carries besides the
-    #: clipped, noised model must have the sensitivity the policy accounts for (FedProIn counts its influence with
+    #: Set by the hospital's policy under local DP (common/trust/enforcer.py): every statistic the reply carries besides
+    #: the clipped, noised model must have the sensitivity the policy accounts for (FedProIn counts its influence with
     #: the received model, so one replaced sample moves two counts by one).
     privacy_bounded: bool = False
 

@@ -129,7 +129,7 @@ def run_config_of(state: dict[str, np.ndarray]) -> JobConfig:
 
 def model_from_checkpoint(state: dict[str, np.ndarray]) -> tuple[JobConfig, nn.Module, int]:
     """(run config, float global model, rounds done) from a checkpoint's arrays (the run's own network importable:
-    :func:`common.run_imports.run_modules_importable`)."""
+    :func:`common.engine.run_imports.run_modules_importable`)."""
     from common.arrays import load_model_arrays
     from common.methods.base import unpack_json
     from common.tasks import get_task
@@ -332,7 +332,7 @@ def export_quietly(state: dict[str, np.ndarray], out: Path, calibration_dir: str
     import shutil
     import tempfile
 
-    from common.run_imports import run_modules_importable
+    from common.engine.run_imports import run_modules_importable
 
     with run_modules_importable(run_config_of(state), state, app_dir):
         cfg, model, rounds = model_from_checkpoint(state)

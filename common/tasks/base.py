@@ -86,7 +86,7 @@ class Task(ABC):
         return self.cfg.model or TASK_DEFAULT[self.name]
 
     def network_model_args(self) -> dict[str, Any]:
-        from common.models.networks import parse_arguments
+        from common.trust.code_gate import parse_arguments
 
         return parse_arguments(self.cfg.model_args, "model-args")
 

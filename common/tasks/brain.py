@@ -25,8 +25,8 @@ from common.data.brats import MODALITIES, BratsCase, parse_modalities
 from common.data.containers import DataError
 from common.devices import autocast
 from common.metrics import SegmentationScores
-from common.models.networks import load_factory
 from common.models.rfnet import MultimodalSegNet, SegmentationOutputs
+from common.trust.code_gate import load_factory
 
 from .base import Task
 

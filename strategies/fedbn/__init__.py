@@ -4,10 +4,10 @@ stains shift each site's feature statistics.
 
 ``norm_layers.py`` which state entries are a model's normalisation layers, ``server.py`` and ``hospital.py`` the two
 halves, ``strategy.py`` the Flower strategy. Adding it touched nothing outside this package but one line in
-``strategies/registry.py`` (docs/ARCHITECTURE.md).
+``common/methods/registry.py`` (docs/ARCHITECTURE.md).
 """
 
-from strategies.registry import TWO_D, MethodSpec
+from common.methods.registry import TWO_D, MethodSpec
 
 METHODS = (
     MethodSpec("fedbn", TWO_D, server="strategies.fedbn.server:FedBNServer",
@@ -15,5 +15,6 @@ METHODS = (
                summary="FedAvg with every hospital's normalisation layers kept local",
                not_for_central_dp="a reply carries the hospital's own normalisation layers beside the shared "
                "weights, which are not the model the wrapper sent, so it cannot clip the update tensor by tensor",
-               secure="strategies.fedbn.secure:SECURE", flower_contract=True),
+               secure="strategies.fedbn.secure:SECURE", privacy="strategies.fedbn.privacy:RULES",
+               flower_contract=True),
 )

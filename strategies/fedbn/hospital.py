@@ -7,12 +7,12 @@ import torch
 
 from common.arrays import load_model_arrays, model_arrays
 from common.methods.base import Payload
-from strategies.fedavg.hospital import FedAvgHospital
+from common.methods.local_training import LocalTraining
 
 from .norm_layers import NORM_GROUP, norm_layer_names, split_norm_layers
 
 
-class FedBNHospital(FedAvgHospital):
+class FedBNHospital(LocalTraining):
     def own_model(self, rnd: int, payload: Payload) -> torch.nn.Module:
         """The server's initial model (same seed) with the received shared weights and this hospital's last
         normalisation layers."""

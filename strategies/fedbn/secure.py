@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.secure_aggregation.methods import (
+from common.trust.secure_aggregation.methods import (
     MethodPlan,
     SecureMethod,
     check_bounds,
     mean_update,
+    refuse_robust_aggregate,
     weighted_plan,
     weighted_update_contribution,
 )
-from strategies.fedavg.secure import fedavg_refuse
 
 
 def fedbn_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
@@ -29,5 +29,5 @@ def fedbn_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, 
     return {}
 
 
-SECURE = SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=fedavg_refuse,
+SECURE = SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=refuse_robust_aggregate,
                       distributed_dp=True)

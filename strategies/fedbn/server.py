@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, weighted_average
+from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, robust_average, weighted_average
+from common.engine.reply_store import materialized
+from common.engine.round_engine import weighted_mean_metrics
+from common.engine.screening import batchnorm_problem
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate, ServerMethod
-from common.reply_store import materialized
-from common.round_engine import weighted_mean_metrics
-from common.screening import batchnorm_problem, robust_average
 
 from .norm_layers import NORM_GROUP, norm_layer_names, norm_names_of, split_norm_layers
 

@@ -5,7 +5,7 @@ trains on its own full-modality cases, multi-anchor LACCA; and the baselines it 
 ``anchors.py``, ``decoder.py``, ``server.py``, ``hospital.py``, ``baselines.py``, ``strategy.py``.
 """
 
-from strategies.registry import BRAIN, MethodSpec
+from common.methods.registry import BRAIN, MethodSpec
 
 SETTINGS = "strategies.fedmepd.settings:FedMEPDSettings"
 
@@ -19,22 +19,24 @@ METHODS = (
                strategy="strategies.fedmepd.strategy:FedMEPDStrategy",
                summary="Modality-specific encoders, per-filter personalised fusion decoder, multi-anchor LACCA",
                settings=SETTINGS, section="fedmepd", model_needs="multimodal", not_for_central_dp=PARTIAL_ENCODERS,
-               secure="strategies.fedmepd.secure:SECURE"),
+               secure="strategies.fedmepd.secure:SECURE", privacy="strategies.fedmepd.privacy:RULES"),
     MethodSpec("fedmepd-fedavg", BRAIN, server="strategies.fedmepd.baselines:SharedEncoderFedAvgServer",
-               hospital="strategies.fedavg.hospital:FedAvgHospital",
+               hospital="strategies.fedmepd.baselines:SharedEncoderFedAvgHospital",
                strategy="strategies.fedmepd.strategy:SharedEncoderFedAvgStrategy",
                summary="Baseline: FedAvg of the whole model with one encoder shared by all modalities",
-               model_needs="multimodal", secure="strategies.fedmepd.secure:SHARED_ENCODER_FEDAVG"),
+               model_needs="multimodal", secure="strategies.fedmepd.secure:SHARED_ENCODER_FEDAVG",
+               privacy="strategies.fedmepd.privacy:BASELINE_RULES"),
     MethodSpec("fedmepd-federated-decoder", BRAIN, server="strategies.fedmepd.baselines:FederatedDecoderServer",
                hospital="strategies.fedmepd.baselines:FederatedDecoderHospital",
                strategy="strategies.fedmepd.strategy:FederatedDecoderStrategy",
                summary="Baseline: modality-specific encoders with a fully federated fusion decoder",
                model_needs="multimodal", not_for_central_dp=PARTIAL_ENCODERS,
-               secure="strategies.fedmepd.secure:SECURE"),
+               secure="strategies.fedmepd.secure:SECURE", privacy="strategies.fedmepd.privacy:BASELINE_RULES"),
     MethodSpec("fedmepd-local", BRAIN, server="strategies.fedmepd.baselines:LocalServer",
                hospital="strategies.fedmepd.baselines:LocalHospital",
                strategy="strategies.fedmepd.strategy:LocalOnlyStrategy",
                summary="Baseline: every hospital (and the server) trains alone", model_needs="multimodal",
                not_for_central_dp="every hospital trains alone: nothing is aggregated for the wrapper to protect",
-               not_secure="its hospitals send nothing to aggregate"),
+               not_secure="its hospitals send nothing to aggregate",
+               privacy="strategies.fedmepd.privacy:BASELINE_RULES"),
 )

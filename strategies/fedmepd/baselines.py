@@ -2,7 +2,7 @@
 round; hospitals are scored with their own modalities; everyone starts from the same weights):
 
 * ``fedmepd-fedavg``: FedAvg of the whole model, with one encoder shared by all modalities (the
-  paper's FedAvg row, ablation (a)); hospitals are the stock :class:`~strategies.fedavg.hospital.FedAvgHospital`.
+  paper's FedAvg row, ablation (a)); hospitals train the whole model as received (:class:`SharedEncoderFedAvgHospital`).
 * ``fedmepd-federated-decoder``: modality-specific encoders and a fully federated fusion decoder:
   FedMEPD without personalisation, anchors or LACCA (ablation (d)).
 * ``fedmepd-local``: every hospital trains alone and keeps its model; the server trains alone on
@@ -15,6 +15,7 @@ from typing import Any
 
 from common.arrays import model_arrays, weighted_average
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate
+from common.methods.local_training import LocalTraining
 
 from .harness import BrainHospital, ServerTraining, hospital_average, hospital_modalities
 from .hospital import FedMEPDHospital
@@ -32,6 +33,10 @@ class SharedEncoderFedAvgServer(ServerTraining):
         self.global_arrays = weighted_average([u.payload.arrays["model"] for u in updates],
                                               [u.weight for u in updates])
         return {"hospital-average": hospital_average(updates)}
+
+
+class SharedEncoderFedAvgHospital(LocalTraining):
+    """FedAvg's local step on the whole shared-encoder model."""
 
 
 class FederatedDecoderServer(FedMEPDServer):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from common.arrays import NamedArrays
-from common.reply_store import selected
+from common.engine.reply_store import selected
 
 from .filter_personalisation import subtract
 

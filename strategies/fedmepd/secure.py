@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from common.payload import Payload
-from common.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY, PREFIX, WEIGHT_CAP_KEY
-from common.secure_aggregation.methods import (
+from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, OWN_NAME_KEY, PREFIX, WEIGHT_CAP_KEY
+from common.trust.secure_aggregation.methods import (
     Contribution,
     MethodPlan,
     SecureMethod,
@@ -21,12 +21,14 @@ from common.secure_aggregation.methods import (
     common_weight_cap,
     declared_weights,
     float_names,
+    mean_update_apply,
+    mean_update_plan,
     model_change,
     own_weight,
+    refuse_robust_aggregate,
     weighted_update_contribution,
 )
-from common.secure_aggregation.vector import Entry, Layout
-from strategies.fedavg.secure import fedavg_apply, fedavg_plan, fedavg_refuse
+from common.trust.secure_aggregation.vector import Entry, Layout
 
 if TYPE_CHECKING:
     from common.methods.base import HospitalInfo
@@ -169,16 +171,16 @@ def fedmepd_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str
             "decoder-filters-aggregated": aggregated / max(filters, 1)}
 
 
-def shared_encoder_fedavg_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
+def shared_encoder_mean_update_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
     """The FedAvg baseline's round, with the hospitals' own scores, which they state in the clear."""
     from strategies.fedmepd.harness import hospital_average
 
-    record = fedavg_apply(method, rnd, sums, plan, updates)
+    record = mean_update_apply(method, rnd, sums, plan, updates)
     record["hospital-average"] = hospital_average(updates)
     return record
 
 
 SECURE = SecureMethod(fedmepd_plan, fedmepd_contribution, fedmepd_apply, sum_problem=fedmepd_sum_problem,
                       check_plan=fedmepd_check_plan)
-SHARED_ENCODER_FEDAVG = SecureMethod(fedavg_plan, weighted_update_contribution, shared_encoder_fedavg_apply,
-                                     refuse=fedavg_refuse, distributed_dp=True)
+SHARED_ENCODER_FEDAVG = SecureMethod(mean_update_plan, weighted_update_contribution, shared_encoder_mean_update_apply,
+                                     refuse=refuse_robust_aggregate, distributed_dp=True)

@@ -22,8 +22,8 @@ import numpy as np
 
 from common.arrays import NamedArrays, model_arrays, weighted_average
 from common.data.brats import MODALITIES
+from common.engine.reply_store import selected
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
-from common.reply_store import selected
 
 from .anchors import MultiAnchors, collect_class_vectors
 from .decoder import DECODER, MASK_KEY, STATE_PREFIX, decoder_part, server_decoder_change

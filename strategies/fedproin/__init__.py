@@ -6,7 +6,7 @@ head, the task losses, class-balanced draws), ``hospital.py`` the hospital half 
 ``server.py`` the server half (NIA), ``strategy.py`` the Flower strategy.
 """
 
-from strategies.registry import MethodSpec
+from common.methods.registry import MethodSpec
 
 METHODS = (
     MethodSpec("fedproin", ("classification",), server="strategies.fedproin.server:FedProInServer",
@@ -14,5 +14,6 @@ METHODS = (
                strategy="strategies.fedproin.strategy:FedProInStrategy",
                summary="Learnable multi-prototypes, FDL + PCL, normalised influence aggregation",
                settings="strategies.fedproin.settings:FedProInSettings", section="fedproin",
-               model_needs="features", secure="strategies.fedproin.secure:SECURE"),
+               model_needs="features", secure="strategies.fedproin.secure:SECURE",
+               privacy="strategies.fedproin.privacy:RULES"),
 )

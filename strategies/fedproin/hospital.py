@@ -24,12 +24,12 @@ import torch.nn.functional as F
 
 from common.config import JobConfig
 from common.methods.base import Payload
+from common.methods.local_training import LocalTraining
+from common.methods.site import Site
 from common.models.prototype_net import squared_distances
 from common.models.representations import FeatureTap, frozen_copy
-from common.site import Site
 from common.tasks import Task
 from common.tasks.base import ExtraLoss
-from strategies.fedavg.hospital import FedAvgHospital
 
 from .messages import INFLUENCE, RESEED
 from .optimizer_state import optimizer_arrays, restore_optimizer
@@ -167,7 +167,7 @@ def fedproin_regulariser(model: torch.nn.Module, settings: FedProInSettings, pre
     return term, tap
 
 
-class FedProInHospital(FedAvgHospital):
+class FedProInHospital(LocalTraining):
     def __init__(self, cfg: JobConfig, site: Site, task: Task | None = None):
         super().__init__(cfg, site, PrototypeClassificationTask(cfg, task.spec if task else None))
 

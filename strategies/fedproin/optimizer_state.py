@@ -2,7 +2,7 @@
 
 FedProIn's public code keeps one Adam per client for the whole run; here a hospital's method object
 lives for one round (and its ClientApp process may too), so the moments go into the hospital's state
-store (``common.site.HospitalStateStore``) next to what else it remembers, and come back next time.
+store (``common.methods.site.HospitalStateStore``) next to what else it remembers, and come back next time.
 """
 
 from __future__ import annotations

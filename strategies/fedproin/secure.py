@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from common.payload import Payload
-from common.secure_aggregation.messages import NORM_BOUND_KEY, PREFIX
-from common.secure_aggregation.methods import (
+from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, PREFIX
+from common.trust.secure_aggregation.methods import (
     Contribution,
     MethodPlan,
     SecureMethod,
@@ -23,7 +23,7 @@ from common.secure_aggregation.methods import (
     stand_in,
     weighted_plan,
 )
-from common.secure_aggregation.vector import INTEGER, Entry, Layout
+from common.trust.secure_aggregation.vector import INTEGER, Entry, Layout
 from strategies.fedproin.messages import INFLUENCE
 
 INFLUENCE_BOUND_KEY = PREFIX + "influence-bound"  #: W_I, the largest count a hospital may add

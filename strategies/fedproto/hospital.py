@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from common.arrays import load_model_arrays
 from common.methods.base import Payload
+from common.methods.local_training import LocalTraining
 from common.models.representations import classifier_features
-from strategies.fedavg.hospital import FedAvgHospital
 
 from .server import PROTOTYPES, NearestPrototypeClassifier
 
 
-class FedProtoHospital(FedAvgHospital):
+class FedProtoHospital(LocalTraining):
     def own_model(self, rnd: int, payload: Payload) -> torch.nn.Module:
         """The network this hospital kept after its last round before ``rnd`` (the first time: the server's
         initial model, same seed)."""

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from common.arrays import ArraysMismatch, NamedArrays, check_like, load_model_arrays, model_arrays
+from common.engine.reply_store import materialized
+from common.engine.round_engine import weighted_mean_metrics
 from common.methods.base import HospitalUpdate, Payload, RejectedUpdate, ServerMethod
 from common.models.prototype_net import squared_distances
 from common.models.representations import ClassifierFeatures, classifier_head, frozen_copy
-from common.reply_store import materialized
-from common.round_engine import weighted_mean_metrics
 
 PROTOTYPES = "prototypes"  # array group: "mean" (C, d); downlink "present" (C,), reply "count" (C,)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from common.methods.local_training import LocalTraining
 from common.tasks.base import ExtraLoss
-from strategies.fedavg.hospital import FedAvgHospital
 
 
 def proximal_term(mu: float, global_arrays: dict) -> ExtraLoss:
@@ -22,6 +22,6 @@ def proximal_term(mu: float, global_arrays: dict) -> ExtraLoss:
     return term
 
 
-class FedProxHospital(FedAvgHospital):
+class FedProxHospital(LocalTraining):
     def extra_loss(self, received: dict) -> ExtraLoss | None:
         return proximal_term(self.cfg.fedprox.mu, received)

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from common.arrays import load_model_arrays
 from common.methods.base import Payload
+from common.methods.local_training import LocalTraining
 from common.models.representations import ClassifierFeatures, FeatureTap, classifier_features, frozen_copy
 from common.tasks.base import ExtraLoss
-from strategies.fedavg.hospital import FedAvgHospital
 
 from .settings import MoonSettings
 
@@ -44,7 +44,7 @@ def moon_term(model: torch.nn.Module, previous: torch.nn.Module, settings: MoonS
     return term, tap
 
 
-class MoonHospital(FedAvgHospital):
+class MoonHospital(LocalTraining):
     def train(self, rnd: int, payload: Payload) -> Payload:
         model = self.task.model_from_payload(payload)
         previous_arrays = self.site.state.load(before_round=rnd)

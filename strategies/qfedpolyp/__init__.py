@@ -1,7 +1,7 @@
 """QFedPolyp (docs/qfedpolyp.md): quantisation-aware training, per-hospital bit-widths, bit-width-tagged packed
 payloads (``common/quantization``), FedAvg of the rebuilt models, and an INT8 model for inference."""
 
-from strategies.registry import MethodSpec
+from common.methods.registry import MethodSpec
 
 METHODS = (
     MethodSpec("qfedpolyp", ("polyp-segmentation", "classification"),  # the first: QFedPolypStrategy()'s task
@@ -12,5 +12,6 @@ METHODS = (
                settings="strategies.qfedpolyp.settings:QFedPolypSettings", section="qfedpolyp",
                model_needs="quantisable",
                not_for_central_dp="a reply is the model's b-bit quantised codes (uint8 data, ranges, header), not its "
-               "weights, so there is no update for the wrapper to clip", secure="strategies.qfedpolyp.secure:SECURE"),
+               "weights, so there is no update for the wrapper to clip", secure="strategies.qfedpolyp.secure:SECURE",
+               privacy="strategies.qfedpolyp.privacy:RULES"),
 )

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from common.payload import Payload
-from common.secure_aggregation.messages import NORM_BOUND_KEY, PREFIX, WEIGHT_CAP_KEY
-from common.secure_aggregation.methods import (
+from common.trust.secure_aggregation.messages import NORM_BOUND_KEY, PREFIX, WEIGHT_CAP_KEY
+from common.trust.secure_aggregation.methods import (
     Contribution,
     MethodPlan,
     SecureMethod,
@@ -23,7 +23,7 @@ from common.secure_aggregation.methods import (
     model_change,
     own_weight,
 )
-from common.secure_aggregation.vector import INTEGER, Entry, Layout
+from common.trust.secure_aggregation.vector import INTEGER, Entry, Layout
 
 if TYPE_CHECKING:
     from common.config import JobConfig

@@ -22,22 +22,31 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import fnmatch
+import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from common.settings import ConfigError
+
 #: the kinds of code a job names: networks (and network parts) and data loaders
 MODELS, DATASETS = "models", "datasets"
+
+#: built-in networks (``common/models/``): name -> "module:factory" (each takes the task's keyword arguments it names)
+BUILT_IN_NETWORKS: dict[str, str] = {
+    "resnet18": "common.models.resnet:build_resnet18_classifier",
+    "small-cnn": "common.models.small_cnn:build_small_cnn",
+    "polyp-unet": "common.models.unet2d:PolypUNet",
+    "rfnet": "common.models.rfnet:MultimodalSegNet",
+}
+#: the data formats we read, each a loader of the task's (``common.tasks.base.Task.builtin_data``)
+DATA_FORMATS = ("synthetic", "ham10000", "npz", "image-mask", "brats")
 
 
 def built_in(kind: str) -> tuple[str, ...]:
     """The names (and the import paths they stand for) a hospital runs without listing them."""
     if kind == MODELS:
-        from common.models.networks import BUILT_IN
-
-        return tuple(BUILT_IN) + tuple(BUILT_IN.values())
-    from common.data.loaders import BUILT_IN as FORMATS
-
-    return FORMATS
+        return tuple(BUILT_IN_NETWORKS) + tuple(BUILT_IN_NETWORKS.values())
+    return DATA_FORMATS
 
 
 def kind_of(key: str) -> str:
@@ -51,8 +60,6 @@ def named_code(cfg: Any) -> list[tuple[str, str]]:
     encoder and decoder factories in ``model-args``."""
     named = [("model", cfg.model), ("dataset", cfg.dataset)]
     if cfg.task == "brain-tumour-segmentation" and cfg.model_args:
-        from common.models.networks import parse_arguments
-
         for part in ("encoder", "decoder"):
             value = parse_arguments(cfg.model_args, "model-args").get(part)
             if value is not None:
@@ -163,13 +170,9 @@ def kind_problem(kind: str, name: str, obj: object) -> str | None:
 def resolution_problems(cfg: Any) -> list[str]:
     """Why a network or loader ``cfg`` names by import path is none (it cannot be imported, or it resolves to what
     :func:`kind_problem` refuses); empty when each is one. Imports the modules (those a gate in force allows)."""
-    from common.data.loaders import BUILT_IN as FORMATS
-    from common.models.networks import BUILT_IN, is_import_path, load_factory
-    from common.settings import ConfigError
-
     problems = []
     for key, name in named_code(cfg):
-        if is_import_path(name) and name not in BUILT_IN and name not in FORMATS:
+        if is_import_path(name) and name not in BUILT_IN_NETWORKS and name not in DATA_FORMATS:
             try:
                 load_factory(name, key)
             except ConfigError as error:
@@ -186,3 +189,52 @@ def wide_patterns(patterns: tuple[str, ...]) -> list[str]:
 def split_list(text: str) -> tuple[str, ...]:
     """A node config's list: comma- or whitespace-separated."""
     return tuple(item for item in text.replace(",", " ").split() if item)
+
+
+class CodeRefused(ConfigError):
+    """A hospital was asked to import code it did not approve (``common/trust/code_gate.py``); nothing was imported."""
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def parse_arguments(text: str, key: str) -> dict[str, Any]:
+    """``'{"depth": 3}'`` -> ``{"depth": 3}``; ConfigError naming ``key`` for anything but a JSON object."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{key}: {text!r} is not JSON ({error.msg}); write a JSON object such as "
+                          "'{\"spatial_dims\": 2}'") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{key}: {text!r} is not a JSON object of keyword arguments")
+    return value
+
+
+def load_factory(name: str, key: str = "model"):
+    """The callable a model (or data set) name stands for: a built-in name or ``package.module:attribute``;
+    ConfigError naming ``key`` when it cannot be imported."""
+    from importlib import import_module
+
+    path = BUILT_IN_NETWORKS.get(name, name)
+    module, _, attribute = path.partition(":")
+    if not module or not attribute:
+        raise ConfigError(f"{key}: {name!r} is neither a built-in network ({', '.join(BUILT_IN_NETWORKS)}) nor "
+                          "'package.module:factory'")
+    refused = refusal(key, name)  # a hospital imports only the code it approved
+    if refused:
+        raise CodeRefused(refused)
+    try:
+        factory = getattr(import_module(module), attribute)
+    except ImportError as error:
+        raise ConfigError(f"{key}: {name!r}: module {module!r} cannot be imported ({error})") from None
+    except AttributeError:
+        raise ConfigError(f"{key}: {name!r}: module {module!r} has no {attribute!r}") from None
+    if not callable(factory):
+        raise ConfigError(f"{key}: {name!r} is not callable")
+    problem = kind_problem(kind_of(key), name, factory) if name not in BUILT_IN_NETWORKS else None
+    if problem:
+        raise CodeRefused(f"{key}: {problem}; it was not run")
+    return factory

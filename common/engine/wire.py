@@ -323,7 +323,7 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
 
 def message_nbytes(message: Message) -> int:
     """Bytes of the serialised message: every object Flower deflates to send it (content and metadata)."""
-    from common.audit import measure_message
+    from common.trust.audit import measure_message
 
     return measure_message(message)[0]
 

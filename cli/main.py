@@ -19,342 +19,13 @@ one line naming it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shlex
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any, Iterator
 
-import tomllib
-
-
-def parse_overrides(text: str, what: str = "--run-config") -> dict[str, Any]:
-    """``"a=1 b='x y'"`` -> ``{"a": 1, "b": "x y"}`` (values are TOML; bare words are strings)."""
-    from common.settings import ConfigError
-
-    values: dict[str, Any] = {}
-    try:
-        items = shlex.split(text or "")
-    except ValueError as error:  # e.g. "No closing quotation"
-        raise ConfigError(f"{what}: {text!r} cannot be split into key=value items ({error})") from None
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"{what}: {item!r} is not key=value")
-        key, raw = item.split("=", 1)
-        try:
-            values[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            values[key.strip()] = raw
-    return values
-
-
-def usable_path(what: str, value: str | Path) -> Path:
-    """``value`` made absolute; ConfigError naming ``what`` (a run-config key, a command-line option) when the file
-    system cannot take it at all: a name too long, a symbolic link loop, a folder that cannot be searched. A path
-    that merely does not exist (yet) is fine here: what needs it says so."""
-    from common.settings import ConfigError
-
-    try:
-        path = Path(value).resolve()
-        path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        return path
-    except OSError as error:  # ENAMETOOLONG, ELOOP (Python 3.13's resolve), EACCES, ...
-        raise ConfigError(f"{what}: {str(value)!r} cannot be used as a path: {error.strerror or error}") from None
-    except RuntimeError:  # Python 3.11's resolve() on a symbolic link loop
-        raise ConfigError(f"{what}: {str(value)!r} cannot be used as a path: it leads into a symbolic link "
-                          "loop") from None
-    return path
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser whose refusals are one line naming the option and value (no usage block: --help has it)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
-
-
-def positive(kind: type, least: float = 1):
-    """An argparse type: a number of ``kind`` of at least ``least`` (the error names the value)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value >= least or value != value:
-            raise argparse.ArgumentTypeError(f"{text!r}: it must be at least {least:g}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error
-    return parse
-
-
-def check_app_keys(values: dict[str, Any], app_dir: Path | None = None) -> None:
-    """Run-config keys Flower would refuse for this app (only ``[tool.flwr.app.config]`` of its pyproject.toml may
-    be set): ConfigError naming the key, before anything starts."""
-    from common.config import misspelt_key
-    from common.launch import PROJECT_ROOT
-    from common.settings import ConfigError
-
-    listed = tomllib.loads(((app_dir or PROJECT_ROOT) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    known = set(flatten_keys(listed))
-    for key in values:
-        if key not in known:
-            hint = misspelt_key(key) or "the app's pyproject.toml [tool.flwr.app.config] lists every key it takes"
-            raise ConfigError(f"--run-config: {key!r} is not a run-config key of this app ({hint})")
-
-
-def flatten_keys(table: dict[str, Any], prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in table.items():
-        name = f"{prefix}{key}"
-        keys += flatten_keys(value, f"{name}.") if isinstance(value, dict) else [name]
-    return keys
-
-
-def check_federation_keys(values: dict[str, Any]) -> None:
-    """``--federation-config`` keys Flower's simulation engine does not know: ConfigError naming them."""
-    from flwr.proto.federation_config_pb2 import SimulationConfig
-
-    from common.settings import ConfigError
-
-    fields = [field.name.replace("_", "-") for field in SimulationConfig.DESCRIPTOR.fields]
-    unknown = sorted(key for key in values if key not in fields)
-    if unknown:
-        raise ConfigError(f"--federation-config: {', '.join(map(repr, unknown))} is not a key of Flower's simulation "
-                          f"engine ({', '.join(fields)})")
-    if "num-supernodes" in values:
-        raise ConfigError("--federation-config: num-supernodes is --hospitals here")
-
-
-def check_named_code(cfg) -> None:
-    """Every network and loader the job names can be imported and is one (common/code_gate.py's rules): a
-    ConfigError naming the key, here, before Flower starts (the ServerApp would fail on it after)."""
-    from common.code_gate import resolution_problems
-    from common.settings import ConfigError
-
-    problems = resolution_problems(cfg)
-    if problems:
-        raise ConfigError(problems[0])
-
-
-def is_path_key(key: str) -> bool:
-    return key.endswith(("-dir", "-file", "-path")) or key in ("resume-from", "hospital-keys")
-
-
-def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
-    """Relative paths are relative to where the user stands, not to where Flower runs the apps (ConfigError naming
-    the key for a path the file system cannot take)."""
-    return {k: (str(usable_path(k, v)) if is_path_key(k) and isinstance(v, str) and v else v)
-            for k, v in values.items()}
-
-
-def check_flower_config(what: str, values: dict[str, Any]) -> None:
-    """Values Flower's ``--run-config`` / ``--federation-config`` cannot carry (a string holding both quote kinds
-    or a line break): ConfigError naming the option and key, before anything starts."""
-    from common.launch import format_config
-    from common.settings import ConfigError
-
-    try:
-        format_config(values)
-    except ValueError as error:
-        raise ConfigError(f"{what}: {error}") from None
-
-
-class RunStopped(BaseException):
-    """SIGINT or SIGTERM while a run was on (a BaseException, like KeyboardInterrupt: nothing swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-#: Exit codes: 128 + the signal, as a shell reports it, and timeout(1)'s for --timeout.
-EXIT_STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
-EXIT_TIMEOUT = 124
-STOP_GRACE = 5.0  # seconds the Flower processes have after SIGTERM before SIGKILL
-
-
-def _raise_stopped(signum, frame) -> None:
-    raise RunStopped(signum)
-
-
-@contextlib.contextmanager
-def signals(handler) -> Iterator[None]:
-    """Handle SIGTERM, SIGHUP and SIGINT with ``handler`` inside the block (signals a shell made this program
-    ignore, such as SIGINT in a background job or SIGHUP under nohup, stay ignored)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            previous[signum] = signal.signal(signum, handler)
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-
-def _still_stopping(signum, frame) -> None:
-    print("fedmed: still stopping the run's processes, a few seconds more", file=sys.stderr, flush=True)
-
-
-def resumed_run_dir(resume_from: str, results_dir: str) -> Path:
-    """Where a resumed run without its own run-name writes: the checkpoint's run name under results-dir
-    (the ServerApp takes the name from the checkpoint). A checkpoint lies in <run>/checkpoints/round-NNNNN.npz;
-    resume-from names that file or the run folder."""
-    source = Path(resume_from)
-    folder = source.parent.parent if source.is_file() else source
-    name = folder.name
-    try:
-        import numpy as np
-
-        from server_app.checkpoint import find_checkpoint
-
-        with np.load(find_checkpoint(source), allow_pickle=False) as archive:
-            name = json.loads(archive["run/config"].tobytes().decode())["run-name"] or name
-    except Exception:  # unreadable here: the ServerApp says why; the folder's name is the best guess
-        pass
-    return Path(results_dir) / name
-
-
-def run_problem(history: list[dict[str, Any]], num_rounds: int) -> str | None:
-    """Why a run Flower calls completed did not do its job (None when it did): no round, no round that
-    aggregated any hospital, rounds missing, or hospitals failing until the end."""
-    if not history:
-        return "no round was recorded"
-    empty = [r["round"] for r in history if not r.get("aggregated")]
-    if len(empty) == len(history):
-        return f"no round aggregated any hospital's update (rounds {history[0]['round']}-{history[-1]['round']})"
-    if history[-1]["round"] < num_rounds:
-        return f"only {history[-1]['round']} of {num_rounds} rounds were recorded"
-    if empty and empty[-1] == history[-1]["round"]:
-        first = empty[-1]
-        while first - 1 in empty:
-            first -= 1
-        return f"rounds {first}-{empty[-1]} (the last) aggregated no hospital's update"
-    return None
-
-
-def simulate(hospitals: int, overrides: dict[str, Any], engine: dict[str, Any], home: Path,
-             timeout: float, label: str = "", summary: bool = True) -> int:
-    """Run the app in Flower's simulation engine on a private local SuperLink; print the results (``summary``:
-    the run's table; each round's progress line always, after ``label`` if one is given).
-
-    Ctrl-C, SIGTERM and ``--timeout`` stop the run (``flwr stop``) and every process it started, and return
-    130, 143 or 124; a run that did not complete returns 1; a refused configuration 2, before anything starts."""
-    from common.config import fedmed_keys_of, load_job_config, upgrade_keys
-    from server_app.results import read_history, render_summary
-
-    defaults = {"results-dir": "results", "state-dir": "state"}
-    run_config = upgrade_keys(absolute_paths({**defaults, **overrides}))  # classifier= is model=: Flower knows one
-    cfg = load_job_config(fedmed_keys_of(run_config), check_paths=True)  # fail here, before anything starts
-    needed = max(cfg.min_available_hospitals, cfg.min_train_hospitals)
-    if hospitals < needed:
-        print(f"fedmed: --hospitals {hospitals} is too few for this run config: min-available-hospitals="
-              f"{cfg.min_available_hospitals} and min-train-hospitals={cfg.min_train_hospitals} need at least "
-              f"{needed} hospitals (lower them in --run-config or simulate more hospitals); nothing was started",
-              file=sys.stderr)
-        return 2
-    if cfg.run_name:
-        run_dir = Path(run_config["results-dir"]) / cfg.run_name
-    elif cfg.resume_from:  # the ServerApp keeps the checkpoint's name, so the hospitals find their saved state
-        run_dir = resumed_run_dir(cfg.resume_from, run_config["results-dir"])
-    else:
-        run_config["run-name"] = f"{cfg.task}-{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = Path(run_config["results-dir"]) / run_config["run-name"]
-    check_flower_config("--run-config", run_config)
-    check_flower_config("--federation-config", engine)
-    check_app_keys(overrides)
-    check_federation_keys(engine)
-    check_named_code(cfg)
-
-    from common.launch import (
-        FlowerHome,
-        flwr,
-        free_port,
-        run_log,
-        running_processes,
-        simulation_resources,
-        start_superlink,
-        stop_all,
-        submit_run,
-        wait_for_run,
-    )
-
-    deadline = time.monotonic() + timeout  # --timeout counts from here, start-up included
-    others = running_processes()  # started by whoever called this (tests): not ours to stop
-    flower_home = FlowerHome(home.resolve())
-    run_id: int | None = None
-    printed = 0
-
-    def progress(_status: str = "") -> None:
-        nonlocal printed
-        if (run_dir / "metrics.jsonl").exists():
-            history = read_history(run_dir)
-            for record in history[printed:]:
-                from common.round_engine import describe
-
-                print(f"{label}round {record['round']}: {describe(record)}", flush=True)
-            printed = len(history)
-
-    try:
-        with signals(_raise_stopped):
-            try:
-                start_superlink(flower_home, free_port(), simulation=True)
-                run_id = submit_run(flower_home, "local", run_config, simulation_resources(hospitals, engine))
-                print(f"{label}run {run_id}: {hospitals} simulated hospitals, results in {run_dir}", flush=True)
-                left = max(1.0, deadline - time.monotonic())
-                status = wait_for_run(flower_home, "local", run_id, left, on_poll=progress)
-            except RunStopped as stopped:
-                why, code = f"stopped ({stopped})", EXIT_STOPPED[stopped.signum]
-            except TimeoutError:
-                why, code = f"stopped after --timeout {timeout:g}s", EXIT_TIMEOUT
-            else:
-                why, code = "", None
-            if code is not None:
-                with signals(_still_stopping):  # a second Ctrl-C must not cut the clean-up short
-                    if run_id is not None:
-                        try:  # best effort: the processes go below whatever the SuperLink answers
-                            flwr(flower_home, "stop", str(run_id), "local", timeout=15)
-                        except Exception:
-                            pass
-                    stop_all(STOP_GRACE, keep=others)
-                run = f"run {run_id}" if run_id is not None else "the run (not submitted yet)"
-                results = (f"partial results in {run_dir}" if run_dir.exists() else
-                           f"no results were written (they would be in {run_dir})")
-                print(f"fedmed: {run} {why}; its processes were ended; {results}", file=sys.stderr, flush=True)
-                return code
-
-            progress()
-            if status != "finished:completed":
-                print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
-                print(f"fedmed: run {run_id} ended with status {status}; partial results in {run_dir}",
-                      file=sys.stderr)
-                return 1
-            history = read_history(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-            problem = run_problem(history, cfg.num_server_rounds)
-            if problem:  # e.g. a dead Ray actor fails every hospital: Flower still calls the run completed
-                print(run_log(flower_home, "local", run_id)[-6000:], file=sys.stderr)
-                print(f"fedmed: run {run_id} failed: {problem}; see {run_dir / 'metrics.jsonl'}", file=sys.stderr)
-                return 1
-            if summary:
-                print(render_summary(json.loads((run_dir / "config.json").read_text()), history))
-                if (run_dir / "cross_site.md").exists():
-                    print((run_dir / "cross_site.md").read_text())
-                print(f"\nResults: {run_dir} (summary.md, metrics.jsonl, plots/)")
-            return 0
-    finally:
-        with signals(_still_stopping):
-            stop_all(STOP_GRACE, keep=others)
-
+from cli.arguments import OneLineParser, absolute_paths, parse_overrides, positive, usable_path
+from cli.simulate import EXIT_STOPPED, RunStopped, simulate
 
 #: where ``export-int8 --best`` writes without --out (.pt2 or .onnx, by engine), and what ``segment --best`` runs
 BEST_INT8 = Path("exports") / "int8-best"
@@ -496,8 +167,8 @@ PATH_OPTIONS = ("home", "out", "run", "data", "model", "images", "calibration_di
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (server_app/audit_cli.py,
-    client_app/site_cli.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
+    """Every subcommand and option of ``fedmed`` but ``audit``, ``app-hash`` and ``policy`` (cli/audit.py,
+    cli/site.py); the docs' commands are checked against it (tests/test_docs_snippets.py)."""
     parser = OneLineParser(prog="fedmed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -569,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--app-dir", type=Path, default=None, help="the folder holding the run's own network and loader "
                        "modules (model/dataset='package.module:name'), when the one the run recorded is gone")
 
-    # their own parsers (server_app/audit_cli.py, client_app/site_cli.py); here so that --help lists them
+    # their own parsers (cli/audit.py, cli/site.py); here so that --help lists them
     sub.add_parser("audit", help="verify an audit log's chain (and against the other end's), rebuild a privacy "
                    "ledger: fedmed audit --help", add_help=False)
     sub.add_parser("app-hash", help="an app bundle's SHA-256 and files, for a hospital to review and approve",
@@ -590,15 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]:  # fedmed audit verify LOG (docs/privacy.md)
-        from server_app.audit_cli import main as audit_main
+        from cli.audit import main as audit_main
 
         return audit_main(sys.argv[1:] if argv is None else list(argv))
     if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
-        from client_app.site_cli import main as site_main
+        from cli.site import main as site_main
 
         return site_main(sys.argv[1:] if argv is None else list(argv))
     if (sys.argv[1:] if argv is None else list(argv))[:1] == ["console"]:  # the read-only page (docs/privacy.md)
-        from console.cli import main as console_main
+        from cli.console import main as console_main
 
         return console_main(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
@@ -616,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, option, None) is not None:
                 usable_path(f"--{option.replace('_', '-')}", getattr(args, option))
         if args.command == "demo":
-            from common.demo import demo
+            from cli.demo import demo
 
             return demo(args.hospitals, args.rounds, args.seed, args.home, args.timeout, args.results)
         if args.command == "simulate":

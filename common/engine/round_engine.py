@@ -1,7 +1,7 @@
 """The server's round engine, whatever carries the messages: choose hospitals, build what each one
 receives, accept or refuse replies, aggregate, evaluate, and keep the round history.
 
-The Flower strategies (``strategies``) and the in-process runner (``common.inprocess``) both
+The Flower strategies (``strategies``) and the in-process runner (``common.engine.inprocess``) both
 drive a :class:`RoundEngine`; they differ only in how payloads reach hospitals. (Named so as not
 to be read as a Flower "federation", which is a SuperLink connection.)
 """
@@ -20,20 +20,9 @@ import numpy as np
 
 from common.arrays import ArraysMismatch, check_like, is_exchanged
 from common.config import JobConfig
-from common.methods.base import (
-    TRAINS_ITSELF,
-    HospitalInfo,
-    HospitalUpdate,
-    Payload,
-    RejectedUpdate,
-    ServerMethod,
-    pack_json,
-    unpack_json,
-)
-from common.models.requirements import check_network
-from common.reply_store import ReplyStore
-from common.run_imports import IMPORT_PATHS_KEY, import_roots
-from common.screening import (
+from common.engine.reply_store import ReplyStore
+from common.engine.run_imports import IMPORT_PATHS_KEY, import_roots
+from common.engine.screening import (
     batchnorm_problem,
     brief,
     capped_shares,
@@ -45,8 +34,19 @@ from common.screening import (
     sample_count_problem,
     update_distance,
 )
+from common.methods.base import (
+    TRAINS_ITSELF,
+    HospitalInfo,
+    HospitalUpdate,
+    Payload,
+    RejectedUpdate,
+    ServerMethod,
+    pack_json,
+    unpack_json,
+)
+from common.methods.registry import method_spec, server_class
+from common.models.requirements import check_network
 from common.tasks import get_task, task_class
-from strategies.registry import method_spec, server_class
 
 log = logging.getLogger("fedmed")
 

@@ -6,7 +6,7 @@ round's norm bound, the mean update from two sums, the bounds the server can sti
 Nothing the server sends one hospital alone decides what that hospital adds to a sum: the plan of a round
 (:attr:`MethodPlan.common`: the layout, the norm bound, the weight cap, what each method needs) is one JSON text,
 the same for every hospital, which each hospital checks against its policy, binds its pairwise masks to and signs
-with the survivor set (``common/secure_aggregation/hospital.py``); a hospital weighs its own contribution with its
+with the survivor set (``common/trust/secure_aggregation/hospital.py``); a hospital weighs its own contribution with its
 own sample count (:func:`own_weight`) and adds that weight to the sum, which the server divides by."""
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def weighted_plan(method: "ServerMethod", hospitals: list["HospitalInfo"], setti
                   skip: tuple[str, ...] = (), extra_common: Mapping[str, Any] | None = None) -> MethodPlan:
     """FedAvg family: each hospital sums w_i x its update and w_i, w_i its own weight (:func:`own_weight`) under
     the plan's common cap; with distributed DP its model part as one rotated, rounded, noised integer entry
-    (``common/secure_aggregation/distributed_dp.py``)."""
+    (``common/trust/secure_aggregation/distributed_dp.py``)."""
     cap = common_weight_cap(method.cfg, hospitals)
     entries = float_entries(arrays, skip=skip)
     layout = Layout((Entry("weight", ()), *entries, *extra))
@@ -240,7 +240,7 @@ def stand_in(updates: list, arrays: NamedArrays, metrics: dict[str, Any] | None 
 def secure_method(name: str, job: "JobConfig | None" = None) -> SecureMethod:
     """The method's secure-aggregation functions (its package's ``MethodSpec.secure``); ValueError says why it has
     none (its ``MethodSpec.not_secure``), or why ``job``'s settings cannot use them."""
-    from strategies.registry import load, methods
+    from common.methods.registry import load, methods
 
     spec = methods().get(name)
     if spec is None or not spec.secure:
@@ -255,6 +255,30 @@ def secure_method(name: str, job: "JobConfig | None" = None) -> SecureMethod:
 
 def secure_method_names() -> list[str]:
     """The methods that run under secure aggregation."""
-    from strategies.registry import methods
+    from common.methods.registry import methods
 
     return sorted(name for name, spec in methods().items() if spec.secure)
+
+
+def mean_update_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
+    return weighted_plan(method, hospitals, settings, norm_bound, method.global_arrays)
+
+
+def mean_update_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
+    """The checked mean update, then the method's own ``aggregate`` on it as the round's one update."""
+    check_bounds(sums, plan, updates)
+    return method.aggregate(rnd, [stand_in(updates, mean_update(sums, method.global_arrays))])
+
+
+def refuse_robust_aggregate(job: "JobConfig") -> str | None:
+    if job.screening.robust_aggregate != "mean":
+        return (f"screening.robust-aggregate={job.screening.robust_aggregate!r} needs every hospital's update; "
+                "a secure sum gives the mean only")
+    return None
+
+
+#: FedAvg under secure aggregation (also FedProx's and MOON's: their servers are FedAvg's): each hospital adds
+#: (n_i/W) x its update, clipped to the round's norm bound, and n_i/W; the server moves the global model by the
+#: ratio of the two sums, the sample-weighted mean update (docs/secure-aggregation.md, "What each method sums").
+MEAN_UPDATE = SecureMethod(mean_update_plan, weighted_update_contribution, mean_update_apply,
+                           refuse=refuse_robust_aggregate, distributed_dp=True)

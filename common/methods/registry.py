@@ -13,6 +13,8 @@ from functools import cache
 from importlib import import_module
 from typing import Any
 
+from common.methods.privacy import UNDECLARED, PrivacyRules
+
 TWO_D = ("classification", "polyp-segmentation")
 BRAIN = ("brain-tumour-segmentation",)
 
@@ -34,8 +36,11 @@ class MethodSpec:
     settings: str | None = None  #: its settings table (``common.settings.Section``), the one source of its defaults
     section: str | None = None  #: the run-config table of those settings (``fedproin`` for ``fedproin.*``)
     model_needs: str = "any"  #: what it needs of a model (``common.models.requirements``), checked before round 1
-    secure: str | None = None  #: what it sums under secure aggregation, a ``common.secure_aggregation.SecureMethod``
+    #: what it sums under secure aggregation, a ``common.trust.secure_aggregation.SecureMethod``
+    secure: str | None = None
     not_secure: str = ""  #: without ``secure``: why it does not run under secure aggregation
+    #: what its training reply releases, a ``common.methods.privacy.PrivacyRules`` the hospital's policy enforces
+    privacy: str | None = None
     #: why Flower's DP wrappers (``flwr.serverapp.strategy.DifferentialPrivacy*``) cannot take its replies, which they
     #: clip tensor by tensor against the model sent; empty: they can (a reply is the model as one ArrayRecord)
     not_for_central_dp: str = ""
@@ -87,6 +92,18 @@ def load(path: str):
     if not module or not attribute:
         raise ValueError(f"{path!r} is not 'package.module:name'")
     return getattr(import_module(module), attribute)
+
+
+def privacy_rules(name: str) -> PrivacyRules:
+    """What method ``name`` declares its reply releases (``common.methods.privacy.UNDECLARED`` when it declares
+    nothing); KeyError for an unknown method."""
+    spec = method_spec(name)
+    return load(spec.privacy) if spec.privacy else UNDECLARED
+
+
+def local_dp_method_names() -> list[str]:
+    """The methods whose reply local DP can bound."""
+    return sorted(name for name in methods() if privacy_rules(name).local_dp)
 
 
 def server_class(name: str):

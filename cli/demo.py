@@ -46,7 +46,7 @@ def demo_run_config(rounds: int, seed: int, out: Path, overrides: dict[str, Any]
 
 def flower_simulation(hospitals: int, home: Path, deadline: float) -> Federate:
     """Each federated run in Flower's simulation engine (``fedmed simulate``), its progress printed by round."""
-    from common.cli import EXIT_TIMEOUT, simulate
+    from cli.simulate import EXIT_TIMEOUT, simulate
     from server_app.results import read_history
 
     def federate(strategy: str, run_config: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
@@ -67,10 +67,10 @@ def train_locally(run_config: dict[str, Any], hospitals: int) -> list[dict[str, 
     of their own models' test metrics and validation loss, and each hospital's test metrics."""
     from common.config import load_job_config
     from common.data.sources import server_test_set
-    from common.inprocess import simulated_sites
-    from common.references import train_alone
-    from common.round_engine import weighted_mean_metrics
-    from common.site import HospitalStateStore
+    from common.engine.inprocess import simulated_sites
+    from common.engine.references import train_alone
+    from common.engine.round_engine import weighted_mean_metrics
+    from common.methods.site import HospitalStateStore
 
     cfg = load_job_config({**run_config, "strategy": "fedavg", "run-name": "local"})
     test = server_test_set(cfg)

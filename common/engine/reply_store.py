@@ -1,6 +1,6 @@
 """A round's accepted replies kept on disk until the round closes, so the server holds one reply in memory at a time.
 
-The round engine (``common.round_engine``) screens each reply as it arrives and writes the arrays the method will
+The round engine (``common.engine.round_engine``) screens each reply as it arrives and writes the arrays the method will
 aggregate here: one file per hospital and array group, the tensors back to back, their names, dtypes, shapes and
 offsets kept in memory. The method then reads them as :class:`StoredArrays`, a read-only mapping that reads a
 tensor from its file each time it is asked for (a fresh copy, nothing memory-mapped: mapped pages would count
@@ -98,10 +98,3 @@ def selected(arrays: Mapping[str, np.ndarray], prefix: str | tuple[str, ...]) ->
         return StoredArrays(arrays.path, {name: entry for name, entry in arrays.index.items()
                                           if name.startswith(prefix)})
     return {name: arrays[name] for name in arrays if name.startswith(prefix)}
-
-
-def flat_values(arrays: Mapping[str, np.ndarray], name: str, start: int, stop: int) -> np.ndarray:
-    """Values ``start:stop`` of tensor ``name`` raveled, read from disk alone where the arrays are there."""
-    if isinstance(arrays, StoredArrays):
-        return arrays.flat_slice(name, start, stop)
-    return np.asarray(arrays[name]).reshape(-1)[start:stop]

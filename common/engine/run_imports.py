@@ -27,9 +27,9 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 def own_modules(cfg: "JobConfig") -> dict[str, str]:
     """The modules the run names by import path, by the key naming each (``model``, ``dataset``, ``model-args
     encoder``): its network, its loader, and factories given in ``model-args`` (FedMEPD's encoder and decoder)."""
-    from common.models.networks import BUILT_IN, parse_arguments
+    from common.trust.code_gate import BUILT_IN_NETWORKS, parse_arguments
 
-    named = {"model": cfg.model if cfg.model not in BUILT_IN else "", "dataset": cfg.dataset}
+    named = {"model": cfg.model if cfg.model not in BUILT_IN_NETWORKS else "", "dataset": cfg.dataset}
     try:
         named.update({f"model-args {key}": value for key, value in parse_arguments(cfg.model_args, "model-args").items()
                       if isinstance(value, str)})

@@ -12,15 +12,9 @@ import socket
 import sys
 from pathlib import Path
 
+from cli.arguments import OneLineParser
+
 TOKEN_VARIABLE = "FEDMED_CONSOLE_TOKEN"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one line (no usage block) and exit status 2."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: {message} (see fedmed console --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from .app import Sources, create_app
+    from console.app import Sources, create_app
 
     sources = Sources(state=args.state.resolve() if args.state else None,
                       results=args.results.resolve() if args.results else None,

@@ -1,6 +1,6 @@
 """What the server may hand a hospital's network and data loader: arguments that stay inside the hospital.
 
-The code gate (``common/code_gate.py``) decides which code a hospital runs; its arguments come from the server too
+The code gate (``common/trust/code_gate.py``) decides which code a hospital runs; its arguments come from the server too
 (``model-args``, ``dataset-args``, ``encoder-weights`` and the job's sizes). At a deployed hospital they may not:
 
 - **download** anything: a pretrained flag (``"pretrained": true``, ``"weights": "DEFAULT"``...) is refused unless the
@@ -80,7 +80,7 @@ def argument_problems(cfg: Any, folders: tuple[str | Path, ...], allow_pretraine
                       limits: Mapping[str, int]) -> list[str]:
     """Every reason the job ``cfg`` (the server's keys over the hospital's run config) reaches outside the hospital:
     a download flag, a path outside ``folders``, a job key above ``limits``. Empty: it stays inside."""
-    from common.models.networks import parse_arguments
+    from common.trust.code_gate import parse_arguments
 
     roots = tuple(folder for folder in folders if folder)
     named = "its data-dir, state-dir and its policy's argument-folders"  # never the paths: they stay here

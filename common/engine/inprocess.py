@@ -1,6 +1,6 @@
 """Federated runs in one process, without Flower: for benchmarks, GPU machines without Flower, and tests.
 
-The same :class:`~common.round_engine.RoundEngine` and the same hospital halves as a Flower run; a
+The same :class:`~common.engine.round_engine.RoundEngine` and the same hospital halves as a Flower run; a
 hospital's method object is created afresh for every round, as in a Flower deployment, so all
 state a hospital keeps must go through its state store.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import JobConfig
+from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import Payload
-from common.round_engine import RoundEngine, RoundReply
-from common.site import Site, build_site
-from strategies.registry import hospital_class
+from common.methods.registry import hospital_class
+from common.methods.site import Site, build_site
 
 log = logging.getLogger("fedmed")
 

@@ -208,7 +208,7 @@ def entry_key(kind: str, entry: Mapping[str, Any]) -> tuple:
 def memory_in_log(path: str | Path) -> dict[str, list[dict[str, Any]]]:
     """The replay memory's entries as the hospital's audit log holds them (its chain checked:
     SecureAggregationRefusal when it is broken)."""
-    from common.audit import records_of, verify
+    from common.trust.audit import records_of, verify
 
     memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
     path = Path(path)
@@ -282,7 +282,7 @@ class HospitalRules:
         """Its signature of ``statement`` (empty without an identity key)."""
         if not self.identity_key:
             return b""
-        from common.identity import sign_statement
+        from common.trust.identity import sign_statement
 
         return sign_statement(self.identity_key, statement)
 
@@ -290,7 +290,7 @@ class HospitalRules:
         """Why ``signature`` is not ``name``'s of ``statement`` (None: it is, or there are no peer keys to check)."""
         if not self.peer_keys:
             return None
-        from common.identity import statement_problem
+        from common.trust.identity import statement_problem
 
         return statement_problem(self.peer_keys, name, statement, signature)
 

@@ -1,5 +1,5 @@
 """``fedmed audit verify LOG [--head HASH] [--peer OTHER_LOG --name NAME]``: check an audit log's chain
-(``common/audit.py``, docs/privacy.md). ``fedmed audit rebuild-ledger LOG STATE_FOLDER`` and ``fedmed audit
+(``common/trust/audit.py``, docs/privacy.md). ``fedmed audit rebuild-ledger LOG STATE_FOLDER`` and ``fedmed audit
 rebuild-secagg-memory LOG STATE_FOLDER``: a hospital operator's repair of a privacy ledger or a secure-aggregation
 memory that no longer matches the audit log (the hospital refuses to train, or to take part in secure rounds, until
 then).
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.audit import cross_check, verify
-from common.cli import OneLineParser
+from cli.arguments import OneLineParser
+from common.trust.audit import cross_check, verify
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                          "is kept beside it)")
     args = parser.parse_args(argv)
     if args.command == "rebuild-ledger":
-        from common.policy import PolicyRefusal, rebuild_ledger
+        from common.trust.ledger import rebuild_ledger
+        from common.trust.policy import PolicyRefusal
 
         try:
             count = rebuild_ledger(args.log, args.folder)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.folder}: privacy ledger rebuilt from {args.log}: {count} training(s)")
         return 0
     if args.command == "rebuild-secagg-memory":
-        from common.secure_aggregation.hospital import SecureAggregationRefusal, rebuild_memory
+        from common.trust.secure_aggregation.hospital import SecureAggregationRefusal, rebuild_memory
 
         try:
             counts = rebuild_memory(args.log, args.folder)

@@ -14,9 +14,9 @@ from typing import Any
 
 from common.config import JobConfig
 from common.data.containers import concat
-from common.inprocess import run_rounds
-from common.round_engine import RoundEngine, weighted_mean_metrics
-from common.site import Site
+from common.engine.inprocess import run_rounds
+from common.engine.round_engine import RoundEngine, weighted_mean_metrics
+from common.methods.site import Site
 
 
 def reference_config(cfg: JobConfig) -> JobConfig:

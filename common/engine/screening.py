@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from common.payload import NamedArrays
-
 #: Most characters of a hospital's own text (a value, a key, an error it reports) that a log line, a refusal reason
 #: or the history keeps: a hostile 100 MB string is cut, never copied.
 MAX_TEXT = 200
@@ -199,32 +197,3 @@ def capped_shares(weights: list[float], cap: float) -> np.ndarray:
 
 #: Values of each hospital's tensor a coordinate-wise rule takes at once (float64): the rule holds hospitals x this
 #: many values, not every hospital's whole tensor.
-ROBUST_CHUNK_BYTES = 64 * 2**20
-
-
-def robust_average(arrays: list[Mapping[str, np.ndarray]], rule: str, trim_fraction: float = 0.2) -> NamedArrays:
-    """Coordinate-wise median (Flower's FedMedian) or trimmed mean (Flower's FedTrimmedAvg, its ``trim_mean``)
-    of named arrays, unweighted; integer arrays take the median. Each tensor goes a slice of coordinates at a time,
-    the same slice of every hospital's (read from disk alone where the arrays are there: ``common.reply_store``);
-    every coordinate's value is what the rule gives over the whole tensor at once."""
-    from common.reply_store import flat_values
-
-    result: NamedArrays = {}
-    per_slice = max(2, ROBUST_CHUNK_BYTES // (8 * len(arrays)))
-    for name in arrays[0]:
-        first = np.asarray(arrays[0][name])
-        size = first.size
-        slices = max(1, -(-size // per_slice))
-        step = -(-size // slices)  # slices of (nearly) equal length, none of a single value but a 1-value tensor's
-        value = np.empty(size, dtype=first.dtype)
-        for start in range(0, size, step):
-            stacked = np.stack([flat_values(item, name, start, start + step) for item in arrays])
-            if rule == "trimmed-mean" and first.dtype.kind == "f":
-                from flwr.serverapp.strategy.fedtrimmedavg import trim_mean  # Flower's own rule, where Flower is
-
-                part = trim_mean(stacked.astype(np.float64), trim_fraction)
-            else:
-                part = np.median(stacked, axis=0)
-            value[start:start + step] = np.asarray(part).astype(first.dtype)
-        result[name] = value.reshape(first.shape)
-    return result

@@ -13,7 +13,7 @@ import numpy as np
 
 FLOAT, INTEGER = "f", "i"
 #: integers already below the modulus (distributed DP's noised values): summed with the rest, allowed to wrap, decoded
-#: by their own rule (common/secure_aggregation/distributed_dp.py)
+#: by their own rule (common/trust/secure_aggregation/distributed_dp.py)
 MODULAR = "m"
 
 
