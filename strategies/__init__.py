@@ -18,7 +18,7 @@ _HELPERS = {"HospitalStrategy": "strategies.base:HospitalStrategy",
 
 
 def _exports() -> dict[str, str]:
-    from .registry import methods
+    from common.methods.registry import methods
 
     return {**_HELPERS, **{spec.strategy.rpartition(":")[2]: spec.strategy for spec in methods().values()}}
 
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
     path = _exports().get(name)
     if path is None:
         raise AttributeError(f"module 'strategies' has no attribute {name!r}")
-    from .registry import load
+    from common.methods.registry import load
 
     return load(path)
 
