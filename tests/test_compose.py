@@ -88,3 +88,18 @@ def test_the_gpu_overlay_starts_each_hospital_as_the_base_file_does_plus_its_gpu
         base = " ".join(str(service["command"]).split())
         on_gpu = " ".join(str(overlay[name]["command"]).split())
         assert base.endswith("'\"") and on_gpu == base[:-1] + " device='cuda'\"", name
+
+
+def test_the_image_copies_what_its_build_context_holds_and_every_package_the_fedmed_command_needs():
+    """deploy/Dockerfile's COPY sources are let through by .dockerignore (an allowlist: ``*`` then ``!path``), and the
+    image holds every package the installed ``fedmed`` command imports on its way to a hospital's commands."""
+    import tomllib
+
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+    sources = [part for line in dockerfile if line.startswith("COPY ") and "--from" not in line
+               for part in line.split()[1:-1]]
+    allowed = {line[1:].strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert sources and [source for source in sources if source not in allowed] == []
+    script = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["fedmed"]
+    command_package = script.split(".")[0]
+    assert {command_package, "common", "strategies", "server_app", "client_app"} <= set(sources)
