@@ -22,11 +22,9 @@ from typing import Any
 from common.trust.audit import AUDIT_HEAD_MARK, cross_check, records_of, verify
 from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS
 from common.trust.policy import PolicyRefusal
-from common.trust.secure_aggregation.messages import COLLECT
+from common.trust.secure_aggregation.messages import COLLECT, MEMORY_FILE
 
 AUDIT_FILE = "audit.jsonl"
-#: common.trust.secure_aggregation.hospital.MEMORY_FILE (that module needs Flower)
-MEMORY_FILE = "secure-aggregation.json"
 HOSPITAL_FILES = (AUDIT_FILE, LEDGER_FILE, MEMORY_FILE)
 #: a log written to within this many seconds belongs to a run that may still be going: the page refreshes
 LIVE_SECONDS = 300.0

@@ -42,6 +42,7 @@ from .messages import (
     COMMITMENT_KEY,
     CONSISTENCY,
     KEYS_SIGNATURE_PREFIX,
+    MEMORY_FILE,
     NAME_KEY,
     NAME_PREFIX,
     PARTS_KEY,
@@ -68,7 +69,6 @@ from .settings import MIN_THRESHOLD_FRACTION
 if TYPE_CHECKING:
     from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 
-MEMORY_FILE = "secure-aggregation.json"  #: in the hospital's state folder: its rounds and revealed models
 
 
 class SecureAggregationRefusal(ValueError):

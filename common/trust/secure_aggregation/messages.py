@@ -12,6 +12,8 @@ SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK = (
     "setup", "share_keys", "collect_masked_vectors", "consistency_check", "unmask")
 STAGES = (SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK)
 
+#: in a hospital's state folder: the rounds it took part in and the models it revealed (``hospital.py``)
+MEMORY_FILE = "secure-aggregation.json"
 PREFIX = "secagg."
 STAGE_KEY = PREFIX + "stage"  #: the stage a TRAIN message (and its reply) belongs to
 SESSION_KEY = PREFIX + "session"  #: the server's random name for one protocol run, in every signed statement
