@@ -548,7 +548,7 @@ def test_a_plain_strategy_with_secure_aggregation_on_in_its_run_config_masks_eve
 def test_any_threshold_of_the_shares_rebuild_the_secret_and_fewer_do_not():
     import itertools
 
-    from common.trust.secure_aggregation.sharing import combine_shares, create_shares, key_secret, secret_key
+    from common.trust.secure_aggregation.sharing import combine_shares, create_shares
 
     secret = bytes(range(32))
     shares = create_shares(secret, 4, 7)
@@ -562,10 +562,7 @@ def test_any_threshold_of_the_shares_rebuild_the_secret_and_fewer_do_not():
     with pytest.raises(ValueError, match="not of one secret"):
         combine_shares([shares[0], shares[0], shares[1], shares[2]])  # an index twice
 
-    from flwr.supercore.primitives.asymmetric import generate_key_pairs, private_key_to_bytes, public_key_to_bytes
+    from common.trust.secure_aggregation.keys import new_key_pair, public_key_of
 
-    private, public = generate_key_pairs()
-    scalar = key_secret(private_key_to_bytes(private))
-    assert len(scalar) == 48
-    rebuilt = secret_key(combine_shares(create_shares(scalar, 3, 5)[2:]))
-    assert public_key_to_bytes(rebuilt.public_key()) == public_key_to_bytes(public)
+    private, public = new_key_pair()  # a private key is shared as its 32 raw bytes
+    assert public_key_of(combine_shares(create_shares(private, 3, 5)[2:])) == public

@@ -9,15 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flwr.app import MessageType
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from client_app.secure_aggregation import stage_of
 from common.engine.wire import from_recorddict
 from common.trust.identity import sign_statement, statement_problem
 from common.trust.secure_aggregation import SecureAggregationSettings
 from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
+from common.trust.secure_aggregation.keys import MASK_PURPOSE, new_key_pair, shared_key
 from common.trust.secure_aggregation.masks import expand_mask
 from common.trust.secure_aggregation.messages import (
     COLLECT,
@@ -41,7 +40,6 @@ from common.trust.secure_aggregation.server import (
     unmask_config,
     unmask_sum,
 )
-from common.trust.secure_aggregation.sharing import secret_key
 from strategies import FedAvgStrategy
 from strategies.records import arrays_of
 from strategies.secure_aggregation import with_secure_aggregation
@@ -120,7 +118,7 @@ def test_a_two_hospital_round_leaves_the_server_a_mask_no_32_bit_search_finds():
     plan = protocol.plan
     protocol.keys()
     own = protocol.states[1].flower
-    shared = generate_shared_key(bytes_to_private_key(own.sk1), bytes_to_public_key(plan.public_keys[2][0]))
+    shared = shared_key(own.sk1, plan.public_keys[2][0], MASK_PURPOSE)
     masked = {n: protocol.mask(n, vectors[n]) for n in (1, 2)}
     for node, vector in masked.items():
         add_masked_vector(plan, node, vector)
@@ -140,10 +138,10 @@ def dropped_leftover(protocol, owner, answers, vector_masked):
     """What a server holding ``owner``'s masked vector gets once it rebuilt ``owner``'s key from the unmask answers:
     the vector minus every pairwise mask (``owner`` added those with lower node ids, subtracted the others)."""
     plan = protocol.plan
-    key = secret_key(rebuild(plan, owner, shares_of(answers, owner)))  # shared as its P-384 scalar
+    key = rebuild(plan, owner, shares_of(answers, owner))  # shared as its 32 raw bytes
     leftover = vector_masked.copy()
     for other in sorted(plan.neighbours[owner] - {owner}):
-        pairwise = expand_mask(generate_shared_key(key, bytes_to_public_key(plan.public_keys[other][0])), MODULUS,
+        pairwise = expand_mask(shared_key(key, plan.public_keys[other][0], MASK_PURPOSE), MODULUS,
                                SIZE, plan.plan_digest.encode())
         leftover = leftover - pairwise if owner > other else leftover + pairwise
     return leftover % MODULUS
@@ -254,11 +252,9 @@ def test_bad_signatures_and_substituted_keys_are_refused(tmp_path):
     assert plan.setup_done == set(nodes) and not plan.lost
 
     # the server swaps hospital 4's key for one of its own (it could then compute 4's pairwise masks)
-    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
-
-    _, substitute = generate_key_pairs()
+    _, substitute = new_key_pair()
     swapped = share_keys_config(plan, 1)
-    swapped["secagg.pk.4"] = [public_key_to_bytes(substitute), plan.public_keys[4][1]]
+    swapped["secagg.pk.4"] = [substitute, plan.public_keys[4][1]]
     with pytest.raises(SecureAggregationRefusal, match="neighbour 'node-4' .* not signed by its registered key"):
         protocol.ask(1, SHARE_KEYS, swapped)
     # ...and signs them with a key nobody registered, in the name of a hospital it invents

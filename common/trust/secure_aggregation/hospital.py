@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 
+from .keys import MASK_PURPOSE, SHARES_PURPOSE, decrypt, encrypt, new_key_pair, shared_key
 from .masks import expand_mask
 from .messages import (
     COLLECT,
@@ -406,22 +407,29 @@ def finished() -> HospitalRound:
 
 
 def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_id: int) -> tuple[HospitalRound, dict]:
-    from flwr.client.mod.secure_aggregation.secaggplus_mod import _setup, check_configs
+    """Flower's ``_setup`` with X25519 key pairs (:mod:`.keys`): the round's parameters checked against the
+    hospital's rules, the (run, round) claimed in its replay memory, and its two public keys signed."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
     from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     check_configs(SETUP, flower)
     state = HospitalRound.new()
     state.run, state.rnd, state.session = run, rnd, session
-    state.flower.current_stage, state.flower.nid = SETUP, int(node_id)
-    answer = _setup(state.flower, flower)
-    problem = plan_problem(state.flower, rules)
+    own = state.flower
+    own.current_stage, own.nid = SETUP, int(node_id)
+    own.sample_num, own.share_num, own.threshold = (int(flower[Key.SAMPLE_NUMBER]), int(flower[Key.SHARE_NUMBER]),
+                                                    int(flower[Key.THRESHOLD]))
+    own.clipping_range, own.target_range = float(flower[Key.CLIPPING_RANGE]), int(flower[Key.TARGET_RANGE])
+    own.mod_range, own.max_weight = int(flower[Key.MOD_RANGE]), float(flower[Key.MAX_WEIGHT])
+    own.rd_seed_share_dict, own.sk1_share_dict, own.ss2_dict = {}, {}, {}
+    problem = plan_problem(own, rules)
     if problem:
         raise SecureAggregationRefusal(problem)
     rules.memory.claim_round(run, rnd, session)
-    signature = rules.sign(keys_statement(run, rnd, session, node_id, rules.name, state.flower.pk1,
-                                          state.flower.pk2))
-    return state, {**ours({Key.PUBLIC_KEY_1: answer[Key.PUBLIC_KEY_1], Key.PUBLIC_KEY_2: answer[Key.PUBLIC_KEY_2]}),
-                   NAME_KEY: rules.name, SIGNATURE_KEY: signature}
+    (own.sk1, own.pk1), (own.sk2, own.pk2) = new_key_pair(), new_key_pair()  # masks; encrypting key shares
+    signature = rules.sign(keys_statement(run, rnd, session, node_id, rules.name, own.pk1, own.pk2))
+    return state, {**ours({Key.PUBLIC_KEY_1: own.pk1, Key.PUBLIC_KEY_2: own.pk2}), NAME_KEY: rules.name,
+                   SIGNATURE_KEY: signature}
 
 
 def plan_problem(flower: "SecAggPlusState", rules: HospitalRules) -> str | None:
@@ -522,16 +530,14 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
 
 def split_secrets(own: "SecAggPlusState", keys: dict[int, tuple[bytes, bytes]]) -> tuple[dict, list[int],
                                                                                             list[bytes]]:
-    """Flower's ``_share_keys`` with :mod:`.sharing`: its checks, a fresh mask seed, Shamir shares of the seed and of
-    its first private key (as its scalar), one pair per neighbour encrypted for it; and who holds each pair with the
+    """Flower's ``_share_keys`` with :mod:`.sharing` and :mod:`.keys`: its checks, a fresh mask seed, Shamir shares
+    of the seed and of its first private key, one pair per neighbour sealed for it; and who holds each pair with the
     SHA-256 of each (the server checks every share returned at unmasking against them, and each holder checks its
     own on receipt, so a share changed later is its sender's, named)."""
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt, generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
     from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-    from .sharing import create_shares, key_secret
+    from .sharing import create_shares
 
     own.public_keys_dict = keys
     if len(keys) < own.threshold:
@@ -541,8 +547,7 @@ def split_secrets(own: "SecAggPlusState", keys: dict[int, tuple[bytes, bytes]]) 
         raise ValueError("Some public keys are identical")
     own.rd_seed = os.urandom(32)
     seed_shares = create_shares(own.rd_seed, own.threshold, own.share_num)
-    key_shares = create_shares(key_secret(own.sk1), own.threshold, own.share_num)
-    private = bytes_to_private_key(own.sk2)
+    key_shares = create_shares(own.sk1, own.threshold, own.share_num)
     destinations, ciphertexts, holders, digests = [], [], [], []
     for index, (nid, (_, pk2)) in enumerate(keys.items()):
         holders.append(nid)
@@ -550,11 +555,10 @@ def split_secrets(own: "SecAggPlusState", keys: dict[int, tuple[bytes, bytes]]) 
         if nid == own.nid:
             own.rd_seed_share_dict[nid], own.sk1_share_dict[nid] = seed_shares[index], key_shares[index]
             continue
-        shared = generate_shared_key(private, bytes_to_public_key(pk2))
-        own.ss2_dict[nid] = shared
+        own.ss2_dict[nid] = sealing = shared_key(own.sk2, pk2, SHARES_PURPOSE)
         destinations.append(nid)
-        ciphertexts.append(encrypt(shared, share_keys_plaintext_concat(own.nid, nid, seed_shares[index],
-                                                                       key_shares[index])))
+        ciphertexts.append(encrypt(sealing, share_keys_plaintext_concat(own.nid, nid, seed_shares[index],
+                                                                        key_shares[index])))
     return {Key.DESTINATION_LIST: destinations, Key.CIPHERTEXT_LIST: ciphertexts}, holders, digests
 
 
@@ -568,10 +572,8 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: A
     private mask and one pairwise mask per neighbour, each expanded from its whole secret (the pairwise ones bound
     to the round plan's SHA-256, ``plan``)."""
     from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
     from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
     check_configs(COLLECT, flower)
     ciphertexts, sources = list(flower[Key.CIPHERTEXT_LIST]), [int(s) for s in flower[Key.SOURCE_LIST]]
@@ -586,8 +588,11 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: A
     for source, ciphertext, digest in zip(sources, ciphertexts, digests, strict=True):
         if source not in state.ss2_dict:
             raise SecureAggregationRefusal(f"key shares from node {source}, which is not its neighbour")
-        actual, destination, seed_share, key_share = share_keys_plaintext_separate(
-            decrypt(state.ss2_dict[source], ciphertext))
+        try:
+            opened = decrypt(state.ss2_dict[source], ciphertext)
+        except ValueError as error:
+            raise SecureAggregationRefusal(f"the key shares from node {source}: {error}") from None
+        actual, destination, seed_share, key_share = share_keys_plaintext_separate(opened)
         if actual != source or destination != state.nid:
             raise SecureAggregationRefusal(f"key shares said to be from node {source} for it are from node {actual} "
                                            f"for node {destination}")
@@ -602,10 +607,9 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: A
     if vector.size and (vector.min() < 0 or vector.max() >= state.mod_range):
         raise ValueError(f"the vector to mask leaves [0, {state.mod_range})")
     masked = vector + expand_mask(state.rd_seed, state.mod_range, vector.size)
-    own_key = bytes_to_private_key(state.sk1)
     for node in available:
-        shared = generate_shared_key(own_key, bytes_to_public_key(state.public_keys_dict[node][0]))
-        pairwise = expand_mask(shared, state.mod_range, vector.size, plan)
+        pairwise = expand_mask(shared_key(state.sk1, state.public_keys_dict[node][0], MASK_PURPOSE),
+                               state.mod_range, vector.size, plan)
         masked = masked + pairwise if state.nid > node else masked - pairwise
     return np.mod(masked, state.mod_range)
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .keys import KEY_BYTES, MASK_PURPOSE, public_key_of, shared_key
 from .masks import expand_mask
 from .messages import (
     COMMITMENT_KEY,
@@ -39,7 +40,7 @@ from .messages import (
     survivors_statement,
 )
 from .settings import SecureAggregationSettings, share_plan
-from .sharing import combine_shares, secret_key
+from .sharing import combine_shares
 
 #: (hospital name, statement, signature) -> why the signature is not that hospital's (None: it is)
 Verifier = Callable[[str, bytes, Any], "str | None"]
@@ -149,9 +150,9 @@ def receive_public_keys(plan: ServerRound, replies: Mapping[int, Mapping[str, An
         config = replies[node]
         pk1, pk2 = config.get(PREFIX + Key.PUBLIC_KEY_1), config.get(PREFIX + Key.PUBLIC_KEY_2)
         signature = config.get(SIGNATURE_KEY, b"")
-        if node not in plan.nodes or not all(isinstance(k, bytes) and 0 < len(k) <= 512 for k in (pk1, pk2)) \
+        if node not in plan.nodes or not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in (pk1, pk2)) \
                 or not isinstance(signature, bytes):
-            plan.lost.setdefault(node, "setup: no public keys in its reply")
+            plan.lost.setdefault(node, "setup: no two X25519 public keys (32 bytes each) in its reply")
             continue
         if config.get(NAME_KEY) != plan.name(node):
             plan.lost.setdefault(node, f"setup: it calls itself {str(config.get(NAME_KEY))[:80]!r}, not "
@@ -291,9 +292,7 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
     node that dropped out removed, each secret rebuilt from shares that check (Flower's ``unmask_stage``, with
     :func:`rebuild`). ValueError when some secret cannot be rebuilt; hospitals whose shares did not fit are in
     ``plan.hostile`` either way."""
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
     from flwr.common.secure_aggregation.secaggplus_constants import Key
-    from flwr.supercore.primitives.asymmetric import bytes_to_public_key
 
     if plan.total is None:
         raise ValueError("no masked vector was received")
@@ -313,10 +312,9 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
         if owner in plan.masked:  # its private mask seed
             total = total - expand_mask(secret, plan.modulus, plan.size)
             continue
-        private = secret_key(secret)  # a node that dropped out: the pairwise masks its neighbours added
-        for other in sorted(plan.neighbours[owner] & plan.masked):
-            shared = generate_shared_key(private, bytes_to_public_key(plan.public_keys[other][0]))
-            pairwise = expand_mask(shared, plan.modulus, plan.size, plan.plan_digest.encode())
+        for other in sorted(plan.neighbours[owner] & plan.masked):  # a node that dropped out: its pairwise masks
+            pairwise = expand_mask(shared_key(secret, plan.public_keys[other][0], MASK_PURPOSE), plan.modulus,
+                                   plan.size, plan.plan_digest.encode())
             total = total + pairwise if owner > other else total - pairwise
     return np.mod(total, plan.modulus)
 
@@ -357,12 +355,10 @@ def seed_check(commitment: bytes) -> Callable[[bytes], bool]:
 
 
 def key_check(public_key: bytes) -> Callable[[bytes], bool]:
-    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
-
     def checks(secret: bytes) -> bool:
         try:
-            return public_key_to_bytes(secret_key(secret).public_key()) == public_key
-        except Exception:  # not a key
+            return public_key_of(secret) == public_key
+        except ValueError:  # not a key
             return False
 
     return checks

@@ -8,8 +8,8 @@ constant term is the secret and whose other threshold - 1 coefficients are drawn
 Why not Flower's ``flwr.common.secure_aggregation.crypto.shamir``: it shares 16-byte chunks with PyCryptodome's
 pure-Python GF(2^128) arithmetic, starting a thread pool for every secret, and Flower shares a private key as its
 306-byte PEM text (20 chunks). At 20 hospitals that was 0.74 s of every round to share and 0.5 s to rebuild, more
-than everything else the protocol does; here one field element per secret, and a private key is shared as its 48-byte
-P-384 scalar (:func:`key_secret`, :func:`secret_key`). Shares keep Flower's layout: 4 bytes of index, then the value.
+than everything else the protocol does; here one field element per secret, and a private key is shared as its 32 raw
+X25519 bytes (:mod:`.keys`). Shares keep Flower's layout: 4 bytes of index, then the value.
 Nothing rests on the shares being checked here: every share's SHA-256 is committed to and checked by its holder and
 the server, and every rebuilt secret against its owner's commitment or public key (:mod:`.hospital`, :mod:`.server`).
 """
@@ -17,12 +17,10 @@ the server, and every rebuilt secret against its owner's commitment or public ke
 from __future__ import annotations
 
 import secrets
-from typing import Any
 
 PRIME = 2**521 - 1  #: the field: a Mersenne prime, above every secret shared here
 VALUE_BYTES = 66  #: a field element, big-endian
 MAX_SECRET = 64  #: bytes: 0x01 + 64 bytes is 520 bits, below the prime
-KEY_BYTES = 48  #: a P-384 private scalar
 
 
 def create_shares(secret: bytes, threshold: int, count: int) -> list[bytes]:
@@ -60,19 +58,3 @@ def combine_shares(shares: list[bytes]) -> bytes:
     if not data or data[0] != 1 or len(data) > MAX_SECRET + 1:
         raise ValueError("Failed to combine shares")
     return data[1:]
-
-
-def key_secret(private_key_pem: bytes) -> bytes:
-    """The 48-byte scalar of a P-384 private key in PEM (Flower's ``private_key_to_bytes``): what is shared."""
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key
-
-    return bytes_to_private_key(private_key_pem).private_numbers().private_value.to_bytes(KEY_BYTES, "big")
-
-
-def secret_key(secret: bytes) -> Any:
-    """The P-384 private key whose scalar is ``secret`` (ValueError: none is)."""
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    if len(secret) != KEY_BYTES:
-        raise ValueError(f"a P-384 private scalar is {KEY_BYTES} bytes, not {len(secret)}")
-    return ec.derive_private_key(int.from_bytes(secret, "big"), ec.SECP384R1())
