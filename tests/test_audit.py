@@ -10,7 +10,7 @@ import multiprocessing
 import pytest
 
 from cli.audit import main as audit_main
-from common.trust.audit import GENESIS, AuditError, AuditLog, cross_check, line_hash, verify
+from common.trust.audit import GENESIS, AuditError, AuditLog, FollowedLog, cross_check, line_hash, verify
 
 
 def written(path, count=5) -> list[dict]:
@@ -135,6 +135,49 @@ def _append_many(path: str, writer: str, count: int) -> None:
     log = AuditLog(path, writer)
     for i in range(count):
         log.append("message", direction="sent", round=i, reason="x" * 3000)  # long lines: more chance to interleave
+
+
+def test_a_followed_log_is_verified_in_the_lines_added_since_its_last_read(tmp_path):
+    """What the replay memory and the privacy ledger read at every secure stage: the whole log once, then only the
+    new lines, each chained to the last one verified; the same verdict as verify()."""
+    path = tmp_path / "audit.jsonl"
+    records = written(path, 3)
+    follower = FollowedLog(path)
+    result, seen, whole = follower.read()
+    assert whole and result.ok and seen == records and (result.lines, result.head) == (3, records[-1]["hash"])
+    assert follower.read()[1:] == ([], False)  # nothing new
+    more = [AuditLog(path).append("message", round=9), AuditLog(path).append("message", round=10)]
+    result, seen, whole = follower.read()
+    assert not whole and seen == more and (result.lines, result.head) == (5, verify(path).head) and result.ok
+
+    # a line appended that does not chain to the last verified one: named by its number, as verify() names it
+    forged = {**more[-1], "seq": 6, "prev": "f" * 64}
+    forged["hash"] = line_hash(forged)
+    with path.open("a") as handle:
+        handle.write(json.dumps(forged, sort_keys=True, separators=(",", ":")) + "\n")
+    result, _, _ = follower.read()
+    assert [n for n, _ in result.problems] == problem_lines(path) == [6]
+    assert follower.read()[0].problems == result.problems  # after a problem it reads the whole log again
+
+    # cut back to 4 lines: a shorter valid chain, read whole (its reader sees lines it counted are gone)
+    path.write_bytes(b"".join(lines_of(path)[:4]))
+    result, seen, whole = follower.read()
+    assert whole and result.ok and [r["seq"] for r in seen] == [1, 2, 3, 4]
+    # the last verified line edited in place: read whole, the edit named
+    edited = lines_of(path)
+    edited[3] = edited[3].replace(b'"round":9', b'"round":8')
+    path.write_bytes(b"".join(edited))
+    assert [n for n, _ in follower.read()[0].problems] == [4]
+    # an edit further back is for verify() and for every new reader (a new process) to find
+    path.unlink()
+    written(path, 3)
+    follower = FollowedLog(path)
+    follower.read()
+    edited = lines_of(path)
+    edited[0] = edited[0].replace(b'"round":0', b'"round":7')
+    path.write_bytes(b"".join(edited))
+    assert follower.read()[1:] == ([], False) and problem_lines(path) == [1]
+    assert [n for n, _ in FollowedLog(path).read()[0].problems] == [1]
 
 
 def test_concurrent_writers_extend_one_chain(tmp_path):

@@ -217,14 +217,24 @@ def verify(path: str | Path, head: str | None = None) -> Verification:
         if head and head != GENESIS:
             result.problems.append((0, f"the log is empty, but hash {head} was recorded for it"))
         return result
+    records = _check_chain(data, 1, None, result)
+    if head and head not in {record["hash"] for record in records}:
+        result.problems.append((result.lines, f"the recorded hash {head} is no line's hash: lines were removed from "
+                                              "the end, or the log was rewritten"))
+    return result
+
+
+def _check_chain(data: bytes, first: int, previous: dict[str, Any] | None, result: Verification) -> list[dict]:
+    """The lines of ``data`` (lines ``first``.. of a log; ``previous``: the line before them, None at the start),
+    each checked on its own and against the one before it; problems and the count and head go into ``result``.
+    Returns the lines that are sound on their own."""
     texts = data.split(b"\n")
     cut = texts[-1] != b""
     texts = texts if cut else texts[:-1]
-    result.lines = len(texts)
-    previous: dict[str, Any] | None = None
-    hashes: set[str] = set()
-    for number, text in enumerate(texts, start=1):
-        if cut and number == len(texts):
+    result.lines = first - 1 + len(texts)
+    records = []
+    for number, text in enumerate(texts, start=first):
+        if cut and number == result.lines:
             result.problems.append((number, "is cut short: the file does not end with a newline (a write was "
                                             "interrupted, or the end of the file was removed)"))
             break
@@ -234,7 +244,7 @@ def verify(path: str | Path, head: str | None = None) -> Verification:
             previous = None
             continue
         record = json.loads(text)
-        hashes.add(record["hash"])
+        records.append(record)
         expected_seq = 1 if number == 1 else previous["seq"] + 1 if previous else None
         if expected_seq is not None and record["seq"] != expected_seq:
             result.problems.append((number, f"holds seq {record['seq']}, not {expected_seq}: a line before it was "
@@ -246,10 +256,73 @@ def verify(path: str | Path, head: str | None = None) -> Verification:
                                             "was removed, inserted or moved here"))
         previous = record
         result.head = record["hash"]
-    if head and head not in hashes:
-        result.problems.append((result.lines, f"the recorded hash {head} is no line's hash: lines were removed from "
-                                              "the end, or the log was rewritten"))
-    return result
+    return records
+
+
+class FollowedLog:
+    """A log that a reader checks often (a hospital's replay memory and privacy ledger, at every secure stage and
+    training): verified whole the first time, then only in the lines added since, each checked on its own and
+    chained to the last line verified, so a check costs the new lines and not the log's length. A file replaced,
+    cut back, or changed in its last verified line is verified whole again; an edit further back is for
+    :func:`verify` to find (``fedmed audit verify``, and every new process's first read)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.inode = -1
+        self.offset = 0  #: bytes verified
+        self.last = b""  #: the last verified line's text and newline
+        self.result = Verification(self.path)
+
+    def read(self) -> tuple[Verification, list[dict[str, Any]], bool]:
+        """(what verifying found, the sound lines not returned before, whether they start at the log's first
+        line). After a problem the next read verifies the whole log again."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.__init__(self.path)
+            return self.result, [], True
+        try:
+            with contextlib.suppress(ImportError):
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_SH)  # no line half written while it reads
+            status = os.fstat(fd)
+            whole = not (status.st_ino == self.inode and status.st_size >= self.offset and self.last
+                         and os.pread(fd, len(self.last), self.offset - len(self.last)) == self.last)
+            if whole:
+                self.__init__(self.path)
+            data = os.pread(fd, status.st_size - self.offset, self.offset)
+        finally:
+            os.close(fd)
+        if not data:
+            return self.result, [], whole
+        previous = json.loads(self.last) if self.last else None
+        result = Verification(self.path, self.result.lines, self.result.head)
+        records = _check_chain(data, self.result.lines + 1, previous, result)
+        if result.ok:
+            self.inode, self.offset, self.result = status.st_ino, self.offset + len(data), result
+            self.last = data[data.rstrip(b"\n").rfind(b"\n") + 1:]
+        else:
+            self.__init__(self.path)
+        return result, records, whole
+
+
+_FOLLOWED: dict[tuple[Path, str], tuple[FollowedLog, list[dict[str, Any]]]] = {}
+
+
+def verified_events(path: str | Path, event: str) -> tuple[Verification, list[dict[str, Any]]]:
+    """The lines of ``event`` in the log at ``path`` and what verifying the log found (the lines mean nothing
+    unless it is ok). Read through a :class:`FollowedLog` kept for the process: each call verifies only the lines
+    added since the last."""
+    key = (Path(path).absolute(), event)
+    follower, lines = _FOLLOWED.get(key) or (FollowedLog(path), [])
+    result, records, whole = follower.read()
+    if not result.ok:
+        _FOLLOWED.pop(key, None)
+        return result, []
+    lines = ([] if whole else lines) + [record for record in records if record.get("event") == event]
+    _FOLLOWED[key] = (follower, lines)
+    return result, list(lines)
 
 
 def records_of(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -191,20 +191,16 @@ def releases_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
 
 
 def audit_releases(path: str | Path) -> list[dict[str, Any]]:
-    """The ``privacy-release`` lines of an audit log (its chain checked: PolicyRefusal when it is broken), with the
-    line's time."""
-    from common.trust.audit import records_of, verify
+    """The ``privacy-release`` lines of an audit log (its chain checked, in the lines added since this process last
+    read it: PolicyRefusal when it is broken), with the line's time."""
+    from common.trust.audit import verified_events
 
-    path = Path(path)
-    if not path.exists():
-        return []
-    result = verify(path)
+    result, records = verified_events(path, RELEASE_EVENT)
     if not result.ok:
         line, what = result.problems[0]
         raise PolicyRefusal(f"its audit log {path} does not verify (line {line} {what}), so its privacy ledger cannot "
                             "be checked; it trains no more until an operator repairs the log")
-    return [{**{f: record.get(f) for f in RELEASE_FIELDS}, "time": record.get("time")}
-            for _, record in records_of(path) if record.get("event") == RELEASE_EVENT]
+    return [{**{f: record.get(f) for f in RELEASE_FIELDS}, "time": record.get("time")} for record in records]
 
 
 def rebuild_ledger(audit_path: str | Path, folder: str | Path) -> int:

@@ -207,22 +207,19 @@ def entry_key(kind: str, entry: Mapping[str, Any]) -> tuple:
 
 
 def memory_in_log(path: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """The replay memory's entries as the hospital's audit log holds them (its chain checked:
-    SecureAggregationRefusal when it is broken)."""
-    from common.trust.audit import records_of, verify
+    """The replay memory's entries as the hospital's audit log holds them (its chain checked, in the lines added
+    since this process last read it: SecureAggregationRefusal when it is broken)."""
+    from common.trust.audit import verified_events
 
     memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
-    path = Path(path)
-    if not path.exists():
-        return memory
-    result = verify(path)
+    result, records = verified_events(path, MEMORY_EVENT)
     if not result.ok:
         line, what = result.problems[0]
         raise SecureAggregationRefusal(f"its audit log {path} does not verify (line {line} {what}), so its memory of "
                                        "past rounds cannot be checked; it takes part in no secure round until an "
                                        "operator repairs the log")
-    for _, record in records_of(path):
-        if record.get("event") == MEMORY_EVENT and record.get("memory") in memory:
+    for record in records:
+        if record.get("memory") in memory:
             kind = record["memory"]
             memory[kind].append({**{f: record.get(f) for f in MEMORY_FIELDS[kind]}, "time": record.get("time")})
     return memory
