@@ -80,7 +80,8 @@ class Hospital:
         try:
             audit, about = self.audit_log(), message_about(message, kind)
             if audit is not None:
-                audit.append("message", direction="received", **about, **message_digest(message))
+                audit.append_many([("message", {"direction": "received", **about, **message_digest(message)})],
+                                  sync=False)  # made durable with the line of the reply, before it leaves
             if kind not in handlers:
                 raise ValueError(f"message type {message.metadata.message_type!r} is not one fedmed answers")
             reply = handlers[kind](message)

@@ -52,8 +52,8 @@ from common.trust.secure_aggregation.messages import (
 from common.trust.secure_aggregation.methods import secure_method
 from common.trust.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
 
-STATE_RECORD = "fedmed.secagg"  #: context.state: Flower's SecAggPlusState of the protocol run
-ROUND_RECORD = "fedmed.secagg.round"  #: context.state: the rest of the hospital's part in it (run, round, ...)
+STATE_RECORD = "fedmed.secagg"  #: context.state: the hospital's part in the protocol run (``HospitalRound``)
+STATE_KEY = "state"
 ALWAYS_CLEAR = frozenset({"num-examples", "server-round"})  #: reply metrics the server needs whatever the policy
 
 TrainHandler = Callable[[Message], Message]
@@ -106,14 +106,12 @@ def hospital_rules(context: Context):
 
 
 def load_state(context: Context) -> HospitalRound:
-    return HospitalRound.from_records(context.state.config_records.get(STATE_RECORD),
-                                      context.state.config_records.get(ROUND_RECORD))
+    record = context.state.config_records.get(STATE_RECORD)
+    return HospitalRound.from_bytes(record.get(STATE_KEY) if record is not None else None)
 
 
 def save_state(context: Context, state: HospitalRound) -> None:
-    flower, ours = state.to_records()
-    context.state[STATE_RECORD] = ConfigRecord(flower)
-    context.state[ROUND_RECORD] = ConfigRecord(ours)
+    context.state[STATE_RECORD] = ConfigRecord({STATE_KEY: state.to_bytes()})
 
 
 def secure_train(message: Message, context: Context, train: TrainHandler, required: bool = False) -> Message:

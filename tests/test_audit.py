@@ -180,6 +180,17 @@ def test_a_followed_log_is_verified_in_the_lines_added_since_its_last_read(tmp_p
     assert [n for n, _ in FollowedLog(path).read()[0].problems] == [1]
 
 
+def test_lines_longer_than_one_read_from_the_end_extend_the_chain(tmp_path):
+    """A writer finds the last line by reading the file's end a few KB at a time: a line of many of them (a long
+    list of hospitals, say) is found whole."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    long = log.append("round", hospitals=[f"hospital-{i:05d}" for i in range(2000)])  # ~34 KB
+    assert len(lines_of(path)[0]) > 30_000
+    after = log.append("message", round=1)
+    assert after["prev"] == long["hash"] and log.head() == after["hash"] and verify(path).ok
+
+
 def test_concurrent_writers_extend_one_chain(tmp_path):
     path = tmp_path / "audit.jsonl"
     context = multiprocessing.get_context("spawn")

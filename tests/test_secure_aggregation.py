@@ -80,6 +80,24 @@ def run_protocol(nodes, vectors, settings, silent_at=None, size=None):
     return InProcess(nodes, settings, size or len(next(iter(vectors.values())))).run(vectors, silent_at)
 
 
+def test_a_hospitals_state_between_stages_is_kept_whole_in_one_value():
+    """What the ClientApp keeps in context.state between stages: every key, seed, share and name, read back as it
+    was written (the protocol then runs on from the copy)."""
+    from common.trust.secure_aggregation.hospital import HospitalRound
+
+    protocol = InProcess([3, 5, 8], SecureAggregationSettings(enabled=True), 10)
+    protocol.keys()
+    for node, state in protocol.states.items():
+        copy = HospitalRound.from_bytes(state.to_bytes())
+        assert vars(copy.flower) == vars(state.flower) and len(copy.flower.ss2_dict) == 2
+        assert (copy.run, copy.rnd, copy.session, copy.names) == (state.run, state.rnd, state.session, state.names)
+        protocol.states[node] = copy
+    vectors = {n: np.arange(10) * n for n in (3, 5, 8)}
+    for node, vector in vectors.items():
+        add_masked_vector(protocol.plan, node, protocol.mask(node, vector))
+    np.testing.assert_array_equal(protocol.unmask(), sum(vectors.values()))
+
+
 def test_the_protocol_sums_and_survives_dropouts_up_to_its_threshold():
     nodes = [7, 19, 23, 42, 101]
     rng = np.random.default_rng(0)

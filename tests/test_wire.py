@@ -37,6 +37,29 @@ def test_message_size_is_measured_from_serialised_content(monkeypatch):
     assert 100 < small_bytes < 5000
 
 
+def test_a_message_is_measured_and_named_as_flower_serialises_it(monkeypatch):
+    """The audit's digest (common.trust.audit.measure_message, one serialisation of each object): the content's id is
+    Flower's own object id, and the bytes are the sum of every object Flower would send, each serialised once."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from common.trust.audit import measure_message
+
+    for name, value in {"_run_id": 1, "_task_id": 1, "_node_id": 0}.items():
+        monkeypatch.setattr(TaskIdentity, name, value)
+    payload = Payload(arrays={"model": {"w": np.arange(300_000, dtype=np.float32), "b": np.ones(3)}},
+                      config={"run-name": "r", "secagg.keys": [b"k" * 32, b"q" * 32]}, metrics={"loss": 0.5})
+
+    def message():
+        return Message(to_recorddict(payload), message_type=MessageType.TRAIN, dst_node_id=1)
+
+    size, content_id = measure_message(message())
+    reference = message()
+    assert content_id == reference.content.object_id
+    assert size == sum(len(obj.deflate()) for obj in get_all_nested_objects(reference).values())
+    assert size > 300_000 * 4
+
+
 def test_payload_travels_in_flowers_own_records():
     """The model is the ArrayRecord "arrays" (loadable by torch), config and metrics Flower's records."""
     import torch

@@ -30,7 +30,7 @@ RUN_ENDED_QUERY = "run-ended"
 AUDIT_HEAD_MARK = "[audit-head "  #: an error reply's reason ends with "[audit-head <hash>]" (no records in errors)
 RESERVED = ("seq", "time", "prev", "hash")  #: fields every line has; an event's own fields may not use them
 MAX_TEXT = 2000  #: characters kept of any text field (a refusal's reason, an error)
-_TAIL = 1 << 16  #: bytes read from the end of the file to find the last line
+_TAIL = 1 << 12  #: bytes read at a time from the end of the file to find the last line
 
 
 class AuditError(RuntimeError):
@@ -90,9 +90,12 @@ class AuditLog:
         """Write one line for ``event`` with ``fields``; returns the line as written (with its ``hash``)."""
         return self.append_many([(event, fields)])[0]
 
-    def append_many(self, events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    def append_many(self, events: list[tuple[str, dict[str, Any]]], sync: bool = True) -> list[dict[str, Any]]:
         """Write one line per (event, fields), in order, under one lock and with one ``fsync`` (a stage's messages
-        to every hospital, say): the same chain as appending them one by one; returns the lines as written."""
+        to every hospital, say): the same chain as appending them one by one; returns the lines as written.
+        ``sync=False``: written (every reader and writer sees them) but made durable by the log's next synced
+        append, as a hospital's line for a message it received is by the line for its reply, before the reply
+        leaves."""
         for _, fields in events:
             clash = sorted(set(fields) & set(RESERVED))
             if clash:
@@ -118,7 +121,8 @@ class AuditLog:
                 written = os.write(fd, data)
                 if written != len(data):
                     raise OSError(f"wrote {written} of {len(data)} bytes")
-                os.fsync(fd)
+                if sync:
+                    os.fsync(fd)
             except OSError as error:
                 raise AuditError(f"audit log {self.path}: lines {records[0]['seq']}-{seq} not written ({error})") \
                     from None
@@ -373,22 +377,37 @@ def message_digest(message: Any, nbytes: int | None = None) -> dict[str, Any]:
 
 def measure_message(message: Any) -> tuple[int, str | None]:
     """(bytes of the whole serialised message, Flower's object id of its content or None for an error reply), from
-    one serialisation of each of its objects: Flower's own ``object_id`` serialises a record again inside every
-    parent that names it, and a ConfigRecord, which it never caches, every time it is asked."""
+    one serialisation of each of its objects, children first: Flower's own ``object_id`` serialises a record again
+    inside every parent that names it (asking a parent for its ``children`` computes their ids), and a
+    ConfigRecord, which it never caches, every time it is asked."""
+    from flwr.app import ArrayRecord, Message, RecordDict
+    from flwr.app.message.array import Array
     from flwr.supercore.inflatable import inflatable_object as flower
 
     with flower.no_object_id_recompute():  # each object's id, once computed here, is reused by its parents
         computed = flower._get_computed_object_ids()
         total = 0
 
+        def parts(obj: Any) -> list[Any]:
+            """An object's children, without computing their ids (which would serialise them once more)."""
+            if isinstance(obj, Message):
+                return [obj.content] if obj.has_content() else []
+            if isinstance(obj, (RecordDict, ArrayRecord)):
+                return list(obj.values())
+            if isinstance(obj, Array):
+                return [chunk for _, chunk in obj.slice_array()]  # ids computed as the array is sliced
+            return list((obj.children or {}).values())
+
         def serialise(obj: Any) -> None:
             nonlocal total
-            for child in (obj.children or {}).values():
+            for child in parts(obj):
                 serialise(child)
             data = obj.deflate()  # its children's ids come from the set below
             total += len(data)
-            obj.__dict__["_object_id"] = object_id = flower.get_object_id(data)
-            computed.add(object_id)
+            known = obj.__dict__.get("_object_id")
+            if known is None or known not in computed:
+                obj.__dict__["_object_id"] = known = flower.get_object_id(data)
+                computed.add(known)
 
         serialise(message)
         return int(total), None if message.has_error() else message.content.object_id

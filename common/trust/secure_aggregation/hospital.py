@@ -326,23 +326,47 @@ class HospitalRound:
         self.flower.current_stage = UNMASK
         self.names, self.survivors, self.model, self.plan, self.parts = {}, [], "", "", {}
 
-    def to_records(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Two ConfigRecord-able dicts: Flower's state and ours."""
-        ours_ = {"run": self.run, "round": self.rnd, "session": self.session, "names:K": list(self.names),
-                 "names:V": list(self.names.values()), "survivors": list(self.survivors), "model": self.model,
-                 "plan": self.plan, "parts": json.dumps(self.parts)}
-        return self.flower.to_dict(), ours_
+    def to_bytes(self) -> bytes:
+        """The whole state as one JSON text (bytes as hex), for the ClientApp's ``context.state`` between stages:
+        one value to store and read, where Flower's ``SecAggPlusState.to_dict`` gives a ConfigRecord of dozens."""
+        own = self.flower
+        data: dict[str, Any] = {name: getattr(own, name) for name in _SCALARS}
+        data.update({name: getattr(own, name).hex() for name in _KEYS})
+        data.update({name: {str(k): v.hex() for k, v in getattr(own, name, {}).items()} for name in _SHARES})
+        data["public_keys_dict"] = {str(k): [a.hex(), b.hex()]
+                                    for k, (a, b) in getattr(own, "public_keys_dict", {}).items()}
+        data["ours"] = {"run": self.run, "round": self.rnd, "session": self.session,
+                        "names": {str(k): v for k, v in self.names.items()}, "survivors": self.survivors,
+                        "model": self.model, "plan": self.plan, "parts": self.parts}
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
-    def from_records(cls, flower: Mapping[str, Any] | None, extra: Mapping[str, Any] | None) -> "HospitalRound":
+    def from_bytes(cls, data: bytes | None) -> "HospitalRound":
+        """The state :meth:`to_bytes` wrote (None: a new one)."""
         from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 
-        if flower is None or extra is None:
+        if data is None:
             return cls.new()
-        names = dict(zip([int(k) for k in extra.get("names:K", [])], extra.get("names:V", [])))
-        return cls(SecAggPlusState(**dict(flower)), str(extra.get("run", "")), int(extra.get("round", -1)),
-                   str(extra.get("session", "")), names, [int(n) for n in extra.get("survivors", [])],
-                   str(extra.get("model", "")), str(extra.get("plan", "")), json.loads(extra.get("parts") or "{}"))
+        state = json.loads(data)
+        own = SecAggPlusState()
+        for name in _SCALARS:
+            setattr(own, name, state[name])
+        for name in _KEYS:
+            setattr(own, name, bytes.fromhex(state[name]))
+        for name in _SHARES:
+            setattr(own, name, {int(k): bytes.fromhex(v) for k, v in state[name].items()})
+        own.public_keys_dict = {int(k): (bytes.fromhex(a), bytes.fromhex(b))
+                                for k, (a, b) in state["public_keys_dict"].items()}
+        ours_ = state["ours"]
+        return cls(own, ours_["run"], ours_["round"], ours_["session"], {int(k): v for k, v in ours_["names"].items()},
+                   ours_["survivors"], ours_["model"], ours_["plan"], ours_["parts"])
+
+
+#: SecAggPlusState's fields, as HospitalRound.to_bytes writes them
+_SCALARS = ("current_stage", "nid", "sample_num", "share_num", "threshold", "clipping_range", "target_range",
+            "mod_range", "max_weight")
+_KEYS = ("sk1", "pk1", "sk2", "pk2", "rd_seed")
+_SHARES = ("rd_seed_share_dict", "sk1_share_dict", "ss2_dict")
 
 
 # --- the stages -------------------------------------------------------------------------------------------------------
