@@ -21,11 +21,14 @@ from common.trust.secure_aggregation.masks import expand_mask
 from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
+    NAMES_KEY,
+    NEIGHBOURS_KEY,
+    PUBLIC_KEYS_KEY,
     SESSION_KEY,
     SETUP,
     SHARE_KEYS,
+    SIGNATURES_KEY,
     SURVIVORS_KEY,
-    SURVIVORS_SIGNATURE_PREFIX,
     UNMASK,
     keys_statement,
 )
@@ -80,10 +83,13 @@ def shares_of(answers, owner) -> dict[int, bytes]:
             for node, answer in answers.items() if owner in answer["secagg.nids"]}
 
 
-def lie(protocol, survivors, active, dead) -> dict:
-    """An unmask request of the server's own making."""
-    return {"secagg.active_nids": sorted(active), "secagg.dead_nids": sorted(dead), SURVIVORS_KEY: sorted(survivors),
-            SESSION_KEY: protocol.plan.session}
+def lie(protocol, survivors, active, dead, signatures=None) -> dict:
+    """An unmask request of the server's own making: each survivor named as the server knows it, with the signature
+    ``signatures`` gives it (none: empty)."""
+    survivors = sorted(survivors)
+    return {"secagg.active_nids": sorted(active), "secagg.dead_nids": sorted(dead), SURVIVORS_KEY: survivors,
+            SESSION_KEY: protocol.plan.session, NAMES_KEY: [protocol.plan.name(n) for n in survivors],
+            SIGNATURES_KEY: [(signatures or {}).get(n, b"") for n in survivors]}
 
 
 # --- masks from the whole secret -----------------------------------------------------------------------------------
@@ -254,18 +260,44 @@ def test_bad_signatures_and_substituted_keys_are_refused(tmp_path):
     # the server swaps hospital 4's key for one of its own (it could then compute 4's pairwise masks)
     _, substitute = new_key_pair()
     swapped = share_keys_config(plan, 1)
-    swapped["secagg.pk.4"] = [substitute, plan.public_keys[4][1]]
+    at = swapped[NEIGHBOURS_KEY].index(4)
+    swapped[PUBLIC_KEYS_KEY] = [*swapped[PUBLIC_KEYS_KEY][:2 * at], substitute, *swapped[PUBLIC_KEYS_KEY][2 * at + 1:]]
     with pytest.raises(SecureAggregationRefusal, match="neighbour 'node-4' .* not signed by its registered key"):
         protocol.ask(1, SHARE_KEYS, swapped)
     # ...and signs them with a key nobody registered, in the name of a hospital it invents
     invented = share_keys_config(plan, 2)
-    invented["secagg.name.4"] = "ghost"
-    invented["secagg.keys-sig.4"] = sign_statement(server_key, keys_statement(
+    at = invented[NEIGHBOURS_KEY].index(4)
+    invented[NAMES_KEY][at] = "ghost"
+    invented[SIGNATURES_KEY][at] = sign_statement(server_key, keys_statement(
         plan.run, plan.rnd, plan.session, 4, "ghost", *plan.public_keys[4]))
     with pytest.raises(SecureAggregationRefusal, match="no key is registered for 'ghost'"):
         protocol.ask(2, SHARE_KEYS, invented)
     # a hospital that refused keeps nothing: the run is over for it
     assert protocol.states[1].stage == UNMASK and protocol.states[1].flower.sk1 == b""
+
+
+def test_per_node_lists_that_do_not_line_up_are_refused():
+    """Per-node values travel as lists beside a list of nodes: a list one short (or one long) is refused, not
+    read shifted (a name or signature credited to the wrong hospital)."""
+    from common.trust.secure_aggregation.server import receive_public_keys
+
+    protocol = InProcess([1, 2, 3], SecureAggregationSettings(), 10)
+    plan = protocol.plan
+    receive_public_keys(plan, protocol.answers(SETUP, lambda n: setup_config(plan), plan.nodes))
+    short = share_keys_config(plan, 1)
+    short[NAMES_KEY] = short[NAMES_KEY][:-1]
+    with pytest.raises(ValueError, match="is not a name per neighbour"):
+        protocol.ask(1, SHARE_KEYS, short)
+    protocol = InProcess([1, 2, 3], SecureAggregationSettings(), 10)
+    protocol.keys()
+    for node in (1, 2, 3):
+        add_masked_vector(protocol.plan, node, protocol.mask(node, np.zeros(10, np.int64)))
+    receive_survivor_signatures(protocol.plan, protocol.answers(
+        CONSISTENCY, lambda n: consistency_config(protocol.plan, n), [1, 2, 3]))
+    request = unmask_config(protocol.plan, 2)
+    request[SIGNATURES_KEY] = request[SIGNATURES_KEY] + [b""]
+    with pytest.raises(SecureAggregationRefusal, match="the unmask request: .* is not a signature per survivor"):
+        protocol.ask(2, UNMASK, request)
 
 
 def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):
@@ -283,13 +315,12 @@ def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):
     signatures = {node: protocol.ask(node, CONSISTENCY, {SURVIVORS_KEY: nodes, SESSION_KEY: plan.session})
                   for node in (1, 2, 4)}
     alone = protocol.ask(3, CONSISTENCY, {SURVIVORS_KEY: [1, 2, 3], SESSION_KEY: plan.session})
-    request = {**lie(protocol, [1, 2, 3], [1, 2, 3], [4]), f"{SURVIVORS_SIGNATURE_PREFIX}3": alone["secagg.signature"]}
-    request.update({f"{SURVIVORS_SIGNATURE_PREFIX}{n}": s["secagg.signature"] for n, s in signatures.items()})
+    signed = {n: s["secagg.signature"] for n, s in signatures.items()}
+    request = lie(protocol, [1, 2, 3], [1, 2, 3], [4], {**signed, 3: alone["secagg.signature"]})
     with pytest.raises(SecureAggregationRefusal, match="1 of the 3 survivors signed the survivor set"):
         protocol.ask(3, UNMASK, request)
-    full = {**lie(protocol, nodes, nodes, []),
-            **{f"{SURVIVORS_SIGNATURE_PREFIX}{n}": s["secagg.signature"] for n, s in signatures.items()}}
-    forged = {**full, f"{SURVIVORS_SIGNATURE_PREFIX}2": alone["secagg.signature"]}  # 3's signature passed off as 2's
+    full = lie(protocol, nodes, nodes, [], signed)
+    forged = lie(protocol, nodes, nodes, [], {**signed, 2: alone["secagg.signature"]})  # 3's passed off as 2's
     with pytest.raises(SecureAggregationRefusal, match=r"2 of the 4 survivors signed .* nodes \[2, 3\]"):
         protocol.ask(1, UNMASK, forged)
     with pytest.raises(SecureAggregationRefusal, match=r"3 of the 4 survivors signed .* nodes \[3\]"):

@@ -23,12 +23,13 @@ from common.trust.secure_aggregation.inprocess import InProcess
 from common.trust.secure_aggregation.messages import (
     COLLECT,
     CONSISTENCY,
+    NAMES_KEY,
     NORM_BOUND_KEY,
     OWN_NAME_KEY,
     PLAN_KEY,
     SESSION_KEY,
+    SIGNATURES_KEY,
     SURVIVORS_KEY,
-    SURVIVORS_SIGNATURE_PREFIX,
     UNMASK,
 )
 from common.trust.secure_aggregation.server import add_masked_vector
@@ -219,8 +220,8 @@ def test_a_survivor_set_padded_with_invented_nodes_is_refused_with_the_consortiu
     signatures = {node: protocol.ask(node, CONSISTENCY, {SURVIVORS_KEY: padded, SESSION_KEY: protocol.plan.session})
                   for node in (1, 2)}
     request = {"secagg.active_nids": [1, 2], "secagg.dead_nids": [], SURVIVORS_KEY: padded,
-               SESSION_KEY: protocol.plan.session, "secagg.name.98": "node-98", "secagg.name.99": "node-99",
-               **{f"{SURVIVORS_SIGNATURE_PREFIX}{n}": s["secagg.signature"] for n, s in signatures.items()}}
+               SESSION_KEY: protocol.plan.session, NAMES_KEY: [f"node-{n}" for n in padded],
+               SIGNATURES_KEY: [signatures[n]["secagg.signature"] if n in signatures else b"" for n in padded]}
     for node in (1, 2):
         with pytest.raises(SecureAggregationRefusal, match=r"2 of the 4 survivors signed .* nodes \[98, 99\]"):
             protocol.ask(node, UNMASK, request)

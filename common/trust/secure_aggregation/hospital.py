@@ -42,10 +42,8 @@ from .messages import (
     COLLECT,
     COMMITMENT_KEY,
     CONSISTENCY,
-    KEYS_SIGNATURE_PREFIX,
     MEMORY_FILE,
     NAME_KEY,
-    NAME_PREFIX,
     PARTS_KEY,
     PLAN_KEY,
     SESSION_KEY,
@@ -56,13 +54,14 @@ from .messages import (
     SIGNATURE_KEY,
     STAGES,
     SURVIVORS_KEY,
-    SURVIVORS_SIGNATURE_PREFIX,
     UNMASK,
     commitment_statement,
     flower_config,
     keys_statement,
+    neighbour_table,
     next_stage,
     ours,
+    survivor_table,
     survivors_statement,
 )
 from .settings import MIN_THRESHOLD_FRACTION
@@ -110,13 +109,14 @@ class ReplayMemory:
 
             fcntl.flock(fd, fcntl.LOCK_EX)
             memory = self._read()
-            before = json.dumps(memory, sort_keys=True)
+            before = {kind: len(entries) for kind, entries in memory.items()}  # entries are only ever added
             yield memory
-            if json.dumps(memory, sort_keys=True) != before:
+            if {kind: len(entries) for kind, entries in memory.items()} != before:
                 partial = self.path.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
                 partial.write_text(json.dumps(memory, indent=1))
-                with open(partial, "rb") as handle:
-                    os.fsync(handle.fileno())
+                if self.audit is None:  # else the log's line is what lasts: a memory lost with it is rebuilt
+                    with open(partial, "rb") as handle:
+                        os.fsync(handle.fileno())
                 os.replace(partial, self.path)
         finally:
             os.close(fd)
@@ -157,9 +157,13 @@ class ReplayMemory:
                     f"log: {self.rebuild_command()}")
 
     def _remember(self, memory: dict[str, list[dict[str, Any]]], kind: str, entry: dict[str, Any]) -> None:
-        """One entry, in the audit log first (so that a crash between the two errs towards remembering)."""
+        """One entry, in the audit log first (so that a crash between the two errs towards remembering). The line is
+        made durable with the line of the hospital's reply (``client_app/api.py``), before the reply leaves: a
+        crash before that loses nothing that was revealed, and a memory file that outlived its line is refused
+        until rebuilt."""
         if self.audit is not None:
-            line = self.audit.append(MEMORY_EVENT, memory=kind, **{f: entry[f] for f in MEMORY_FIELDS[kind]})
+            fields = {"memory": kind, **{f: entry[f] for f in MEMORY_FIELDS[kind]}}
+            line = self.audit.append_many([(MEMORY_EVENT, fields)], sync=False)[0]
             entry = {**entry, "time": line["time"]}
         memory[kind].append(entry)
 
@@ -521,21 +525,20 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
     from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
 
     check_configs(SHARE_KEYS, flower)
-    own, keys = state.flower, {int(nid): tuple(value) for nid, value in flower.items()}
+    table = neighbour_table(config)
+    own, keys = state.flower, {nid: pair for nid, (pair, _, _) in table.items()}
     if keys.get(own.nid) != (own.pk1, own.pk2):
         raise SecureAggregationRefusal("the server's key list leaves out this hospital's keys or changes them")
     if len(keys) > own.share_num:
         raise SecureAggregationRefusal(f"the server lists {len(keys)} neighbours for {own.share_num} shares")
-    names = {nid: config.get(f"{NAME_PREFIX}{nid}") for nid in keys}
-    if names[own.nid] != rules.name or not all(isinstance(n, str) and n for n in names.values()) \
-            or len(set(names.values())) != len(names):
-        raise SecureAggregationRefusal(f"the neighbours' names {sorted(map(str, names.values()))} are not one "
-                                       f"distinct name each, with {rules.name!r} for this hospital")
-    for nid, (pk1, pk2) in sorted(keys.items()):
+    names = {nid: name for nid, (_, name, _) in table.items()}
+    if names[own.nid] != rules.name or not all(names.values()) or len(set(names.values())) != len(names):
+        raise SecureAggregationRefusal(f"the neighbours' names {sorted(names.values())} are not one distinct name "
+                                       f"each, with {rules.name!r} for this hospital")
+    for nid, ((pk1, pk2), name, signature) in table.items():
         if nid != own.nid:
             problem = rules.signature_problem(
-                names[nid], keys_statement(state.run, state.rnd, state.session, nid, names[nid], pk1, pk2),
-                config.get(f"{KEYS_SIGNATURE_PREFIX}{nid}"))
+                name, keys_statement(state.run, state.rnd, state.session, nid, name, pk1, pk2), signature)
             if problem:
                 raise SecureAggregationRefusal(f"the public keys of neighbour {names[nid]!r} (node {nid}) are not "
                                                f"signed by its registered key: {problem}")
@@ -682,11 +685,15 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
             f"asked for the mask-seed shares of {sorted(active)} and the key shares of {sorted(dead)}, but the "
             f"survivor set it signed calls for seeds of {sorted(known & set(survivors))} and keys of "
             f"{sorted(known - set(survivors))} (never both for one hospital)")
-    names = survivor_names(state, survivors, config)
+    try:
+        table = survivor_table(config)
+    except ValueError as error:
+        raise SecureAggregationRefusal(f"the unmask request: {error}") from None
+    names = survivor_names(state, survivors, table)
     if rules.peer_keys:  # every survivor a registered hospital that signed this set and this plan
         statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
-        unsigned = [nid for nid in survivors if rules.signature_problem(
-            names.get(nid, ""), statement, config.get(f"{SURVIVORS_SIGNATURE_PREFIX}{nid}")) is not None]
+        unsigned = [nid for nid in survivors
+                    if rules.signature_problem(names.get(nid, ""), statement, table[nid][1]) is not None]
         if unsigned or len(set(names.values())) != len(survivors):
             raise SecureAggregationRefusal(
                 f"{len(survivors) - len(unsigned)} of the {len(survivors)} survivors signed the survivor set and "
@@ -704,15 +711,16 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
     return finished(), ours(answer)
 
 
-def survivor_names(state: HospitalRound, survivors: list[int], config: Mapping[str, Any]) -> dict[int, str]:
+def survivor_names(state: HospitalRound, survivors: list[int], table: Mapping[int, tuple[str, bytes]]) -> dict[
+        int, str]:
     """Each survivor's hospital name: its neighbours' as they were when it shared keys, the others' as the unmask
-    request names them (``secagg.name.<node>``: with peer-keys, each checked through its signature)."""
+    request names them (``table``, :func:`~.messages.survivor_table`: with peer-keys, each checked through its
+    signature)."""
     names = {}
     for nid in survivors:
-        given = config.get(f"{NAME_PREFIX}{nid}")
-        name = state.names.get(nid, given if isinstance(given, str) else "")
-        if nid in state.names and isinstance(given, str) and given != state.names[nid]:
+        given = table[nid][0]
+        if nid in state.names and given != state.names[nid]:
             raise SecureAggregationRefusal(f"the unmask request calls node {nid} {given!r}, which shared keys as "
                                            f"{state.names[nid]!r}")
-        names[nid] = name or f"node {nid}"
+        names[nid] = state.names.get(nid) or given or f"node {nid}"
     return names

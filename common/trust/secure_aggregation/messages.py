@@ -25,10 +25,14 @@ SHARE_HOLDERS_KEY = PREFIX + "share-holders"  #: share-keys reply: who holds eac
 #: stage: the same for each share forwarded, which the holder checks when it decrypts them
 SHARE_DIGESTS_KEY = PREFIX + "share-digests"
 SURVIVORS_KEY = PREFIX + "survivors"  #: consistency and unmask: the nodes whose masked vectors are in the sum
-PUBLIC_KEYS_PREFIX = PREFIX + "pk."  #: share-keys stage: + a node id -> [pk1, pk2] of that neighbour
-NAME_PREFIX = PREFIX + "name."  #: share-keys stage: + a node id -> that neighbour's hospital name
-KEYS_SIGNATURE_PREFIX = PREFIX + "keys-sig."  #: share-keys stage: + a node id -> its signature of its keys
-SURVIVORS_SIGNATURE_PREFIX = PREFIX + "survivors-sig."  #: unmask stage: + a node id -> its signature of survivors
+# Per-node values travel as lists in the order of a list of nodes (one value each, not one key per node: a message's
+# cost, serialised and hashed at both ends, grows with its number of values)
+NEIGHBOURS_KEY = PREFIX + "neighbours"  #: share-keys stage: its neighbours' node ids (itself included)
+PUBLIC_KEYS_KEY = PREFIX + "public-keys"  #: share-keys stage: each neighbour's two public keys, one after the other
+#: share-keys stage: each neighbour's hospital name; unmask stage: each survivor's (in the order of SURVIVORS_KEY)
+NAMES_KEY = PREFIX + "names"
+#: share-keys stage: each neighbour's signature of its keys; unmask stage: each survivor's of the survivor set
+SIGNATURES_KEY = PREFIX + "signatures"
 MASKED_GROUP = "secagg.masked"  #: the reply's array group holding the packed masked vector
 MASKED_ARRAY = "vector"
 
@@ -79,17 +83,42 @@ def flower_config(stage: str, config: Mapping[str, Any]):
     from flwr.app import ConfigRecord
 
     if stage == SHARE_KEYS:
-        keys = {key.removeprefix(PUBLIC_KEYS_PREFIX): value for key, value in config.items()
-                if key.startswith(PUBLIC_KEYS_PREFIX)}
-        try:
-            order = sorted(keys, key=int)
-        except ValueError:
-            raise ValueError("the share-keys stage names a neighbour that is not a node id") from None
-        return ConfigRecord({nid: keys[nid] for nid in order})
+        return ConfigRecord({str(node): list(keys) for node, (keys, _, _) in neighbour_table(config).items()})
     missing = [PREFIX + key for key in flower_keys(stage) if PREFIX + key not in config]
     if missing:
         raise KeyError(f"secure-aggregation stage {stage!r}: the message lacks {', '.join(missing)}")
     return ConfigRecord({key: config[PREFIX + key] for key in flower_keys(stage)})
+
+
+def neighbour_table(config: Mapping[str, Any]) -> dict[int, tuple[tuple[bytes, bytes], str, bytes]]:
+    """The share-keys stage's neighbours in node-id order: node -> ((pk1, pk2), name, signature of its keys);
+    ValueError when the lists do not hold one of each per neighbour."""
+    nodes = config.get(NEIGHBOURS_KEY)
+    if not isinstance(nodes, list) or not all(type(n) is int for n in nodes) or len(set(nodes)) != len(nodes):
+        raise ValueError("the share-keys stage does not list its neighbours as distinct node ids")
+    keys = _values(config, PUBLIC_KEYS_KEY, bytes, 2 * len(nodes), "two public keys per neighbour")
+    names = _values(config, NAMES_KEY, str, len(nodes), "a name per neighbour")
+    signatures = _values(config, SIGNATURES_KEY, bytes, len(nodes), "a signature per neighbour")
+    return {node: ((keys[2 * i], keys[2 * i + 1]), names[i], signatures[i])
+            for i, node in sorted(enumerate(nodes), key=lambda item: item[1])}
+
+
+def survivor_table(config: Mapping[str, Any]) -> dict[int, tuple[str, bytes]]:
+    """The unmask stage's survivors: node -> (name, its signature of the survivor set, empty if it sent none);
+    ValueError when the lists do not hold one of each per survivor."""
+    survivors = config.get(SURVIVORS_KEY)
+    if not isinstance(survivors, list) or not all(type(n) is int for n in survivors):
+        raise ValueError("the survivor set is not a list of node ids")
+    names = _values(config, NAMES_KEY, str, len(survivors), "a name per survivor")
+    signatures = _values(config, SIGNATURES_KEY, bytes, len(survivors), "a signature per survivor")
+    return {node: (names[i], signatures[i]) for i, node in enumerate(survivors)}
+
+
+def _values(config: Mapping[str, Any], key: str, kind: type, count: int, what: str) -> list:
+    values = config.get(key, [])
+    if not isinstance(values, list) or len(values) != count or not all(isinstance(v, kind) for v in values):
+        raise ValueError(f"the message's {key} is not {what} ({count} {kind.__name__} values)")
+    return values
 
 
 def statement(kind: str, run: str, rnd: int, session: str, *parts: Any) -> bytes:

@@ -22,18 +22,18 @@ from .keys import KEY_BYTES, MASK_PURPOSE, public_key_of, shared_key
 from .masks import expand_mask
 from .messages import (
     COMMITMENT_KEY,
-    KEYS_SIGNATURE_PREFIX,
     NAME_KEY,
-    NAME_PREFIX,
+    NAMES_KEY,
+    NEIGHBOURS_KEY,
     PLAN_KEY,
     PREFIX,
-    PUBLIC_KEYS_PREFIX,
+    PUBLIC_KEYS_KEY,
     SESSION_KEY,
     SHARE_DIGESTS_KEY,
     SHARE_HOLDERS_KEY,
     SIGNATURE_KEY,
+    SIGNATURES_KEY,
     SURVIVORS_KEY,
-    SURVIVORS_SIGNATURE_PREFIX,
     commitment_statement,
     keys_statement,
     ours,
@@ -175,12 +175,11 @@ def receive_public_keys(plan: ServerRound, replies: Mapping[int, Mapping[str, An
 def share_keys_config(plan: ServerRound, node: int) -> dict[str, Any]:
     """What ``node`` gets in the share-keys stage: its neighbours that finished setup, each with its public keys,
     its name and its signature of both (the hospital checks them against the consortium's keys)."""
-    config: dict[str, Any] = {SESSION_KEY: plan.session}
-    for other in sorted(plan.neighbours[node] & plan.setup_done):
-        config[f"{PUBLIC_KEYS_PREFIX}{other}"] = list(plan.public_keys[other])
-        config[f"{NAME_PREFIX}{other}"] = plan.name(other)
-        config[f"{KEYS_SIGNATURE_PREFIX}{other}"] = plan.key_signatures[other]
-    return config
+    others = sorted(plan.neighbours[node] & plan.setup_done)
+    return {SESSION_KEY: plan.session, NEIGHBOURS_KEY: others,
+            PUBLIC_KEYS_KEY: [key for other in others for key in plan.public_keys[other]],
+            NAMES_KEY: [plan.name(other) for other in others],
+            SIGNATURES_KEY: [plan.key_signatures[other] for other in others]}
 
 
 def receive_key_shares(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]],
@@ -280,11 +279,10 @@ def unmask_config(plan: ServerRound, node: int) -> dict[str, Any]:
     active = sorted(plan.neighbours[node] & plan.masked)
     dead = sorted(plan.neighbours[node] & plan.dropped)
     plan.asked[node] = set(active) | set(dead)
-    signatures = {f"{SURVIVORS_SIGNATURE_PREFIX}{other}": plan.survivor_signatures[other]
-                  for other in plan.survivors if other in plan.survivor_signatures}
-    names = {f"{NAME_PREFIX}{other}": plan.name(other) for other in plan.survivors}
     return {**ours({Key.ACTIVE_NODE_ID_LIST: active, Key.DEAD_NODE_ID_LIST: dead}),
-            SURVIVORS_KEY: list(plan.survivors), SESSION_KEY: plan.session, **signatures, **names}
+            SURVIVORS_KEY: list(plan.survivors), SESSION_KEY: plan.session,
+            NAMES_KEY: [plan.name(other) for other in plan.survivors],
+            SIGNATURES_KEY: [plan.survivor_signatures.get(other, b"") for other in plan.survivors]}
 
 
 def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> np.ndarray:
