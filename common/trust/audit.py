@@ -75,8 +75,11 @@ class AuditLog:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[int]:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o640)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o640)
+            except FileNotFoundError:  # its folder first
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o640)
         except OSError as error:
             raise AuditError(f"audit log {self.path} cannot be opened for writing: {error.strerror or error}") \
                 from None
@@ -124,8 +127,10 @@ class AuditLog:
                 if sync:
                     os.fsync(fd)
             except OSError as error:
+                _LAST.clear()
                 raise AuditError(f"audit log {self.path}: lines {records[0]['seq']}-{seq} not written ({error})") \
                     from None
+            _remember_last(fd, chunks[-1].encode(), records[-1])
         return records
 
     def head(self) -> str:
@@ -145,12 +150,26 @@ def _lock(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
 
 
+#: (device, inode) of a log -> (its size, its last line's text, that line) as this process last wrote or checked it
+_LAST: dict[tuple[int, int], tuple[int, bytes, dict[str, Any]]] = {}
+
+
+def _remember_last(fd: int, text: bytes, record: dict[str, Any]) -> None:
+    status = os.fstat(fd)
+    _LAST[status.st_dev, status.st_ino] = (status.st_size, text, dict(record))
+
+
 def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
     """The file's last line, checked (canonical form, hash); None for an empty file. AuditError when it is cut
-    short or does not match its hash: the chain is not extended past a damaged line."""
-    size = os.fstat(fd).st_size
+    short or does not match its hash: the chain is not extended past a damaged line. A line this process wrote or
+    checked is not parsed again while the file ends with the same bytes (same size, same line)."""
+    status = os.fstat(fd)
+    size = status.st_size
     if size == 0:
         return None
+    known = _LAST.get((status.st_dev, status.st_ino))
+    if known is not None and known[0] == size and os.pread(fd, len(known[1]), size - len(known[1])) == known[1]:
+        return dict(known[2])
     start, tail = size, b""
     while start > 0:
         step = min(_TAIL, start)
@@ -167,7 +186,9 @@ def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
     if problem:
         raise AuditError(f"audit log {path}: its last line {problem}. Check it with `fedmed audit verify`; move it "
                          "aside to start a new chain (keep it for the audit)")
-    return json.loads(text)
+    record = json.loads(text)
+    _remember_last(fd, text + b"\n", record)
+    return dict(record)
 
 
 def line_problem(text: bytes) -> str | None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 
-from .keys import MASK_PURPOSE, SHARES_PURPOSE, decrypt, encrypt, new_key_pair, shared_key
+from .keys import MASK_PURPOSE, SHARES_PURPOSE, decrypt, encrypt, new_key_pair, shared_keys
 from .masks import expand_mask
 from .messages import (
     COLLECT,
@@ -572,14 +572,16 @@ def split_secrets(own: "SecAggPlusState", keys: dict[int, tuple[bytes, bytes]]) 
     own.rd_seed = os.urandom(32)
     seed_shares = create_shares(own.rd_seed, own.threshold, own.share_num)
     key_shares = create_shares(own.sk1, own.threshold, own.share_num)
+    others = [nid for nid in keys if nid != own.nid]
+    own.ss2_dict = dict(zip(others, shared_keys(own.sk2, [keys[nid][1] for nid in others], SHARES_PURPOSE)))
     destinations, ciphertexts, holders, digests = [], [], [], []
-    for index, (nid, (_, pk2)) in enumerate(keys.items()):
+    for index, nid in enumerate(keys):
         holders.append(nid)
         digests.append(share_digest(seed_shares[index], key_shares[index]))
         if nid == own.nid:
             own.rd_seed_share_dict[nid], own.sk1_share_dict[nid] = seed_shares[index], key_shares[index]
             continue
-        own.ss2_dict[nid] = sealing = shared_key(own.sk2, pk2, SHARES_PURPOSE)
+        sealing = own.ss2_dict[nid]
         destinations.append(nid)
         ciphertexts.append(encrypt(sealing, share_keys_plaintext_concat(own.nid, nid, seed_shares[index],
                                                                         key_shares[index])))
@@ -631,9 +633,9 @@ def mask_vector(state: "SecAggPlusState", flower, vector: np.ndarray, digests: A
     if vector.size and (vector.min() < 0 or vector.max() >= state.mod_range):
         raise ValueError(f"the vector to mask leaves [0, {state.mod_range})")
     masked = vector + expand_mask(state.rd_seed, state.mod_range, vector.size)
-    for node in available:
-        pairwise = expand_mask(shared_key(state.sk1, state.public_keys_dict[node][0], MASK_PURPOSE),
-                               state.mod_range, vector.size, plan)
+    agreed = shared_keys(state.sk1, [state.public_keys_dict[node][0] for node in available], MASK_PURPOSE)
+    for node, secret in zip(available, agreed):
+        pairwise = expand_mask(secret, state.mod_range, vector.size, plan)
         masked = masked + pairwise if state.nid > node else masked - pairwise
     return np.mod(masked, state.mod_range)
 

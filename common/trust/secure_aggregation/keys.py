@@ -42,14 +42,20 @@ def public_key_of(private: bytes) -> bytes:
 def shared_key(private: bytes, public: bytes, purpose: bytes) -> bytes:
     """The 32-byte key the holders of ``private`` and of ``public``'s private key both derive, for ``purpose``
     (ValueError: a malformed key, or a public key of small order, whose agreement gives zeros)."""
+    return shared_keys(private, [public], purpose)[0]
+
+
+def shared_keys(private: bytes, publics: list[bytes], purpose: bytes) -> list[bytes]:
+    """:func:`shared_key` with each of ``publics`` (the private key read once)."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    if not all(isinstance(key, bytes) and len(key) == KEY_BYTES for key in (private, public)):
+    if not all(isinstance(key, bytes) and len(key) == KEY_BYTES for key in (private, *publics)):
         raise ValueError(f"X25519 keys are {KEY_BYTES} bytes each")
-    agreed = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(public))
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(agreed)
+    own = X25519PrivateKey.from_private_bytes(private)
+    return [HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(
+        own.exchange(X25519PublicKey.from_public_bytes(public))) for public in publics]
 
 
 def encrypt(key: bytes, plaintext: bytes) -> bytes:

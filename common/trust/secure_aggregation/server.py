@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .keys import KEY_BYTES, MASK_PURPOSE, public_key_of, shared_key
+from .keys import KEY_BYTES, MASK_PURPOSE, public_key_of, shared_keys
 from .masks import expand_mask
 from .messages import (
     COMMITMENT_KEY,
@@ -310,9 +310,9 @@ def unmask_sum(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]]) -> n
         if owner in plan.masked:  # its private mask seed
             total = total - expand_mask(secret, plan.modulus, plan.size)
             continue
-        for other in sorted(plan.neighbours[owner] & plan.masked):  # a node that dropped out: its pairwise masks
-            pairwise = expand_mask(shared_key(secret, plan.public_keys[other][0], MASK_PURPOSE), plan.modulus,
-                                   plan.size, plan.plan_digest.encode())
+        others = sorted(plan.neighbours[owner] & plan.masked)  # a node that dropped out: its pairwise masks
+        for other, agreed in zip(others, shared_keys(secret, [plan.public_keys[o][0] for o in others], MASK_PURPOSE)):
+            pairwise = expand_mask(agreed, plan.modulus, plan.size, plan.plan_digest.encode())
             total = total + pairwise if owner > other else total - pairwise
     return np.mod(total, plan.modulus)
 
