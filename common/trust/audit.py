@@ -338,16 +338,19 @@ _FOLLOWED: dict[tuple[Path, str], tuple[FollowedLog, list[dict[str, Any]]]] = {}
 def verified_events(path: str | Path, event: str) -> tuple[Verification, list[dict[str, Any]]]:
     """The lines of ``event`` in the log at ``path`` and what verifying the log found (the lines mean nothing
     unless it is ok). Read through a :class:`FollowedLog` kept for the process: each call verifies only the lines
-    added since the last."""
+    added since the last. The list is the process's own, extended in place while the log only grows (a new list
+    when it was read whole again): read it, do not change it."""
     key = (Path(path).absolute(), event)
     follower, lines = _FOLLOWED.get(key) or (FollowedLog(path), [])
     result, records, whole = follower.read()
     if not result.ok:
         _FOLLOWED.pop(key, None)
         return result, []
-    lines = ([] if whole else lines) + [record for record in records if record.get("event") == event]
+    if whole:
+        lines = []
+    lines.extend(record for record in records if record.get("event") == event)
     _FOLLOWED[key] = (follower, lines)
-    return result, list(lines)
+    return result, lines
 
 
 def records_of(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

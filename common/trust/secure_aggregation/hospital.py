@@ -92,7 +92,7 @@ class ReplayMemory:
     least those hospitals, and the difference of two sums is a sum of at least threshold updates, never one."""
 
     def __init__(self, folder: str | Path | None, audit: Any = None):
-        self.path = Path(folder) / MEMORY_FILE if folder else None
+        self.path = Path(folder).absolute() / MEMORY_FILE if folder else None
         self.audit = audit  #: the hospital's AuditLog: every entry is first a line of it, as the privacy ledger's
         self._memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
 
@@ -113,17 +113,26 @@ class ReplayMemory:
             yield memory
             if {kind: len(entries) for kind, entries in memory.items()} != before:
                 partial = self.path.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
-                partial.write_text(json.dumps(memory, indent=1))
+                partial.write_text(json.dumps(memory, separators=(",", ":")))
                 if self.audit is None:  # else the log's line is what lasts: a memory lost with it is rebuilt
                     with open(partial, "rb") as handle:
                         os.fsync(handle.fileno())
                 os.replace(partial, self.path)
+                # what it wrote agrees with its log (each entry went to the log first)
+                _SEEN[self.path] = (_identity(self.path), memory, {kind: len(v) for kind, v in memory.items()})
         finally:
             os.close(fd)
 
     def _read(self) -> dict[str, list[dict[str, Any]]]:
-        memory = {"rounds": [], "revealed": []}
-        if self.path.exists():
+        """The memory file (not parsed again while it is the file this process last read or wrote), checked
+        against the audit log."""
+        identity, agreed = _identity(self.path), {}
+        seen = _SEEN.get(self.path)
+        if identity is None:
+            memory = {"rounds": [], "revealed": []}
+        elif seen is not None and seen[0] == identity:
+            memory, agreed = {kind: list(entries) for kind, entries in seen[1].items()}, seen[2]
+        else:
             try:
                 memory = json.loads(self.path.read_text())
                 if not all(isinstance(memory.get(key), list) for key in ("rounds", "revealed")):
@@ -133,18 +142,25 @@ class ReplayMemory:
                     f"its memory of past rounds {self.path} cannot be read ({error}); it takes part in no secure "
                     f"round until an operator rebuilds it: {self.rebuild_command()}") from None
         if self.audit is not None:
-            self._check_against_log(memory)
+            self._check_against_log(memory, agreed)
+        _SEEN[self.path] = (identity, {kind: list(v) for kind, v in memory.items()},
+                            {kind: len(v) for kind, v in memory.items()})
         return memory
 
     def rebuild_command(self) -> str:
         log = self.audit.path if self.audit is not None else "AUDIT_LOG"
         return f"fedmed audit rebuild-secagg-memory {log} {self.path.parent}"
 
-    def _check_against_log(self, memory: dict[str, list[dict[str, Any]]]) -> None:
+    def _check_against_log(self, memory: dict[str, list[dict[str, Any]]], agreed: Mapping[str, int]) -> None:
         """The memory must hold exactly the entries its audit log holds (a deleted, rolled-back or edited memory
-        would let a round or a model through again); SecureAggregationRefusal otherwise."""
+        would let a round or a model through again); SecureAggregationRefusal otherwise. ``agreed``: how many
+        entries of each kind were found to agree before, in this same memory file (not compared again)."""
         logged = memory_in_log(self.audit.path)
         for kind in ("rounds", "revealed"):
+            start = min(agreed.get(kind, 0), len(memory[kind]), len(logged[kind]))
+            new = zip(memory[kind][start:], logged[kind][start:])
+            if len(memory[kind]) == len(logged[kind]) and all(entry_key(kind, a) == entry_key(kind, b) for a, b in new):
+                continue
             mine = [entry_key(kind, entry) for entry in memory[kind]]
             theirs = [entry_key(kind, entry) for entry in logged[kind]]
             if mine != theirs:
@@ -210,22 +226,44 @@ def entry_key(kind: str, entry: Mapping[str, Any]) -> tuple:
     return tuple(entry.get(field) for field in MEMORY_FIELDS[kind])
 
 
+#: the memory file as this process last read or wrote it: path -> (its identity, the memory, how many entries of
+#: each kind agree with the audit log)
+_SEEN: dict[Path, tuple[tuple[int, int, int] | None, dict[str, list[dict[str, Any]]], dict[str, int]]] = {}
+#: audit log path -> (the list of its memory lines it was built from, how many of them, the memory they hold)
+_LOGGED: dict[Path, tuple[list, int, dict[str, list[dict[str, Any]]]]] = {}
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, modification time) of a file, None when there is none: a file replaced or written since has
+    another."""
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
+
+
 def memory_in_log(path: str | Path) -> dict[str, list[dict[str, Any]]]:
     """The replay memory's entries as the hospital's audit log holds them (its chain checked, in the lines added
-    since this process last read it: SecureAggregationRefusal when it is broken)."""
+    since this process last read it: SecureAggregationRefusal when it is broken). The process's own copy, built
+    from the new lines only: read it, do not change it."""
     from common.trust.audit import verified_events
 
-    memory: dict[str, list[dict[str, Any]]] = {"rounds": [], "revealed": []}
-    result, records = verified_events(path, MEMORY_EVENT)
+    result, lines = verified_events(path, MEMORY_EVENT)
     if not result.ok:
         line, what = result.problems[0]
         raise SecureAggregationRefusal(f"its audit log {path} does not verify (line {line} {what}), so its memory of "
                                        "past rounds cannot be checked; it takes part in no secure round until an "
                                        "operator repairs the log")
-    for record in records:
+    key = Path(path).absolute()
+    source, used, memory = _LOGGED.get(key, (None, 0, {}))
+    if source is not lines:  # the log was read whole again
+        used, memory = 0, {"rounds": [], "revealed": []}
+    for record in lines[used:]:
         if record.get("memory") in memory:
             kind = record["memory"]
             memory[kind].append({**{f: record.get(f) for f in MEMORY_FIELDS[kind]}, "time": record.get("time")})
+    _LOGGED[key] = (lines, len(lines), memory)
     return memory
 
 
@@ -243,7 +281,7 @@ def rebuild_memory(audit_path: str | Path, folder: str | Path) -> dict[str, int]
     if target.exists():
         os.replace(target, target.with_name(f"{MEMORY_FILE}.{time.strftime('%Y%m%dT%H%M%S')}.replaced"))
     partial = target.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(memory, indent=1))
+    partial.write_text(json.dumps(memory, separators=(",", ":")))
     os.replace(partial, target)
     return {kind: len(entries) for kind, entries in memory.items()}
 
