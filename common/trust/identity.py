@@ -38,10 +38,28 @@ def sign_identity(private_key_file: str | Path, run_name: str, nonce: str, name:
     return sign_statement(private_key_file, signed_text(run_name, nonce, name))
 
 
+#: a key file as last read: path -> ((inode, size, modification time), the key); a key file replaced is read again
+_KEYS: dict[tuple[Path, bool], tuple[tuple[int, int, int], object]] = {}
+
+
+def _read_key(path: Path, private: bool) -> object:
+    """The key in ``path``, parsed once while the file stays the same (a secure round checks dozens of signatures
+    against the same few files). OSError or ValueError as the loader raises them."""
+    status = path.stat()
+    identity = (status.st_ino, status.st_size, status.st_mtime_ns)
+    known = _KEYS.get((path, private))
+    if known is not None and known[0] == identity:
+        return known[1]
+    data = path.read_bytes()
+    key = load_ssh_private_key(data, password=None) if private else load_ssh_public_key(data)
+    _KEYS[path, private] = (identity, key)
+    return key
+
+
 def sign_statement(private_key_file: str | Path, statement: bytes) -> bytes:
     """The hospital's ECDSA P-384 signature of ``statement`` with its identity key (ValueError naming the file)."""
     try:
-        key = load_ssh_private_key(Path(private_key_file).read_bytes(), password=None)
+        key = _read_key(Path(private_key_file).absolute(), private=True)
     except (OSError, ValueError) as error:
         raise ValueError(f"node config key 'identity-key': cannot read private key {private_key_file} ({error})") \
             from None
@@ -68,7 +86,7 @@ def statement_problem(keys_folder: str | Path, name: str, statement: bytes, sign
     if not key_file.is_file():
         return f"no key is registered for {name!r} (expected {key_file})"
     try:
-        key = load_ssh_public_key(key_file.read_bytes())
+        key = _read_key(key_file.absolute(), private=False)
     except (OSError, ValueError) as error:
         return f"the registered key {key_file} cannot be read ({error})"
     if not isinstance(key, ec.EllipticCurvePublicKey):
