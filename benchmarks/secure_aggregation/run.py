@@ -36,19 +36,44 @@ JOB = {"model": "small-cnn", "image-size": 16, "batch-size": 8, "min-partition-s
        "round-timeout": 60.0}
 
 
-def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_shares: float = 1.0) -> dict[str, Any]:
+def signed_nodes(folder: Path, hospitals: int) -> dict[int, dict[str, Any]]:
+    """Node configs as the documented deployment sets them: each hospital its identity key (ECDSA P-384, OpenSSH
+    format, as ``deploy/make_hospital_keys.sh`` makes them) and the folder of every hospital's registered key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder.mkdir(parents=True, exist_ok=True)
+    nodes = {}
+    for pid in range(hospitals):
+        key, name = ec.generate_private_key(ec.SECP384R1()), f"hospital-{pid:02d}"
+        (folder / name).write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                      serialization.NoEncryption()))
+        (folder / f"{name}.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                           serialization.PublicFormat.OpenSSH))
+        nodes[101 + pid] = {"partition-id": pid, "num-partitions": hospitals, "identity-key": str(folder / name),
+                            "peer-keys": str(folder)}
+    return nodes
+
+
+def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_shares: float = 1.0,
+                   signed: bool = False, repeat: int = 0) -> dict[str, Any]:
     """One run of ``rounds`` FedAvg rounds over ``hospitals`` in-process hospitals (secure: each sharing with
-    ``num-shares``): seconds per round, bytes per hospital each way (key stages included), one training reply's
-    bytes, and for secure rounds each stage's time."""
+    ``num-shares``; ``signed``: with identity keys and the consortium's keys, as deployed): seconds per round, bytes
+    per hospital each way (key stages included), one training reply's bytes, and for secure rounds each stage's
+    time."""
     from strategies import FedAvgStrategy
-    from tests.fake_grid import FakeGrid, simulated_hospitals
+    from tests.fake_grid import FakeGrid, hospital_node
 
     kind = "secure" if secure else "plain"
-    name = f"{kind}-{hospitals}-{num_shares:g}"
+    name = f"{kind}-{hospitals}-{num_shares:g}{'-signed' if signed else ''}-{repeat}"
     config = {**JOB, "synthetic-samples": SAMPLES_PER_HOSPITAL * hospitals, "run-name": name,
               "state-dir": str(root / name), "results-dir": str(root / "results"),
               "min-train-hospitals": hospitals, "min-available-hospitals": hospitals,
               "secure-aggregation.enabled": secure, "secure-aggregation.num-shares": num_shares}
+    nodes = {101 + pid: {"partition-id": pid, "num-partitions": hospitals} for pid in range(hospitals)}
+    if signed:
+        nodes = signed_nodes(root / f"keys-{name}", hospitals)
+        config["hospital-keys"] = str(root / f"keys-{name}")
     in_hospitals = [0.0]  #: CPU seconds spent inside the hospitals' handlers (their share of the process)
 
     def timed(handler):
@@ -77,7 +102,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
             return result
 
     strategy = TimedFedAvg(min_train_nodes=hospitals, min_available_nodes=hospitals, run_config=config)
-    grid = FakeGrid({node: timed(handler) for node, handler in simulated_hospitals(config, hospitals).items()})
+    grid = FakeGrid({node_id: timed(hospital_node(config, node, node_id)) for node_id, node in nodes.items()})
     strategy.start(grid, num_rounds=rounds)
     later = strategy.engine.history[1:] or strategy.engine.history
     skipped = [r["skipped"] for r in strategy.engine.history if "skipped" in r]
@@ -89,7 +114,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
     from common.engine.wire import message_nbytes
 
     row: dict[str, Any] = {
-        "hospitals": hospitals, "kind": kind, "rounds": rounds, "num-shares": num_shares,
+        "hospitals": hospitals, "kind": kind, "rounds": rounds, "num-shares": num_shares, "signed": signed,
         "seconds-per-round": mean(r["wall-seconds"] for r in later),
         "cpu-seconds-per-round": mean(r["cpu-seconds"] for r in later),
         "server-cpu-seconds-per-round": mean(r["cpu-seconds"] - r["hospitals-cpu-seconds"] for r in later),
@@ -174,30 +199,49 @@ def mean(values) -> float:
     return float(np.mean(list(values)))
 
 
+def median_row(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs as one row: each number the median over the runs (the machine's noise comes and
+    goes between them), the CPU per round of every run kept beside it."""
+    row = dict(repeats[0])
+    for key, value in row.items():
+        if isinstance(value, float):
+            row[key] = float(np.median([r[key] for r in repeats]))
+    row["cpu-seconds-per-round-runs"] = [round(r["cpu-seconds-per-round"], 4) for r in repeats]
+    return row
+
+
+def keys_label(row: dict[str, Any]) -> str:
+    return "peer keys" if row.get("signed") else "none"
+
+
 def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differencing: dict[str, Any] | None,
-          rounds: int, before: dict[str, Any] | None = None) -> str:
+          rounds: int, repeats: int, before: dict[str, Any] | None = None) -> str:
     lines = ["# Secure aggregation: what it costs (FedAvg, small CNN, generated data)", "",
              f"`python -m benchmarks.secure_aggregation.run` on {cpu_name()}, {time.strftime('%Y-%m-%d')}: hospitals "
              f"in the server's process (FakeGrid, serial, no network), {SAMPLES_PER_HOSPITAL} training images of "
-             f"16 x 16 each, means of rounds 2-{rounds}. Secure: every hospital sharing with every other (SecAgg, "
-             "num-shares 1.0) or with its ring neighbours (SecAgg+), the default threshold (more than half the "
-             "shares), masks from ChaCha20, the consistency stage, no identity keys (simulation). Load average "
+             f"16 x 16 each, means of rounds 2-{rounds}; every configuration run {repeats} times, in turn, and each "
+             "figure the median of its runs. Secure: every hospital sharing with every other (SecAgg, num-shares "
+             "1.0) or with its ring neighbours (SecAgg+), the default threshold (more than half the shares), masks "
+             "from ChaCha20, the consistency stage. Keys: none (simulation), or peer keys as the documented "
+             "deployment sets them (each hospital signs with its identity key and checks every neighbour's and "
+             "survivor's signature against the consortium's registered keys; the server checks them with "
+             "hospital-keys; the plain run beside it proves each hospital's name the same way). Load average "
              f"{LOAD[0]:.1f} when it started, {os.getloadavg()[0]:.1f} when it ended: on a shared machine wall "
              "times vary between runs, the process's CPU time (all of the run is in this process, key stages, "
-             "training and masking included; waits for the disk are not) much less; bytes do not.", "",
-             "| hospitals | shares / threshold | CPU s/round plain | CPU s/round secure | x | wall s/round plain | "
-             "wall s/round secure | key stages wall s (setup / share / "
-             "consistency / unmask) | masking s per hospital | unmask + sums s (server) | reply B plain | masked "
-             "reply B | up B/hospital plain | up B/hospital secure | x | down B/hospital plain | down B/hospital "
-             "secure | x |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    plain_of = {r["hospitals"]: r for r in rows if r["kind"] == "plain"}
-    for secure in (r for r in rows if r["kind"] == "secure"):
-        plain = plain_of[secure["hospitals"]]
+             "training and masking included; waits for the disk are not) less; bytes do not.", "",
+             "| hospitals | shares / threshold | keys | CPU s/round plain | CPU s/round secure | x | wall s/round "
+             "plain | wall s/round secure | key stages wall s (setup / share / consistency / unmask) | masking s "
+             "per hospital | unmask + sums s (server) | reply B plain | masked reply B | up B/hospital plain | up "
+             "B/hospital secure | x | down B/hospital plain | down B/hospital secure | x |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    plain_of = {(r["hospitals"], r.get("signed", False)): r for r in rows if r["kind"] == "plain"}
+    secure_rows = [r for r in rows if r["kind"] == "secure"]
+    for secure in secure_rows:
+        plain = plain_of[secure["hospitals"], secure.get("signed", False)]
         keys = " / ".join(f"{secure[f'{s}-seconds']:.2f}" for s in ("setup", "share_keys", "consistency_check",
                                                                     "unmask"))
         lines.append(
-            f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
+            f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | {keys_label(secure)} | "
             f"{plain['cpu-seconds-per-round']:.2f} | {secure['cpu-seconds-per-round']:.2f} | "
             f"{secure['cpu-seconds-per-round'] / plain['cpu-seconds-per-round']:.2f} | "
             f"{plain['seconds-per-round']:.2f} | {secure['seconds-per-round']:.2f} | {keys} | "
@@ -207,31 +251,39 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
             f"{secure['bytes-up-per-hospital'] / plain['bytes-up-per-hospital']:.2f} | "
             f"{plain['bytes-down-per-hospital']:,.0f} | {secure['bytes-down-per-hospital']:,.0f} | "
             f"{secure['bytes-down-per-hospital'] / plain['bytes-down-per-hospital']:.2f} |")
+    lines += ["", "The CPU s per round of each run, plain then secure (the table's figure is their median):", ""]
+    for secure in secure_rows:
+        plain = plain_of[secure["hospitals"], secure.get("signed", False)]
+        lines.append(f"- {secure['hospitals']} hospitals, {secure['shares']} shares, keys {keys_label(secure)}: "
+                     f"plain {', '.join(f'{v:.3f}' for v in plain['cpu-seconds-per-round-runs'])}; secure "
+                     f"{', '.join(f'{v:.3f}' for v in secure['cpu-seconds-per-round-runs'])}")
     lines += ["", "Each party's own CPU per round (what it pays in a deployment, where every hospital computes on its "
               "own machine at the same time): the server's (the process less the time inside the hospitals' "
               "handlers) and one hospital's.", "",
-              "| hospitals | shares / threshold | server CPU s plain | secure | x | one hospital's CPU s plain | "
-              "secure | x |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for secure in (r for r in rows if r["kind"] == "secure"):
-        plain = plain_of[secure["hospitals"]]
+              "| hospitals | shares / threshold | keys | server CPU s plain | secure | x | one hospital's CPU s "
+              "plain | secure | x |", "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for secure in secure_rows:
+        plain = plain_of[secure["hospitals"], secure.get("signed", False)]
         lines.append(
-            f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
+            f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | {keys_label(secure)} | "
             f"{plain['server-cpu-seconds-per-round']:.3f} | {secure['server-cpu-seconds-per-round']:.3f} | "
             f"{secure['server-cpu-seconds-per-round'] / plain['server-cpu-seconds-per-round']:.2f} | "
             f"{plain['hospital-cpu-seconds-per-round']:.3f} | {secure['hospital-cpu-seconds-per-round']:.3f} | "
             f"{secure['hospital-cpu-seconds-per-round'] / plain['hospital-cpu-seconds-per-round']:.2f} |")
     if before:
         lines += ["", f"Before and after, on this machine: {before['label']} (`{before['command']}`, "
-                  f"{before['cpu']}) against this run. CPU s per round of the whole process, plain and secure.", "",
+                  f"{before['cpu']}) against this run. CPU s per round of the whole process, plain and secure, no "
+                  "keys.", "",
                   "| hospitals | shares / threshold | before: plain | secure | x | after: plain | secure | x |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        old_plain = {r["hospitals"]: r for r in before["rounds"] if r["kind"] == "plain"}
-        old_secure = {(r["hospitals"], r["num-shares"]): r for r in before["rounds"] if r["kind"] == "secure"}
-        for secure in (r for r in rows if r["kind"] == "secure"):
+        old_plain = {r["hospitals"]: r for r in before["rounds"] if r["kind"] == "plain" and not r.get("signed")}
+        old_secure = {(r["hospitals"], r["num-shares"]): r for r in before["rounds"]
+                      if r["kind"] == "secure" and not r.get("signed")}
+        for secure in (r for r in secure_rows if not r.get("signed")):
             was = old_secure.get((secure["hospitals"], secure["num-shares"]))
             if was is None:
                 continue
-            plain, was_plain = plain_of[secure["hospitals"]], old_plain[secure["hospitals"]]
+            plain, was_plain = plain_of[secure["hospitals"], False], old_plain[secure["hospitals"]]
             lines.append(
                 f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
                 f"{was_plain['cpu-seconds-per-round']:.2f} | {was['cpu-seconds-per-round']:.2f} | "
@@ -261,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hospitals", type=int, nargs="+", default=[5, 20])
     parser.add_argument("--sparse-shares", type=int, default=7,
                         help="also run the largest round as SecAgg+ with this many shares a hospital (0: not)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each configuration, taken in turn; the table gives their medians")
+    parser.add_argument("--no-signed", action="store_true",
+                        help="skip the runs with identity keys and the consortium's keys (the deployment's)")
     parser.add_argument("--no-protocol", action="store_true", help="skip the protocol-alone timing")
     parser.add_argument("--output", default=str(RESULTS / "secure_aggregation"),
                         help="results file path without its suffix (.md and .json are written)")
@@ -274,14 +330,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging.getLogger("fedmed").setLevel(logging.ERROR)
     logging.getLogger("flwr").setLevel(logging.ERROR)
-    rows = []
+    largest = max(args.hospitals)
+    runs = [(count, secure, 1.0, False) for count in args.hospitals for secure in (False, True)]
+    sparse = float(args.sparse_shares) if args.sparse_shares and args.sparse_shares < largest else 1.0
+    if sparse < largest:
+        runs.append((largest, True, sparse, False))
+    if not args.no_signed:  # as deployed: identity keys and the consortium's keys, plain and secure
+        runs += [(largest, False, 1.0, True), (largest, True, sparse, True)]
+    measured: dict[tuple, list[dict[str, Any]]] = {run: [] for run in runs}
     with tempfile.TemporaryDirectory() as folder:
-        runs = [(count, secure, 1.0) for count in args.hospitals for secure in (False, True)]
-        if args.sparse_shares and args.sparse_shares < max(args.hospitals):
-            runs.append((max(args.hospitals), True, float(args.sparse_shares)))
-        for count, secure, shares in runs:
-            rows.append(measure_rounds(Path(folder), count, args.rounds, secure, shares))
-            print(json.dumps(rows[-1]), flush=True)
+        for repeat in range(args.repeats):  # every configuration once, then again: side by side, in turn
+            for count, secure, shares, signed in runs:
+                measured[count, secure, shares, signed].append(
+                    measure_rounds(Path(folder), count, args.rounds, secure, shares, signed, repeat))
+                print(json.dumps(measured[count, secure, shares, signed][-1]), flush=True)
+    rows = [median_row(repeats) for repeats in measured.values()]
     differencing = measure_differencing()
     protocol = None if args.no_protocol else measure_protocol()
     output = Path(args.output)
@@ -289,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.before is not None:
         before = {**json.loads(args.before.read_text()), "label": args.before_label or str(args.before),
                   "command": "python -m benchmarks.secure_aggregation.run"}
-    output.with_suffix(".md").write_text(table(rows, protocol, differencing, args.rounds, before))
+    output.with_suffix(".md").write_text(table(rows, protocol, differencing, args.rounds, args.repeats, before))
     output.with_suffix(".json").write_text(json.dumps({"cpu": cpu_name(), "rounds": rows, "protocol": protocol,
                                                        "differencing": differencing}, indent=1) + "\n")
     print(output.with_suffix(".md").read_text())
