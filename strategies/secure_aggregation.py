@@ -64,6 +64,7 @@ from common.trust.secure_aggregation.server import (
     receive_key_shares,
     receive_public_keys,
     receive_survivor_signatures,
+    settle_survivors,
     setup_config,
     share_keys_config,
     threshold_problem,
@@ -329,9 +330,13 @@ class SecureAggregation:
             if problem:
                 skipped = f"before the unmask stage, {problem}; the global model is unchanged"
         if skipped is None:
-            answers = self.exchange(progress, CONSISTENCY, {node: consistency_config(protocol, node)
-                                                            for node in sorted(protocol.masked)})
-            receive_survivor_signatures(protocol, answers, self.verifier())
+            verifier = self.verifier()
+            if verifier is not None:  # signatures to collect and check (hospitals with peer keys require them)
+                answers = self.exchange(progress, CONSISTENCY, {node: consistency_config(protocol, node)
+                                                                for node in sorted(protocol.masked)})
+                receive_survivor_signatures(protocol, answers, verifier)
+            else:  # nobody compares signatures: the hospitals check the set at the unmask stage
+                settle_survivors(protocol)
             answers = self.exchange(progress, UNMASK, {node: unmask_config(protocol, node)
                                                        for node in sorted(protocol.masked)})
             computing, before = time.perf_counter(), None

@@ -328,7 +328,7 @@ def test_rebuild_ledger_command(tmp_path, capsys):
 
 def test_under_secure_aggregation_both_ends_log_the_same_content_hashes(tmp_path):
     """A secure round's training message gains its collect stage's keys after it is built: the server logs it as it
-    leaves, so every message of the five stages has the same SHA-256 at both ends."""
+    leaves, so every message of the stages has the same SHA-256 at both ends."""
     from strategies import FedAvgStrategy
     from strategies.secure_aggregation import with_secure_aggregation
 
@@ -343,4 +343,4 @@ def test_under_secure_aggregation_both_ends_log_the_same_content_hashes(tmp_path
     sent = [r["sha256"] for r in server if r.get("peer") == "hospital-00" and r["kind"] == "train"
             and r["direction"] == "sent"]
     received = [r["sha256"] for r in hospital if r.get("kind") == "train" and r.get("direction") == "received"]
-    assert len(sent) == 5 and sent == received  # setup, share keys, collect (training), consistency, unmask
+    assert len(sent) == 4 and sent == received  # setup, share keys, collect (training), unmask (no keys to sign)

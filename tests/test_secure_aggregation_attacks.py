@@ -38,6 +38,7 @@ from common.trust.secure_aggregation.server import (
     consistency_config,
     rebuild,
     receive_survivor_signatures,
+    settle_survivors,
     setup_config,
     share_keys_config,
     unmask_config,
@@ -300,6 +301,34 @@ def test_per_node_lists_that_do_not_line_up_are_refused():
         protocol.ask(2, UNMASK, request)
 
 
+def test_the_consistency_stage_is_skipped_only_where_nobody_compares_signatures(tmp_path):
+    """Without the consortium's keys a hospital checks the unmask request's survivor set as the consistency stage
+    would (the stage asks for signatures nobody compares), and sums as with it; with them it reveals nothing
+    before every survivor signed, so a server that skips the stage gets no share."""
+    nodes = [1, 2, 3, 4]
+    vectors = vectors_for(nodes, seed=3)
+    protocol = InProcess(nodes, SecureAggregationSettings(), SIZE)
+    protocol.keys()
+    for node in nodes:
+        add_masked_vector(protocol.plan, node, protocol.mask(node, vectors[node]))
+    with pytest.raises(SecureAggregationRefusal, match="the survivor set leaves out this hospital"):
+        protocol.ask(4, UNMASK, lie(protocol, [1, 2, 3], [1, 2, 3], []))
+    assert protocol.states[4].flower.sk1 == b""  # refused: it keeps nothing
+    settle_survivors(protocol.plan)  # the sum of all four, unmasked from three hospitals' shares
+    answers = {n: protocol.ask(n, UNMASK, unmask_config(protocol.plan, n)) for n in (1, 2, 3)}
+    np.testing.assert_array_equal(unmask_sum(protocol.plan, answers), sum(vectors.values()) % MODULUS)
+
+    protocol, _, _ = signed_protocol(tmp_path, nodes)
+    protocol.keys()
+    for node in nodes:
+        add_masked_vector(protocol.plan, node, protocol.mask(node, vectors[node]))
+    settle_survivors(protocol.plan)
+    for node in nodes:
+        with pytest.raises(SecureAggregationRefusal, match="holds the consortium's keys .* consistency stage"):
+            protocol.ask(node, UNMASK, unmask_config(protocol.plan, node))
+        assert protocol.states[node].flower.sk1 == b""
+
+
 def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):
     """Hospital 3 is told a survivor set that only it signed: it needs every survivor's signature on its set and
     refuses; the others, told the full set, which hospital 3 did not sign, refuse too: with the consortium's keys
@@ -558,3 +587,15 @@ def test_a_signed_round_over_the_grid(tmp_path):
     signed = [m for m in grid.replies if not m.has_error() and m.content.config_records.get("config", {}).get(
         "secagg.stage") == CONSISTENCY]
     assert len(signed) == 3 and all(len(m.content["config"]["secagg.signature"]) > 0 for m in signed)
+
+    # the same hospitals, a server without the registered keys: it checks no signature and skips the stage that
+    # collects them, and hospitals holding the consortium's keys reveal no share
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "unsigned-server")
+    strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
+    nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 3, "identity-key": str(keys[pid]),
+                                             "peer-keys": str(registered)}, 101 + pid) for pid in range(3)}
+    strategy.start(FakeGrid(nodes), num_rounds=1)
+    secure = strategy.engine.history[0]["secure-aggregation"]
+    assert "consistency_check" not in secure["stages"] and "skipped" in strategy.engine.history[0]
+    assert all("which the server skipped (it runs it with run config hospital-keys)" in why
+               for why in secure["lost"].values()) and len(secure["lost"]) == 3

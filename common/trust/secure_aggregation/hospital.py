@@ -420,7 +420,19 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
     key shares encrypted for each neighbour and its signed seed commitment; collect: ``{"masked": vector masked}``
     (``model``: the digest of the model it trained from); consistency: its signature of the survivor set; unmask:
     the shares the survivor set calls for). SecureAggregationRefusal (a ValueError) says why it will not; a refusal
-    or failure past setup ends the hospital's part in the run: ``state`` forgets every secret of it."""
+    or failure past setup ends the hospital's part in the run: ``state`` forgets every secret of it.
+
+    A server that checks no signatures skips the consistency stage (what it asks for is a signature, and only
+    hospitals holding the consortium's keys compare them): a hospital without peer keys then checks the survivor
+    set of the unmask request as that stage would have (:func:`consistency`); one with peer keys refuses."""
+    if stage == UNMASK and state.stage == COLLECT:
+        if rules.peer_keys:
+            state.forget()
+            raise SecureAggregationRefusal(
+                "it holds the consortium's keys (peer-keys), so it reveals shares only once every survivor has "
+                "signed the survivor set in the consistency stage, which the server skipped (it runs it with run "
+                "config hospital-keys)")
+        state, _ = hospital_stage(state, CONSISTENCY, config, node_id, rules)
     run, rnd, session = check_turn(state, stage, config)
     try:
         flower = flower_config(stage, config)

@@ -246,10 +246,15 @@ def add_masked_vector(plan: ServerRound, node: int, vector: np.ndarray) -> None:
     plan.masked.add(node)
 
 
-def consistency_config(plan: ServerRound, node: int) -> dict[str, Any]:
-    """The consistency stage: the survivor set (the nodes whose masked vectors are in the sum), the same to all."""
+def settle_survivors(plan: ServerRound) -> list[int]:
+    """The survivor set (the nodes whose masked vectors are in the sum), fixed once the masked vectors are in."""
     plan.survivors = sorted(plan.masked)
-    return {SURVIVORS_KEY: list(plan.survivors), SESSION_KEY: plan.session}
+    return plan.survivors
+
+
+def consistency_config(plan: ServerRound, node: int) -> dict[str, Any]:
+    """The consistency stage: the survivor set, the same to all."""
+    return {SURVIVORS_KEY: list(settle_survivors(plan)), SESSION_KEY: plan.session}
 
 
 def receive_survivor_signatures(plan: ServerRound, replies: Mapping[int, Mapping[str, Any]],
