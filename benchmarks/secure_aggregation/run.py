@@ -126,8 +126,8 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
                                  for r in later)}
     if secure:
         stages = [r["secure-aggregation"]["stages"] for r in later]
-        for stage in ("setup", "share_keys", "consistency_check", "unmask"):
-            row[f"{stage}-seconds"] = mean(s[stage]["seconds"] for s in stages)
+        for stage in ("setup", "share_keys", "consistency_check", "unmask"):  # no consistency stage unsigned
+            row[f"{stage}-seconds"] = mean(s[stage]["seconds"] for s in stages) if stage in stages[0] else None
         row["unmask-and-sums-seconds"] = mean(s["unmask"]["sum-seconds"] for s in stages)
         row["masking-seconds-per-hospital"] = mean(
             mean(m["secagg-seconds"] for m in r["hospital_metrics"].values()) for r in later)
@@ -238,8 +238,8 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
     secure_rows = [r for r in rows if r["kind"] == "secure"]
     for secure in secure_rows:
         plain = plain_of[secure["hospitals"], secure.get("signed", False)]
-        keys = " / ".join(f"{secure[f'{s}-seconds']:.2f}" for s in ("setup", "share_keys", "consistency_check",
-                                                                    "unmask"))
+        keys = " / ".join("-" if secure[f"{s}-seconds"] is None else f"{secure[f'{s}-seconds']:.2f}"
+                          for s in ("setup", "share_keys", "consistency_check", "unmask"))
         lines.append(
             f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | {keys_label(secure)} | "
             f"{plain['cpu-seconds-per-round']:.2f} | {secure['cpu-seconds-per-round']:.2f} | "

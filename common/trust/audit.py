@@ -120,6 +120,7 @@ class AuditLog:
                 records.append(record)
                 chunks.append(canonical(record) + "\n")
             data = "".join(chunks).encode()
+            start = os.fstat(fd).st_size
             try:
                 written = os.write(fd, data)
                 if written != len(data):
@@ -131,6 +132,7 @@ class AuditLog:
                 raise AuditError(f"audit log {self.path}: lines {records[0]['seq']}-{seq} not written ({error})") \
                     from None
             _remember_last(fd, chunks[-1].encode(), records[-1])
+            _note_own(fd, start, start + len(data), records, chunks[-1].encode())
         return records
 
     def head(self) -> str:
@@ -157,6 +159,20 @@ _LAST: dict[tuple[int, int], tuple[int, bytes, dict[str, Any]]] = {}
 def _remember_last(fd: int, text: bytes, record: dict[str, Any]) -> None:
     status = os.fstat(fd)
     _LAST[status.st_dev, status.st_ino] = (status.st_size, text, dict(record))
+
+
+#: (device, inode) of a log -> start offset -> (end offset, the lines, the last line's text) of this process's own
+#: recent appends: a FollowedLog reads lines this process wrote without checking them again
+_OWN: dict[tuple[int, int], dict[int, tuple[int, list[dict[str, Any]], bytes]]] = {}
+_OWN_KEPT = 256  #: appends remembered per log
+
+
+def _note_own(fd: int, start: int, end: int, records: list[dict[str, Any]], last: bytes) -> None:
+    status = os.fstat(fd)
+    own = _OWN.setdefault((status.st_dev, status.st_ino), {})
+    own[start] = (end, [dict(r) for r in records], last)
+    while len(own) > _OWN_KEPT:
+        del own[next(iter(own))]
 
 
 def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
@@ -293,7 +309,7 @@ class FollowedLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.inode = -1
+        self.inode = (-1, -1)  #: the file's (device, inode)
         self.offset = 0  #: bytes verified
         self.last = b""  #: the last verified line's text and newline
         self.result = Verification(self.path)
@@ -312,24 +328,43 @@ class FollowedLog:
 
                 fcntl.flock(fd, fcntl.LOCK_SH)  # no line half written while it reads
             status = os.fstat(fd)
-            whole = not (status.st_ino == self.inode and status.st_size >= self.offset and self.last
+            inode = (status.st_dev, status.st_ino)
+            whole = not (inode == self.inode and status.st_size >= self.offset and self.last
                          and os.pread(fd, len(self.last), self.offset - len(self.last)) == self.last)
             if whole:
                 self.__init__(self.path)
-            data = os.pread(fd, status.st_size - self.offset, self.offset)
+            own = None if whole else self._own_lines(inode, status.st_size)
+            if own is not None and os.pread(fd, len(own[1]), status.st_size - len(own[1])) != own[1]:
+                own = None  # the file does not end with the line this process wrote last there
+            data = b"" if own is not None else os.pread(fd, status.st_size - self.offset, self.offset)
         finally:
             os.close(fd)
+        if own is not None:  # every new line is one this process wrote, after checking the line before it
+            records, self.last = own
+            head = records[-1]["hash"] if records else self.result.head
+            self.offset, self.result = status.st_size, Verification(self.path, self.result.lines + len(records), head)
+            return self.result, records, False
         if not data:
             return self.result, [], whole
         previous = json.loads(self.last) if self.last else None
         result = Verification(self.path, self.result.lines, self.result.head)
         records = _check_chain(data, self.result.lines + 1, previous, result)
         if result.ok:
-            self.inode, self.offset, self.result = status.st_ino, self.offset + len(data), result
+            self.inode, self.offset, self.result = inode, self.offset + len(data), result
             self.last = data[data.rstrip(b"\n").rfind(b"\n") + 1:]
         else:
             self.__init__(self.path)
         return result, records, whole
+
+    def _own_lines(self, inode: tuple[int, int], size: int) -> tuple[list[dict[str, Any]], bytes] | None:
+        """The lines from the verified offset to ``size`` and the last one's text, when this process's own appends
+        wrote all of them one after the other; None otherwise."""
+        own, at, records, last = _OWN.get(inode, {}), self.offset, [], self.last
+        while at < size and at in own:
+            end, lines, last = own[at]
+            records += [dict(line) for line in lines]
+            at = end
+        return (records, last) if at == size else None
 
 
 _FOLLOWED: dict[tuple[Path, str], tuple[FollowedLog, list[dict[str, Any]]]] = {}
