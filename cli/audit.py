@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = sub.add_parser("rebuild-secagg-memory", help="write a hospital's secure-aggregation memory (the rounds "
                             "and models it took part in) anew from its audit log")
     memory.add_argument("log", help="the hospital's audit log (its chain must verify)")
-    memory.add_argument("folder", help="the hospital's state folder, where secure-aggregation.json lives (the old one "
+    memory.add_argument("folder", help="the hospital's state folder, where secure-aggregation.jsonl lives (the old one "
                         "is kept beside it)")
     rebuild = sub.add_parser("rebuild-ledger", help="write a hospital's privacy ledger anew from its audit log")
     rebuild.add_argument("log", help="the hospital's audit log (its chain must verify)")

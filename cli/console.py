@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="fedmed console", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--state", type=Path, default=None, help="a hospital's state folder (its audit.jsonl, "
-                        "privacy-ledger.json, secure-aggregation.json), or a folder of them (a simulation's state/)")
+                        "privacy-ledger.json, secure-aggregation.jsonl), or a folder of them (a simulation's state/)")
     parser.add_argument("--results", type=Path, default=None, help="a results folder (one run folder per run), or "
                         "one run's folder")
     parser.add_argument("--policy", action="append", default=[], metavar="[HOSPITAL=]FILE", help="the hospital's "

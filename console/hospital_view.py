@@ -1,6 +1,6 @@
 """What a hospital's own files say, for its data-protection officer: read from its state folder (the audit log
 ``audit.jsonl``, the privacy ledger ``privacy-ledger.json``, the secure-aggregation memory
-``secure-aggregation.json``), its policy file and, where given, the server's audit log of a run.
+``secure-aggregation.jsonl``), its policy file and, where given, the server's audit log of a run.
 
 Everything is read with the project's own readers (``common.trust.audit.verify``/``cross_check``/``records_of``,
 ``common.trust.ledger``'s check and accountant, ``client_app.policy_rules``), so the page says what
@@ -22,7 +22,7 @@ from typing import Any
 from common.trust.audit import AUDIT_HEAD_MARK, cross_check, records_of, verify
 from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS
 from common.trust.policy import PolicyRefusal
-from common.trust.secure_aggregation.messages import COLLECT, MEMORY_FILE
+from common.trust.secure_aggregation.messages import COLLECT, MEMORY_FILE, parse_memory
 
 AUDIT_FILE = "audit.jsonl"
 HOSPITAL_FILES = (AUDIT_FILE, LEDGER_FILE, MEMORY_FILE)
@@ -561,11 +561,9 @@ def read_memory(folder: Path) -> SecureMemory:
     if not path.is_file():
         return SecureMemory(path, "none: this hospital has not taken part in a secure round", [], [])
     try:
-        memory = json.loads(path.read_text())
+        memory = parse_memory(path.read_bytes())
         rounds, revealed = memory["rounds"], memory["revealed"]
-        if not isinstance(rounds, list) or not isinstance(revealed, list):
-            raise ValueError("it lacks the lists 'rounds' and 'revealed'")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError) as error:
         return SecureMemory(path, f"cannot be read ({error}): the hospital takes part in no secure round until an "
                                   "operator repairs it", [], [])
     revealed = [r for r in revealed if isinstance(r, dict)]

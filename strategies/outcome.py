@@ -13,7 +13,7 @@ from typing import Any
 #: what the hospitals' replay memory says when a secure-aggregation round is run again (common/trust/secure_aggregation)
 REPLAY_REFUSALS = ("already took part in secure aggregation", "already helped unmask a sum")
 REPLAY_ADVICE = ("the hospitals' replay memory refused a secure-aggregation round they took part in before (their "
-                 "secure-aggregation.json in their state folder): each hospital takes part in one protocol run per "
+                 "secure-aggregation.jsonl in their state folder): each hospital takes part in one protocol run per "
                  "run name and round, and helps unmask one sum per model it trained from. To run it again, change "
                  "run-name and seed (the same seed starts from the same model), or give the hospitals fresh state "
                  "folders (state-dir) if the earlier run is to be forgotten")

@@ -122,8 +122,8 @@ def test_the_hospital_view_holds_what_its_files_hold(federation):
     assert refusal.round == 3 and refusal.by_policy and refusal.reason.startswith("refused by its policy (dp.toml)")
     assert "privacy budget spent" in rounds[3].refused and "[audit-head" not in refusal.reason
     # the secure-aggregation memory and the policy
-    memory = json.loads((folder / "secure-aggregation.json").read_text())
-    assert len(view.memory.rounds) == len(memory["rounds"]) == 3
+    memory = lines(folder / "secure-aggregation.jsonl")
+    assert len(view.memory.rounds) == len([e for e in memory if e["memory"] == "rounds"]) == 3
     assert [r["revealed"] for r in view.memory.rounds] == [True, True, False]
     rows = dict(view.policy.rows[1:])
     assert rows["max-rounds-per-run"] == "5" and rows["methods"] == "fedavg" and "clip-norm" in rows["local-dp"]
@@ -188,7 +188,7 @@ def test_a_state_folder_without_an_audit_log_says_so(tmp_path):
     view = read_hospital(folder)
     assert view.chain.headline == "Missing" and "no audit log" in view.problems[0]
     assert [t.run for t in view.privacy.trainings] == ["r"] and math.isinf(view.privacy.trainings[0].epsilon_after)
-    (folder / "secure-aggregation.json").write_text("{not json")
+    (folder / "secure-aggregation.jsonl").write_text("{not json\n")
     assert "cannot be read" in read_hospital(folder).memory.state
 
 

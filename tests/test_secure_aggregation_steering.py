@@ -260,6 +260,33 @@ def test_a_deployed_hospital_requiring_secure_aggregation_needs_the_consortiums_
     assert "require-secure-aggregation in a deployment needs the consortium's registered keys" in lost["hospital-00"]
 
 
+def test_the_replay_memory_is_appended_to_and_a_line_cut_short_stops_it(tmp_path):
+    """One line an entry, appended (never rewritten), each first a line of the audit log; a write cut short (a
+    crash mid-line) is never read as an empty memory: the hospital refuses until the memory is rebuilt."""
+    from common.trust.audit import AuditLog
+    from common.trust.secure_aggregation.hospital import ReplayMemory, rebuild_memory
+
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    memory = ReplayMemory(tmp_path, audit)
+    memory.claim_round("r", 1, "s1")
+    memory.revealed("a" * 64, "r", 1)
+    memory.claim_round("r", 2, "s2")
+    file = tmp_path / "secure-aggregation.jsonl"
+    first = file.read_bytes()
+    assert [json.loads(line)["memory"] for line in first.splitlines()] == ["rounds", "revealed", "rounds"]
+    with pytest.raises(SecureAggregationRefusal, match="already took part .* run 'r' round 2"):
+        memory.claim_round("r", 2, "s3")
+    file.write_bytes(first + b'{"memory":"revealed","mo')  # cut short
+    with pytest.raises(SecureAggregationRefusal, match="cannot be read .*last line is cut short.*rebuild-secagg"):
+        ReplayMemory(tmp_path, audit).check_model("b" * 64)
+    assert rebuild_memory(audit.path, tmp_path) == {"rounds": 2, "revealed": 1}
+    from common.trust.secure_aggregation.messages import parse_memory
+
+    assert parse_memory(file.read_bytes()) == parse_memory(first)  # grouped by kind, the same entries
+    with pytest.raises(SecureAggregationRefusal, match="already helped unmask a sum trained from this model"):
+        ReplayMemory(tmp_path, audit).check_model("a" * 64)
+
+
 @pytest.mark.parametrize("damage", ["deleted", "rolled back", "edited"])
 def test_a_damaged_replay_memory_stops_secure_rounds_until_rebuilt_from_the_log(tmp_path, damage, capsys):
     shared = {"state-dir": str(tmp_path / "hospitals")}
@@ -268,15 +295,15 @@ def test_a_damaged_replay_memory_stops_secure_rounds_until_rebuilt_from_the_log(
     first.start(FakeGrid({n: secure_node(config, node, n) for n, node in nodes.items()}), num_rounds=1)
     assert "skipped" not in first.engine.history[0]
     folder = tmp_path / "hospitals" / "hospital-00"
-    memory = folder / "secure-aggregation.json"
-    kept = json.loads(memory.read_text())
+    memory = folder / "secure-aggregation.jsonl"
+    kept = [json.loads(line) for line in memory.read_text().splitlines()]
     if damage == "deleted":
         memory.unlink()
     elif damage == "rolled back":
-        memory.write_text(json.dumps({"rounds": kept["rounds"], "revealed": []}))
+        memory.write_text("".join(json.dumps(e) + "\n" for e in kept if e["memory"] == "rounds"))
     else:
-        kept["revealed"][0]["model"] = "0" * 64
-        memory.write_text(json.dumps(kept))
+        edited = [{**e, "model": "0" * 64} if e["memory"] == "revealed" else e for e in kept]
+        memory.write_text("".join(json.dumps(e) + "\n" for e in edited))
 
     other = {**config, "run-name": "another-model", "results-dir": str(tmp_path / "second"), "seed": 7}
     again = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=other)

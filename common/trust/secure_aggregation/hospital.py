@@ -43,6 +43,7 @@ from .messages import (
     COMMITMENT_KEY,
     CONSISTENCY,
     MEMORY_FILE,
+    MEMORY_KINDS,
     NAME_KEY,
     PARTS_KEY,
     PLAN_KEY,
@@ -58,9 +59,11 @@ from .messages import (
     commitment_statement,
     flower_config,
     keys_statement,
+    memory_line,
     neighbour_table,
     next_stage,
     ours,
+    parse_memory,
     survivor_table,
     survivors_statement,
 )
@@ -83,7 +86,7 @@ class SecureAggregationRefusal(ValueError):
 
 class ReplayMemory:
     """The (run, round)s a hospital took part in and the models it revealed unmask shares for, in
-    ``secure-aggregation.json`` of its state folder (``folder=None``: in memory, for tests and in-process runs).
+    ``secure-aggregation.jsonl`` of its state folder (``folder=None``: in memory, for tests and in-process runs).
 
     Why models: the run name is the server's choice, so a server could run a round again under a new name, leave
     one hospital out and subtract the two sums. A hospital that helped unmask a sum trained from a model trains from
@@ -111,13 +114,16 @@ class ReplayMemory:
             memory = self._read()
             before = {kind: len(entries) for kind, entries in memory.items()}  # entries are only ever added
             yield memory
-            if {kind: len(entries) for kind, entries in memory.items()} != before:
-                partial = self.path.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
-                partial.write_text(json.dumps(memory, separators=(",", ":")))
-                if self.audit is None:  # else the log's line is what lasts: a memory lost with it is rebuilt
-                    with open(partial, "rb") as handle:
-                        os.fsync(handle.fileno())
-                os.replace(partial, self.path)
+            added = b"".join(memory_line(kind, entry) for kind in MEMORY_KINDS for entry in memory[kind][before[kind]:])
+            if added:
+                out = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+                try:
+                    if os.write(out, added) != len(added):
+                        raise OSError(f"{self.path}: an entry was not written whole")
+                    if self.audit is None:  # else the log's line is what lasts: a memory lost with it is rebuilt
+                        os.fsync(out)
+                finally:
+                    os.close(out)
                 # what it wrote agrees with its log (each entry went to the log first)
                 _SEEN[self.path] = (_identity(self.path), memory, {kind: len(v) for kind, v in memory.items()})
         finally:
@@ -134,10 +140,8 @@ class ReplayMemory:
             memory, agreed = {kind: list(entries) for kind, entries in seen[1].items()}, seen[2]
         else:
             try:
-                memory = json.loads(self.path.read_text())
-                if not all(isinstance(memory.get(key), list) for key in ("rounds", "revealed")):
-                    raise ValueError("it lacks the lists 'rounds' and 'revealed'")
-            except (OSError, ValueError, AttributeError) as error:  # never forget its rounds by accident
+                memory = parse_memory(self.path.read_bytes())
+            except (OSError, ValueError) as error:  # never forget its rounds by accident
                 raise SecureAggregationRefusal(
                     f"its memory of past rounds {self.path} cannot be read ({error}); it takes part in no secure "
                     f"round until an operator rebuilds it: {self.rebuild_command()}") from None
@@ -281,7 +285,7 @@ def rebuild_memory(audit_path: str | Path, folder: str | Path) -> dict[str, int]
     if target.exists():
         os.replace(target, target.with_name(f"{MEMORY_FILE}.{time.strftime('%Y%m%dT%H%M%S')}.replaced"))
     partial = target.with_name(f".{MEMORY_FILE}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(memory, separators=(",", ":")))
+    partial.write_bytes(b"".join(memory_line(kind, entry) for kind in MEMORY_KINDS for entry in memory[kind]))
     os.replace(partial, target)
     return {kind: len(entries) for kind, entries in memory.items()}
 

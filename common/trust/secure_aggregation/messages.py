@@ -12,8 +12,10 @@ SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK = (
     "setup", "share_keys", "collect_masked_vectors", "consistency_check", "unmask")
 STAGES = (SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK)
 
-#: in a hospital's state folder: the rounds it took part in and the models it revealed (``hospital.py``)
-MEMORY_FILE = "secure-aggregation.json"
+#: in a hospital's state folder: the rounds it took part in and the models it revealed (``hospital.py``), one
+#: JSON object a line (:func:`memory_line`), appended to, never rewritten
+MEMORY_FILE = "secure-aggregation.jsonl"
+MEMORY_KINDS = ("rounds", "revealed")
 PREFIX = "secagg."
 STAGE_KEY = PREFIX + "stage"  #: the stage a TRAIN message (and its reply) belongs to
 SESSION_KEY = PREFIX + "session"  #: the server's random name for one protocol run, in every signed statement
@@ -142,3 +144,24 @@ def commitment_statement(run: str, rnd: int, session: str, node: int, commitment
 def survivors_statement(run: str, rnd: int, session: str, survivors: list[int], plan: str = "") -> bytes:
     """A survivor set and the SHA-256 of the round plan (``plan``) the signer trained and masked under."""
     return statement("survivors", run, rnd, session, sorted(int(n) for n in survivors), str(plan))
+
+
+def memory_line(kind: str, entry: Mapping[str, Any]) -> bytes:
+    """One entry of a hospital's replay memory as its file holds it: a JSON object, its kind under ``memory``."""
+    return (json.dumps({"memory": kind, **entry}, separators=(",", ":")) + "\n").encode()
+
+
+def parse_memory(data: bytes) -> dict[str, list[dict[str, Any]]]:
+    """A replay memory file's entries by kind (ValueError: a line that is no entry, or a last line cut short)."""
+    memory: dict[str, list[dict[str, Any]]] = {kind: [] for kind in MEMORY_KINDS}
+    if data and not data.endswith(b"\n"):
+        raise ValueError("its last line is cut short (a write was interrupted)")
+    for number, text in enumerate(data.splitlines(), start=1):
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            raise ValueError(f"line {number} is not JSON") from None
+        if not isinstance(entry, dict) or entry.get("memory") not in memory:
+            raise ValueError(f"line {number} is not an entry of the memory (no 'memory' of {', '.join(MEMORY_KINDS)})")
+        memory[entry.pop("memory")].append(entry)
+    return memory
