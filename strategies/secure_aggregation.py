@@ -44,10 +44,12 @@ from common.trust.audit import message_digest
 from common.trust.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
 from common.trust.secure_aggregation.distributed_dp import expand
 from common.trust.secure_aggregation.messages import (
+    AHEAD_PREFIX,
     COLLECT,
     CONSISTENCY,
     MASKED_ARRAY,
     MASKED_GROUP,
+    SESSION_KEY,
     SETUP,
     SHARE_KEYS,
     STAGE_KEY,
@@ -74,6 +76,15 @@ from common.trust.secure_aggregation.server import (
 from common.trust.secure_aggregation.vector import unpack_values
 
 log = logging.getLogger("fedmed")
+
+
+def same_setup(ahead: ServerRound, fresh: ServerRound) -> bool:
+    """Whether a round set up ahead is the round ``fresh`` plans: its hospitals, their neighbours, every parameter the
+    setup stage sends, and every hospital's keys."""
+    return (ahead.run, ahead.rnd, ahead.nodes, ahead.neighbours, ahead.names) == (
+        fresh.run, fresh.rnd, fresh.nodes, fresh.neighbours, fresh.names) \
+        and setup_config(ahead) | {SESSION_KEY: ""} == setup_config(fresh) | {SESSION_KEY: ""} \
+        and ahead.setup_done == set(fresh.nodes)
 
 
 @dataclass
@@ -112,6 +123,7 @@ class SecureAggregation:
                               "cover; it runs with fedavg, fedprox, moon, fedbn and fedmepd-fedavg")
         self.rounds: dict[int, SecureRound] = {}
         self.grid: Grid | None = None
+        self.ahead: ServerRound | None = None  #: the next round's setup, answered with this round's unmask stage
 
     @classmethod
     def of(cls, strategy: Strategy) -> "SecureAggregation | None":
@@ -157,8 +169,13 @@ class SecureAggregation:
         except ValueError as error:
             return self.skip(progress, str(error))
 
-        answers = self.exchange(progress, SETUP, {node: setup_config(protocol) for node in protocol.nodes})
-        receive_public_keys(protocol, answers, self.verifier())
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and same_setup(ahead, protocol):  # set up already, with the last round's unmask stage
+            protocol.session, protocol.public_keys = ahead.session, ahead.public_keys
+            protocol.key_signatures, protocol.setup_done = ahead.key_signatures, set(ahead.setup_done)
+        else:
+            answers = self.exchange(progress, SETUP, {node: setup_config(protocol) for node in protocol.nodes})
+            receive_public_keys(protocol, answers, self.verifier())
         problem = few_problem(protocol, protocol.setup_done) \
             or threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
         if problem:
@@ -187,6 +204,25 @@ class SecureAggregation:
         if audit is not None:
             audit(lines)
         return prepared
+
+    def plan_ahead(self, progress: SecureRound) -> ServerRound | None:
+        """The next round's protocol parameters for this round's hospitals, set up with this round's unmask stage
+        (used if the next round has the same hospitals and parameters; none after the run's last round)."""
+        job, protocol = self.strategy.job, progress.protocol
+        if protocol is None or progress.plan is None or progress.rnd >= job.num_server_rounds:
+            return None
+        try:
+            return plan_round(list(progress.hospitals), self.settings, [job.seed, progress.rnd + 1], protocol.size,
+                              protocol.modulus, protocol.quantization_range, dict(protocol.names), job.run_name,
+                              progress.rnd + 1)
+        except ValueError:
+            return None
+
+    def setup_ahead_config(self, ahead: ServerRound | None) -> dict[str, Any]:
+        """What the hospitals need to answer ``ahead``'s setup stage now: its parameters, run and round."""
+        if ahead is None:
+            return {}
+        return {**setup_config(ahead), "run-name": ahead.run, "server-round": ahead.rnd}
 
     def verifier(self) -> Verifier | None:
         """Checks a hospital's signature with its registered key (run config ``hospital-keys``), so that a hospital
@@ -337,8 +373,15 @@ class SecureAggregation:
                 receive_survivor_signatures(protocol, answers, verifier)
             else:  # nobody compares signatures: the hospitals check the set at the unmask stage
                 settle_survivors(protocol)
-            answers = self.exchange(progress, UNMASK, {node: unmask_config(protocol, node)
+            ahead = self.plan_ahead(progress)
+            asked = {AHEAD_PREFIX + key: value for key, value in self.setup_ahead_config(ahead).items()}
+            answers = self.exchange(progress, UNMASK, {node: {**unmask_config(protocol, node), **asked}
                                                        for node in sorted(protocol.masked)})
+            if ahead is not None:
+                receive_public_keys(ahead, {node: {k[len(AHEAD_PREFIX):]: v for k, v in answer.items()
+                                                   if k.startswith(AHEAD_PREFIX)} for node, answer in answers.items()},
+                                    self.verifier())
+                self.ahead = ahead
             computing, before = time.perf_counter(), None
             try:
                 total = unmask_sum(protocol, answers)

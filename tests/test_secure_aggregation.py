@@ -300,6 +300,36 @@ def stage_of_reply(message: Message) -> str | None:
     return None
 
 
+def test_rounds_after_the_first_open_with_the_share_keys_stage_and_sum_as_plain_rounds(tmp_path):
+    """Each unmask stage also sets up the next round (its keys answered with the shares), so a run of the same
+    hospitals has one setup stage, in round 1; the model after three rounds is the plain run's, up to quantisation;
+    the last round sets up nothing; each round is still claimed once in every hospital's memory."""
+    plain_config = config_of(tmp_path, SMALL_CLASSIFICATION, "plain")
+    expected = arrays_of(FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config=plain_config).start(
+        FakeGrid(plain_hospitals(plain_config, 3)), num_rounds=3).arrays)
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "secure")
+    strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=3, min_available_nodes=3, run_config=config)
+    grid = FakeGrid(secure_hospitals(config, 3))
+    final = arrays_of(strategy.start(grid, num_rounds=3).arrays)
+    start = initial_model(plain_config)
+    moved = np.concatenate([(expected[k] - v).ravel() for k, v in start.items()])
+    apart = np.concatenate([(final[k] - expected[k]).ravel() for k in start])
+    # masks that did not cancel would throw the model anywhere below the modulus; what is left is round 1's
+    # quantisation error, carried through two more trainings (Adam's steps are normalised: tiny changes grow)
+    assert np.linalg.norm(apart) < 0.05 * np.linalg.norm(moved), (np.linalg.norm(apart), np.linalg.norm(moved))
+    stages = [set(r["secure-aggregation"]["stages"]) for r in strategy.engine.history]
+    assert ["setup" in s for s in stages] == [True, False, False] and all("share_keys" in s for s in stages)
+    unmasking = [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of_message(m) == UNMASK]
+    ahead = [int(m.content["config"].get("secagg.ahead.server-round", 0)) for m in unmasking]
+    assert ahead == [2, 2, 2, 3, 3, 3, 0, 0, 0]  # round 3, the run's last, sets up nothing
+    memory = (tmp_path / "secure" / "state" / "hospital-00" / "secure-aggregation.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in memory if '"rounds"' in line] == [1, 2, 3]
+
+
+def stage_of_message(message: Message) -> str | None:
+    return message.content["config"].get("secagg.stage")
+
+
 def test_fedavg_over_a_grid_the_server_sees_only_masked_vectors_and_gets_the_mean(tmp_path):
     plain_config = config_of(tmp_path, SMALL_CLASSIFICATION, "plain")
     plain = FedAvgStrategy(min_train_nodes=2, run_config=plain_config)

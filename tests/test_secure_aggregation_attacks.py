@@ -15,7 +15,7 @@ from client_app.secure_aggregation import stage_of
 from common.engine.wire import from_recorddict
 from common.trust.identity import sign_statement, statement_problem
 from common.trust.secure_aggregation import SecureAggregationSettings
-from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
+from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal, setup_ahead
 from common.trust.secure_aggregation.keys import MASK_PURPOSE, new_key_pair, shared_key
 from common.trust.secure_aggregation.masks import expand_mask
 from common.trust.secure_aggregation.messages import (
@@ -327,6 +327,50 @@ def test_the_consistency_stage_is_skipped_only_where_nobody_compares_signatures(
         with pytest.raises(SecureAggregationRefusal, match="holds the consortium's keys .* consistency stage"):
             protocol.ask(node, UNMASK, unmask_config(protocol.plan, node))
         assert protocol.states[node].flower.sk1 == b""
+
+
+def test_a_round_set_up_ahead_is_claimed_once_and_only_for_a_later_round_of_the_run():
+    """The unmask stage may carry the setup of the run's next round: the hospital answers it with its shares (new
+    key pairs, nothing claimed), then takes part in that round once, whichever setup the server uses; it sets up
+    nothing for an earlier round, another run or a round it took part in."""
+    from common.trust.secure_aggregation.messages import AHEAD_PREFIX
+    from common.trust.secure_aggregation.server import plan_round
+
+    nodes = [1, 2, 3]
+    protocol = InProcess(nodes, SecureAggregationSettings(), SIZE)
+    protocol.keys()  # round 0 of run "" (InProcess's configs name neither)
+    for node in nodes:
+        add_masked_vector(protocol.plan, node, protocol.mask(node, np.zeros(SIZE, np.int64)))
+    settle_survivors(protocol.plan)
+
+    def ahead(rnd, run=""):
+        upcoming = plan_round(nodes, SecureAggregationSettings(), [0, rnd], SIZE, run=run, rnd=rnd)
+        config = {**setup_config(upcoming), "run-name": run, "server-round": rnd}
+        return upcoming, {AHEAD_PREFIX + key: value for key, value in config.items()}
+
+    upcoming, asked = ahead(1)
+    answers = {n: protocol.ask(n, UNMASK, {**unmask_config(protocol.plan, n), **(asked if n != 3 else {})})
+               for n in nodes}
+    assert all(f"{AHEAD_PREFIX}secagg.pk1" in answers[n] for n in (1, 2)) and not any(k.startswith(AHEAD_PREFIX)
+                                                                                     for k in answers[3])
+    assert protocol.states[1].stage == SETUP and protocol.states[1].session == upcoming.session
+    assert protocol.states[3].stage == UNMASK  # nothing set up: it ends the run's round as before
+    assert protocol.states[1].flower.pk1 not in {pk for pair in protocol.plan.public_keys.values() for pk in pair}
+
+    # the server sets round 1 up afresh after all (another session): accepted; the round is claimed at share keys
+    fresh = plan_round(nodes, SecureAggregationSettings(), [0, 1], SIZE, rnd=1)
+    fresh_config = {**setup_config(fresh), "server-round": 1}
+    from common.trust.secure_aggregation.server import receive_public_keys
+
+    receive_public_keys(fresh, {n: protocol.ask(n, SETUP, fresh_config) for n in nodes})
+    protocol.ask(1, SHARE_KEYS, {**share_keys_config(fresh, 1), "server-round": 1})
+    with pytest.raises(SecureAggregationRefusal, match="already took part in secure aggregation for run '' round 1"):
+        protocol.ask(1, SETUP, {**setup_config(upcoming), "server-round": 1})
+    # an ahead setup for a round it took part in, an earlier round, or another run: nothing set up
+    protocol.states[1] = protocol.states[1].__class__.new()
+    for rnd, run in ((1, ""), (0, ""), (5, "another")):
+        _, asked = ahead(rnd, run)
+        assert setup_ahead(asked, 1, protocol.rules[1], "", 0) == (None, {})
 
 
 def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):

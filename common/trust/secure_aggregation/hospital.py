@@ -39,6 +39,7 @@ import numpy as np
 from .keys import MASK_PURPOSE, SHARES_PURPOSE, decrypt, encrypt, new_key_pair, shared_keys
 from .masks import expand_mask
 from .messages import (
+    AHEAD_PREFIX,
     COLLECT,
     COMMITMENT_KEY,
     CONSISTENCY,
@@ -190,13 +191,15 @@ class ReplayMemory:
     def claim_round(self, run: str, rnd: int, session: str) -> None:
         """Take part in (run, round) once: SecureAggregationRefusal if it did before."""
         with self._locked() as memory:
-            for entry in memory["rounds"]:
-                if entry.get("run") == run and entry.get("round") == rnd:
-                    raise SecureAggregationRefusal(
-                        f"it already took part in secure aggregation for run {run!r} round {rnd} (session "
-                        f"{entry.get('session')}, {entry.get('time')}); a repeated round could let the server "
-                        "subtract two sums")
+            refusal = _took_part(memory, run, rnd)
+            if refusal:
+                raise SecureAggregationRefusal(refusal)
             self._remember(memory, "rounds", {"run": run, "round": rnd, "session": session, "time": _now()})
+
+    def took_part(self, run: str, rnd: int) -> str:
+        """Why it will not take part in (run, round) (it did already), or "" (it claims nothing)."""
+        with self._locked() as memory:
+            return _took_part(memory, run, rnd)
 
     def check_model(self, digest: str) -> None:
         """SecureAggregationRefusal if it revealed unmask shares for a sum trained from this model (asked at collect
@@ -219,6 +222,15 @@ class ReplayMemory:
                         f"{entry.get('round')}, model SHA-256 {digest[:16]}...); revealing shares for a second "
                         "sum from it would let the server subtract the two")
             self._remember(memory, "revealed", {"model": digest, "run": run, "round": rnd, "time": _now()})
+
+
+def _took_part(memory: Mapping[str, list[dict[str, Any]]], run: str, rnd: int) -> str:
+    for entry in memory["rounds"]:
+        if entry.get("run") == run and entry.get("round") == rnd:
+            return (f"it already took part in secure aggregation for run {run!r} round {rnd} (session "
+                    f"{entry.get('session')}, {entry.get('time')}); a repeated round could let the server subtract "
+                    "two sums")
+    return ""
 
 
 MEMORY_EVENT = "secure-aggregation-memory"  #: the audit line of one entry of the replay memory
@@ -454,11 +466,29 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
                                                  digest.encode())}
         if stage == CONSISTENCY:
             return consistency(state, rules, config)
-        return unmask(state, rules, flower, config)
+        done, answer = unmask(state, rules, flower, config)
     except Exception:
         if stage != SETUP:
             state.forget()
         raise
+    ahead, ahead_answer = setup_ahead(config, node_id, rules, run, rnd)
+    return ahead or done, {**answer, **ahead_answer}
+
+
+def setup_ahead(config: Mapping[str, Any], node_id: int, rules: HospitalRules, run: str, rnd: int) -> tuple[
+        HospitalRound | None, dict[str, Any]]:
+    """The setup of a later round of the same run that an unmask request carries (``secagg.ahead.*``), answered with
+    the unmask shares so that round opens with the share-keys stage: its state and answer (prefixed), or (None, {})
+    when there is none, it is for another run or an earlier round, or it is refused (then the server sets the round
+    up as usual and hears why). Nothing is claimed: a round is claimed at its share-keys stage."""
+    ahead = {key[len(AHEAD_PREFIX):]: value for key, value in config.items() if key.startswith(AHEAD_PREFIX)}
+    try:
+        if not ahead or str(ahead.get("run-name")) != run or int(ahead.get("server-round", 0)) <= rnd:
+            return None, {}
+        state, answer = hospital_stage(HospitalRound.new(), SETUP, ahead, node_id, rules)
+    except (ValueError, KeyError, TypeError):  # SecureAggregationRefusal is a ValueError
+        return None, {}
+    return state, {AHEAD_PREFIX + key: value for key, value in answer.items()}
 
 
 def check_turn(state: HospitalRound, stage: str, config: Mapping[str, Any]) -> tuple[str, int, str]:
@@ -504,7 +534,8 @@ def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_i
     problem = plan_problem(own, rules)
     if problem:
         raise SecureAggregationRefusal(problem)
-    rules.memory.claim_round(run, rnd, session)
+    if rules.memory.took_part(run, rnd):  # said at once; the round is claimed where secrets first leave (share keys)
+        raise SecureAggregationRefusal(rules.memory.took_part(run, rnd))
     (own.sk1, own.pk1), (own.sk2, own.pk2) = new_key_pair(), new_key_pair()  # masks; encrypting key shares
     signature = rules.sign(keys_statement(run, rnd, session, node_id, rules.name, own.pk1, own.pk2))
     return state, {**ours({Key.PUBLIC_KEY_1: own.pk1, Key.PUBLIC_KEY_2: own.pk2}), NAME_KEY: rules.name,
@@ -596,6 +627,7 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
             if problem:
                 raise SecureAggregationRefusal(f"the public keys of neighbour {names[nid]!r} (node {nid}) are not "
                                                f"signed by its registered key: {problem}")
+    rules.memory.claim_round(state.run, state.rnd, state.session)  # before any share of a secret leaves
     own.current_stage = SHARE_KEYS
     answer, holders, digests = split_secrets(own, keys)
     state.names = names

@@ -35,6 +35,9 @@ PUBLIC_KEYS_KEY = PREFIX + "public-keys"  #: share-keys stage: each neighbour's 
 NAMES_KEY = PREFIX + "names"
 #: share-keys stage: each neighbour's signature of its keys; unmask stage: each survivor's of the survivor set
 SIGNATURES_KEY = PREFIX + "signatures"
+#: unmask stage: the setup of the hospitals' next round (its keys prefixed so), answered with the unmask shares so
+#: that the next round opens with the share-keys stage
+AHEAD_PREFIX = PREFIX + "ahead."
 MASKED_GROUP = "secagg.masked"  #: the reply's array group holding the packed masked vector
 MASKED_ARRAY = "vector"
 
