@@ -366,11 +366,18 @@ def test_a_round_set_up_ahead_is_claimed_once_and_only_for_a_later_round_of_the_
     protocol.ask(1, SHARE_KEYS, {**share_keys_config(fresh, 1), "server-round": 1})
     with pytest.raises(SecureAggregationRefusal, match="already took part in secure aggregation for run '' round 1"):
         protocol.ask(1, SETUP, {**setup_config(upcoming), "server-round": 1})
-    # an ahead setup for a round it took part in, an earlier round, or another run: nothing set up
-    protocol.states[1] = protocol.states[1].__class__.new()
-    for rnd, run in ((1, ""), (0, ""), (5, "another")):
+    # an ahead setup for an earlier round or another run: nothing set up
+    for rnd, run in ((0, ""), (5, "another")):
         _, asked = ahead(rnd, run)
         assert setup_ahead(asked, 1, protocol.rules[1], "", 0) == (None, {})
+    # one for a round it took part in is answered (nothing secret in it), and refused where the round is claimed
+    again, asked = ahead(1)
+    answered = {}
+    for node in nodes:
+        protocol.states[node], answered[node] = setup_ahead(asked, node, protocol.rules[node], "", 0)
+    receive_public_keys(again, {n: {k[len(AHEAD_PREFIX):]: v for k, v in a.items()} for n, a in answered.items()})
+    with pytest.raises(SecureAggregationRefusal, match="already took part in secure aggregation for run '' round 1"):
+        protocol.ask(1, SHARE_KEYS, {**share_keys_config(again, 1), "server-round": 1})
 
 
 def test_with_signatures_a_split_view_is_refused_at_the_unmask_stage(tmp_path):

@@ -485,7 +485,8 @@ def setup_ahead(config: Mapping[str, Any], node_id: int, rules: HospitalRules, r
     try:
         if not ahead or str(ahead.get("run-name")) != run or int(ahead.get("server-round", 0)) <= rnd:
             return None, {}
-        state, answer = hospital_stage(HospitalRound.new(), SETUP, ahead, node_id, rules)
+        next_run, next_rnd, session = check_turn(HospitalRound.new(), SETUP, ahead)
+        state, answer = setup(rules, next_run, next_rnd, session, flower_config(SETUP, ahead), node_id, ahead=True)
     except (ValueError, KeyError, TypeError):  # SecureAggregationRefusal is a ValueError
         return None, {}
     return state, {AHEAD_PREFIX + key: value for key, value in answer.items()}
@@ -515,9 +516,12 @@ def finished() -> HospitalRound:
     return done
 
 
-def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_id: int) -> tuple[HospitalRound, dict]:
+def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_id: int,
+          ahead: bool = False) -> tuple[HospitalRound, dict]:
     """Flower's ``_setup`` with X25519 key pairs (:mod:`.keys`): the round's parameters checked against the
-    hospital's rules, the (run, round) claimed in its replay memory, and its two public keys signed."""
+    hospital's rules, a (run, round) it took part in refused at once (``ahead``: a setup answered with the last
+    round's unmask stage leaves that to the share-keys stage, where the round is claimed), and its two public keys
+    signed."""
     from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
     from flwr.common.secure_aggregation.secaggplus_constants import Key
 
@@ -534,8 +538,9 @@ def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_i
     problem = plan_problem(own, rules)
     if problem:
         raise SecureAggregationRefusal(problem)
-    if rules.memory.took_part(run, rnd):  # said at once; the round is claimed where secrets first leave (share keys)
-        raise SecureAggregationRefusal(rules.memory.took_part(run, rnd))
+    refusal = "" if ahead else rules.memory.took_part(run, rnd)  # claimed where secrets first leave: share keys
+    if refusal:
+        raise SecureAggregationRefusal(refusal)
     (own.sk1, own.pk1), (own.sk2, own.pk2) = new_key_pair(), new_key_pair()  # masks; encrypting key shares
     signature = rules.sign(keys_statement(run, rnd, session, node_id, rules.name, own.pk1, own.pk2))
     return state, {**ours({Key.PUBLIC_KEY_1: own.pk1, Key.PUBLIC_KEY_2: own.pk2}), NAME_KEY: rules.name,
