@@ -1,6 +1,6 @@
 """What secure aggregation costs: plain and secure FedAvg rounds side by side in one run, for 5 and 20 hospitals.
 
-    flock /tmp/fedmed-cpu.lock python -m benchmarks.secure_aggregation.run          # ~3 min on 2 cores
+    flock /tmp/fedmed-cpu.lock python -m benchmarks.secure_aggregation.run          # ~1 min on 2 cores
     python -m benchmarks.secure_aggregation.run --hospitals 5 --rounds 2           # a quick look
 
 Hospitals answer in the server's process with fedmed's own ClientApp (FakeGrid, ``tests/fake_grid.py``), so their
@@ -254,9 +254,11 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
     lines += ["", "The CPU s per round of each run, plain then secure (the table's figure is their median):", ""]
     for secure in secure_rows:
         plain = plain_of[secure["hospitals"], secure.get("signed", False)]
+        pairs = list(zip(plain["cpu-seconds-per-round-runs"], secure["cpu-seconds-per-round-runs"]))
         lines.append(f"- {secure['hospitals']} hospitals, {secure['shares']} shares, keys {keys_label(secure)}: "
-                     f"plain {', '.join(f'{v:.3f}' for v in plain['cpu-seconds-per-round-runs'])}; secure "
-                     f"{', '.join(f'{v:.3f}' for v in secure['cpu-seconds-per-round-runs'])}")
+                     f"plain {', '.join(f'{p:.3f}' for p, _ in pairs)}; secure "
+                     f"{', '.join(f'{s:.3f}' for _, s in pairs)}; x each run (secure over the plain run before it) "
+                     f"{', '.join(f'{s / p:.2f}' for p, s in pairs)}")
     lines += ["", "Each party's own CPU per round (what it pays in a deployment, where every hospital computes on its "
               "own machine at the same time): the server's (the process less the time inside the hospitals' "
               "handlers) and one hospital's.", "",
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hospitals", type=int, nargs="+", default=[5, 20])
     parser.add_argument("--sparse-shares", type=int, default=7,
                         help="also run the largest round as SecAgg+ with this many shares a hospital (0: not)")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each configuration, taken in turn; the table gives their medians")
     parser.add_argument("--no-signed", action="store_true",
