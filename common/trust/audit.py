@@ -120,7 +120,7 @@ class AuditLog:
                 records.append(record)
                 chunks.append(canonical(record) + "\n")
             data = "".join(chunks).encode()
-            start = os.fstat(fd).st_size
+            status = os.fstat(fd)
             try:
                 written = os.write(fd, data)
                 if written != len(data):
@@ -131,8 +131,12 @@ class AuditLog:
                 _LAST.clear()
                 raise AuditError(f"audit log {self.path}: lines {records[0]['seq']}-{seq} not written ({error})") \
                     from None
-            _remember_last(fd, chunks[-1].encode(), records[-1])
-            _note_own(fd, start, start + len(data), records, chunks[-1].encode())
+            key, start, last = (status.st_dev, status.st_ino), status.st_size, chunks[-1].encode()
+            _LAST[key] = (start + len(data), last, dict(records[-1]))
+            own = _OWN.setdefault(key, {})
+            own[start] = (start + len(data), [dict(r) for r in records], last)
+            while len(own) > _OWN_KEPT:
+                del own[next(iter(own))]
         return records
 
     def head(self) -> str:
@@ -156,23 +160,10 @@ def _lock(fd: int) -> None:
 _LAST: dict[tuple[int, int], tuple[int, bytes, dict[str, Any]]] = {}
 
 
-def _remember_last(fd: int, text: bytes, record: dict[str, Any]) -> None:
-    status = os.fstat(fd)
-    _LAST[status.st_dev, status.st_ino] = (status.st_size, text, dict(record))
-
-
 #: (device, inode) of a log -> start offset -> (end offset, the lines, the last line's text) of this process's own
 #: recent appends: a FollowedLog reads lines this process wrote without checking them again
 _OWN: dict[tuple[int, int], dict[int, tuple[int, list[dict[str, Any]], bytes]]] = {}
 _OWN_KEPT = 256  #: appends remembered per log
-
-
-def _note_own(fd: int, start: int, end: int, records: list[dict[str, Any]], last: bytes) -> None:
-    status = os.fstat(fd)
-    own = _OWN.setdefault((status.st_dev, status.st_ino), {})
-    own[start] = (end, [dict(r) for r in records], last)
-    while len(own) > _OWN_KEPT:
-        del own[next(iter(own))]
 
 
 def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
@@ -203,7 +194,7 @@ def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
         raise AuditError(f"audit log {path}: its last line {problem}. Check it with `fedmed audit verify`; move it "
                          "aside to start a new chain (keep it for the audit)")
     record = json.loads(text)
-    _remember_last(fd, text + b"\n", record)
+    _LAST[status.st_dev, status.st_ino] = (size, text + b"\n", dict(record))
     return dict(record)
 
 
