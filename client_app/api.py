@@ -75,7 +75,8 @@ class Hospital:
         message, are written to the hospital's audit log."""
         kind = message.metadata.message_type.split(".")[0]
         handlers = {MessageType.QUERY: self.query, MessageType.EVALUATE: self.evaluate,
-                    MessageType.TRAIN: lambda m: secure_train(m, self.context, self.train)}  # SecAgg+ stages
+                    MessageType.TRAIN: lambda m: secure_train(m, self.context, self.train,  # SecAgg+ stages
+                                                              train_payload=self.train_payload)}
         audit, about = None, {}
         try:
             audit, about = self.audit_log(), message_about(message, kind)
@@ -118,14 +119,20 @@ class Hospital:
         return Message(RecordDict({"hospital": ConfigRecord(identity.config)}), reply_to=message)
 
     def train(self, message: Message) -> Message:
-        started = seconds_before_handler()
         payload = from_recorddict(message.content)
-        reply = self.payload_answer("train", payload)
-        if started is not None and "hospital-seconds" in reply.metrics:  # the round's overhead (benchmarks/overhead),
-            reply.metrics["clientapp-start-seconds"] = round(started, 3)  # when the policy lets timing leave
+        reply = self.train_payload(payload)
         layout = payload.config.get("message-arrays")  # the layout and record names the server chose, both ways
         return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor",
                                      RecordKeys.of(message.content)), reply_to=message)
+
+    def train_payload(self, payload: Payload) -> Payload:
+        """The method's hospital half trains from ``payload``: its reply, before it becomes a message (a secure round
+        masks it first)."""
+        started = seconds_before_handler()
+        reply = self.payload_answer("train", payload)
+        if started is not None and "hospital-seconds" in reply.metrics:  # the round's overhead (benchmarks/overhead),
+            reply.metrics["clientapp-start-seconds"] = round(started, 3)  # when the policy lets timing leave
+        return reply
 
     def evaluate(self, message: Message) -> Message:
         """Flower's evaluate phase: metrics of the received model on this hospital's validation data."""

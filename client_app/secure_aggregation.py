@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType
 
 from common.engine.wire import RecordKeys, from_recorddict, to_recorddict
@@ -114,10 +115,13 @@ def save_state(context: Context, state: HospitalRound) -> None:
     context.state[STATE_RECORD] = ConfigRecord({STATE_KEY: state.to_bytes()})
 
 
-def secure_train(message: Message, context: Context, train: TrainHandler, required: bool = False) -> Message:
+def secure_train(message: Message, context: Context, train: TrainHandler, required: bool = False,
+                 train_payload: Callable[[Payload], Payload] | None = None) -> Message:
     """The reply to a TRAIN message: ``train(message)`` for an ordinary one (refused when ``required`` or when the
     hospital's policy requires secure aggregation), the stage's answer for a secure-aggregation one. A refused or
-    failed stage past setup ends this hospital's part in the protocol run: no secret of it is kept."""
+    failed stage past setup ends this hospital's part in the protocol run: no secret of it is kept.
+    ``train_payload``: the same training on a parsed payload (fedmed's ClientApp), which spares the collect stage
+    a reply built as a message only to be read back and masked."""
     stage = stage_of(message)
     if stage is None:
         if message.metadata.message_type.split(".")[0] == MessageType.TRAIN:
@@ -137,7 +141,7 @@ def secure_train(message: Message, context: Context, train: TrainHandler, requir
     state = load_state(context)
     try:
         if stage == COLLECT:
-            return masked_reply(message, train, context, state, rules, policy, config, keys)
+            return masked_reply(message, train, context, state, rules, policy, config, keys, train_payload)
         state, answer = hospital_stage(state, stage, config, message.metadata.dst_node_id, rules)
     except Exception:
         if stage != SETUP:
@@ -148,7 +152,8 @@ def secure_train(message: Message, context: Context, train: TrainHandler, requir
 
 
 def masked_reply(message: Message, train: TrainHandler, context: Context, state: HospitalRound, rules: HospitalRules,
-                 policy, config: dict[str, Any], keys: RecordKeys) -> Message:
+                 policy, config: dict[str, Any], keys: RecordKeys,
+                 train_payload: Callable[[Payload], Payload] | None = None) -> Message:
     """Train (unless it revealed shares for a sum trained from this model before), then the training reply with its
     arrays replaced by the hospital's masked contribution (what its method sums, its update bounded to the round's
     norm bound); what the method keeps at the hospital, and what its policy withholds, are left out."""
@@ -157,12 +162,18 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     received = from_recorddict(message.content)
     digest = model_digest(received.arrays)
     rules.memory.check_model(digest)
-    reply = train(message)
-    if reply.has_error():
-        save_state(context, finished())
-        return reply
-    started = time.perf_counter()
-    trained = from_recorddict(reply.content)
+    if train_payload is not None:  # on its own copy: what it received stays as received, to take the update from
+        trained = train_payload(Payload({group: {name: np.array(value, copy=True) for name, value in arrays.items()}
+                                         for group, arrays in received.arrays.items()},
+                                        dict(received.config), dict(received.metrics)))
+        started = time.perf_counter()
+    else:
+        reply = train(message)
+        if reply.has_error():
+            save_state(context, finished())
+            return reply
+        started = time.perf_counter()
+        trained = from_recorddict(reply.content)
     method = secure_method(str(received.config.get("strategy", "")))
     layout = Layout.from_json(plan.get(LAYOUT_KEY))
     own = {OWN_NAME_KEY: rules.name, OWN_WEIGHT_CAP_KEY: policy.max_sample_weight if policy is not None else 0}
