@@ -5,8 +5,11 @@
 
 Hospitals answer in the server's process with fedmed's own ClientApp (FakeGrid, ``tests/fake_grid.py``), so their
 work is serial and no network is timed: what the table shows is the protocol's compute and bytes, not SuperLink
-latency (each secure round adds four key-stage round trips to it). A small CNN on generated images (16 x 16, 24
-training images a hospital); seconds per round are the mean of rounds 2..N (round 1 builds the data and the model).
+latency (each secure round adds two key-stage round trips to it, three with signatures). A small CNN on generated
+images (16 x 16, 24 training images a hospital); seconds per round are the mean of rounds 2..N (round 1 builds the
+data and the model, and sets up secure aggregation in a stage of its own). Every configuration runs three times, in
+turn, and the table gives medians: the CPU time of a run moves by a tenth from one run to the next on a shared
+machine. The documented deployment's keys (identity and peer keys) get rows of their own.
 The protocol alone at a ResNet-18's size (11.2 M values, 5 hospitals, no training) is timed too, and what fresh
 training noise would leave of the replay hospitals refuse (:func:`measure_differencing`). Written to
 ``benchmarks/results/secure_aggregation.md`` and ``.json``, with the CPU.
@@ -222,7 +225,9 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
              f"16 x 16 each, means of rounds 2-{rounds}; every configuration run {repeats} times, in turn, and each "
              "figure the median of its runs. Secure: every hospital sharing with every other (SecAgg, num-shares "
              "1.0) or with its ring neighbours (SecAgg+), the default threshold (more than half the shares), masks "
-             "from ChaCha20, the consistency stage. Keys: none (simulation), or peer keys as the documented "
+             "from ChaCha20, the consistency stage where signatures are compared (the peer-keys rows), each round "
+             "after the first set up with the last one's unmask stage. Keys: none (simulation), or peer keys as the "
+             "documented "
              "deployment sets them (each hospital signs with its identity key and checks every neighbour's and "
              "survivor's signature against the consortium's registered keys; the server checks them with "
              "hospital-keys; the plain run beside it proves each hospital's name the same way). Load average "
