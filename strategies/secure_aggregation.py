@@ -11,10 +11,13 @@ A secure round is five exchanges of TRAIN messages whose ConfigRecord carries th
    round's sum layout; it trains with the method's hospital half, bounds its update, and answers with its
    contribution masked (``strategies/<method>/secure.py``: what each method sums) and its metrics in the clear as
    its policy allows;
-4. consistency check: each hospital whose vector is in the sum is told the survivor set and signs it;
+4. consistency check (with ``hospital-keys``: where signatures are compared): each hospital whose vector is in the
+   sum is told the survivor set and signs it;
 5. unmask: each is asked, with the others' signatures, for the shares that remove the masks; the server adds the
    masked vectors, removes the masks (also those of hospitals that dropped out after sharing keys), naming any
-   hospital whose share does not fit, and turns the sums into the method's next state.
+   hospital whose share does not fit, and turns the sums into the method's next state. The request also carries
+   the next round's setup, which each hospital answers with its shares: a next round of the same hospitals and
+   parameters opens with stage 2.
 
 Stages 1-2 run inside ``configure_train`` (which has the grid) and return the stage-3 messages, stages 4-5 inside
 ``aggregate_train`` (through :class:`SecureRoundEngine`), so a round runs the same under our ``start()`` and under
