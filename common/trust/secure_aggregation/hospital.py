@@ -205,23 +205,27 @@ class ReplayMemory:
         """SecureAggregationRefusal if it revealed unmask shares for a sum trained from this model (asked at collect
         and again at unmask: another run may have been unmasked in between)."""
         with self._locked() as memory:
-            for entry in memory["revealed"]:
-                if entry.get("model") == digest:
-                    raise SecureAggregationRefusal(
-                        f"it already helped unmask a sum trained from this model (run {entry.get('run')!r} round "
-                        f"{entry.get('round')}, model SHA-256 {digest[:16]}...); training from it again would let "
-                        "the server subtract two sums")
+            refusal = _revealed_before(memory, digest, "training from it again would let the server subtract two sums")
+            if refusal:
+                raise SecureAggregationRefusal(refusal)
 
     def revealed(self, digest: str, run: str, rnd: int) -> None:
         """Remember the model whose sum it is about to help unmask, unless it did so already (then refused)."""
         with self._locked() as memory:
-            for entry in memory["revealed"]:
-                if entry.get("model") == digest:
-                    raise SecureAggregationRefusal(
-                        f"it already helped unmask a sum trained from this model (run {entry.get('run')!r} round "
-                        f"{entry.get('round')}, model SHA-256 {digest[:16]}...); revealing shares for a second "
-                        "sum from it would let the server subtract the two")
+            refusal = _revealed_before(memory, digest, "revealing shares for a second sum from it would let the "
+                                                       "server subtract the two")
+            if refusal:
+                raise SecureAggregationRefusal(refusal)
             self._remember(memory, "revealed", {"model": digest, "run": run, "round": rnd, "time": _now()})
+
+
+def _revealed_before(memory: Mapping[str, list[dict[str, Any]]], digest: str, why: str) -> str:
+    """Why a hospital that helped unmask a sum trained from model ``digest`` goes no further (``why``), or ""."""
+    for entry in memory["revealed"]:
+        if entry.get("model") == digest:
+            return (f"it already helped unmask a sum trained from this model (run {entry.get('run')!r} round "
+                    f"{entry.get('round')}, model SHA-256 {digest[:16]}...); {why}")
+    return ""
 
 
 def _took_part(memory: Mapping[str, list[dict[str, Any]]], run: str, rnd: int) -> str:
