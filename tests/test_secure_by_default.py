@@ -162,7 +162,7 @@ def answer(node_config: dict, config: dict, kind: str = MessageType.QUERY, run_c
 @pytest.fixture
 def site_code(tmp_path, monkeypatch):
     """A consortium's package beside the hospital: a network module that imported os.system, a loader that leaves
-    a mark when it runs and one that dials out."""
+    a mark in its data folder when it runs and one that dials out."""
     package = tmp_path / "modules" / "my_site"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -190,7 +190,7 @@ def site_code(tmp_path, monkeypatch):
             return load(request)
 
         def load(request):
-            open({str(tmp_path / "loader-ran")!r}, "a").write(request.args.get("labels", "") + "\\n")
+            open({str(tmp_path / "data" / "loader-ran")!r}, "a").write(request.args.get("labels", "") + "\\n")
             rng = np.random.default_rng(0)
             part = LabelledImages(rng.random((24, 16, 16, 3)).astype(np.float32), np.arange(24) % 2, ["a", "b"])
             return part, part
@@ -371,12 +371,12 @@ def test_paths_outside_the_hospitals_folders_are_refused_alike_whether_or_not_th
     strip = lambda reason: reason.rsplit("[audit-head", 1)[0].replace("secret.csv", "none.csv")  # noqa: E731
     assert strip(existing.error.reason) == strip(absent.error.reason)  # the same words: nothing learnt of the disk
     assert "outside this hospital's own folders" in existing.error.reason
-    assert not (tmp_path / "loader-ran").exists()
+    assert not (tmp_path / "data" / "loader-ran").exists()
     inside = Path(node["data-dir"]) / "labels.csv"
     inside.write_text("patient,label\n")
     if key == "dataset-args":  # a path in the hospital's own data folder is read
         ok = answer(node, naming(inside))
-        assert not ok.has_error() and str(inside) in (tmp_path / "loader-ran").read_text()
+        assert not ok.has_error() and str(inside) in (tmp_path / "data" / "loader-ran").read_text()
 
 
 @pytest.mark.parametrize("shipped", CONFIGURATIONS)

@@ -5,7 +5,8 @@ The code gate (``common/trust/code_gate.py``) decides which code a hospital runs
 
 - **download** anything: a pretrained flag (``"pretrained": true``, ``"weights": "DEFAULT"``...) is refused unless the
   hospital's policy says ``allow-pretrained = true`` (weights then come from the hospital's own cache), and while it
-  answers, :func:`offline` refuses every connection and name lookup and puts the model hubs' libraries offline;
+  answers, ``common/trust/sandbox.py`` refuses every connection and name lookup and puts the model hubs' libraries
+  offline;
 - **name a file** outside the hospital's own folders (data-dir, state-dir, the policy's ``argument-folders``): a path
   anywhere else is refused with the same words whether or not it exists, so a refusal tells the server nothing of
   the hospital's disk;
@@ -15,11 +16,8 @@ The code gate (``common/trust/code_gate.py``) decides which code a hospital runs
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -110,49 +108,3 @@ def argument_problems(cfg: Any, folders: tuple[str | Path, ...], allow_pretraine
             problems.append(f"{key}={value:g} is more than this hospital allows ({most}; its policy's [job-limits] "
                             "sets it)")
     return problems
-
-
-# --- no connection while a hospital answers ---------------------------------------------------------------------------
-_OFFLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("fedmed_offline", default=False)
-_HOOKED = False
-#: Python's audit events that open a connection, look up a name or fetch a URL.
-_NETWORK_EVENTS = frozenset({"socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-                             "socket.sendto", "urllib.Request", "http.client.connect", "ftplib.connect",
-                             "smtplib.connect"})
-#: Libraries that fetch models and data sets: told to use their local caches only.
-HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-class DownloadRefused(PermissionError):
-    """A hospital's code tried to reach the network while the hospital answered a message."""
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event not in _NETWORK_EVENTS or not _OFFLINE.get():
-        return
-    if event == "socket.connect":
-        import socket
-
-        family = getattr(args[0], "family", None)
-        if family == getattr(socket, "AF_UNIX", None):  # a local socket (a worker's, a data loader's queue)
-            return
-    raise DownloadRefused(f"{event}: a hospital reaches no network while it answers the server (nothing is "
-                          "downloaded: weights and data come from its own folders)")
-
-
-@contextlib.contextmanager
-def offline() -> Iterator[None]:
-    """While inside (this thread and what it calls), no connection, name lookup or URL fetch succeeds, and the
-    model hubs' libraries are told to stay offline. Python's audit hooks cannot be removed, so the hook is added
-    once and checks a context variable."""
-    global _HOOKED
-    if not _HOOKED:
-        sys.addaudithook(_audit)
-        _HOOKED = True
-    for name, value in HUB_OFFLINE.items():
-        os.environ.setdefault(name, value)
-    token = _OFFLINE.set(True)
-    try:
-        yield
-    finally:
-        _OFFLINE.reset(token)
