@@ -502,6 +502,8 @@ def run_executor(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    # the one address a closed hospital process still reaches (common/trust/sandbox.py: RUNTIME_API_ENV)
+    os.environ["FEDMED_RUNTIME_API_ADDRESS"] = args.runtime_api_address
     secret = args.superexec_auth_secret_file.read_bytes() if args.superexec_auth_secret_file else None
     import json
 

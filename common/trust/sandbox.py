@@ -7,7 +7,8 @@ hospital starts answering, before it imports anything a message names, and in ev
 - opens no connection and looks up no name, except Unix sockets and the SuperNode's own API address (its
   ``--runtime-api-address``, or :data:`RUNTIME_API_ENV` as ``fedmed-supernode`` sets it), and binds no port;
 - starts no other program (``subprocess``, ``os.system``, ``os.exec*``, ``posix_spawn``): a child would not carry
-  this hook; ``os.fork`` does, so data-loader workers still run;
+  this hook; ``os.fork`` does, so data-loader workers still run; the one ``exec`` left is the process's own
+  restart, its own command line again (fedmed-supernode's executor restarts so for another app bundle);
 - loads no native library through ``ctypes`` (``dlopen``, ``dlsym``);
 - writes, creates, moves or removes nothing outside the hospital's own folders (state, data, its policy's
   argument folders, its decoded-image cache); its temporary files go to a folder in its state folder;
@@ -124,6 +125,15 @@ def _network_allowed(event: str, args: tuple) -> bool:
     return False
 
 
+def _restarts_itself(args: tuple) -> bool:
+    """``os.execv(sys.executable, [sys.executable, *sys.argv, "--token", ...])``: this very program again, with at
+    most a task token added (what fedmed-supernode's executor does to load another app bundle)."""
+    path, argv = args[0], [os.fsdecode(arg) for arg in args[1]]
+    own = [arg for i, arg in enumerate(sys.argv) if arg != "--token" and (i == 0 or sys.argv[i - 1] != "--token")]
+    return os.fsdecode(path) == sys.executable and argv[:len(own) + 1] == [sys.executable, *own] and \
+        (len(argv) == len(own) + 1 or (len(argv) == len(own) + 3 and argv[-2] == "--token"))
+
+
 def _audit(event: str, args: tuple) -> None:
     if not _STATE.closed:
         return
@@ -131,7 +141,8 @@ def _audit(event: str, args: tuple) -> None:
         if not _network_allowed(event, args):
             _refuse(f"{event} {args[1:2]!r}")
     elif event in _PROGRAMS:
-        _refuse(f"{event} {args[0]!r}")
+        if not (event == "os.exec" and _restarts_itself(args)):
+            _refuse(f"{event} {args[0]!r}")
     elif event in _NATIVE:
         _refuse(f"{event} {args[0]!r}")
     elif event == "open":
