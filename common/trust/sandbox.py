@@ -65,6 +65,7 @@ class Refused(PermissionError):
 class _Closure:
     writable: tuple[Path, ...] = ()
     endpoints: frozenset[tuple[str, int]] = frozenset()
+    files: set[Path] = field(default_factory=set)  #: single files of the process's own (:func:`keep_writable`)
     open_for: int = 0  #: answers in progress (LIFETIME "answer")
     for_life: bool = False
     saved: dict[str, Any] = field(default_factory=dict)
@@ -109,7 +110,13 @@ def _inside(path: Any) -> bool:
         resolved = Path(os.path.realpath(os.fsdecode(path)))
     except (TypeError, ValueError):
         return False
-    return any(resolved == root or root in resolved.parents for root in _STATE.writable)
+    return resolved in _STATE.files or any(resolved == root or root in resolved.parents for root in _STATE.writable)
+
+
+def keep_writable(path: str | Path) -> None:
+    """``path``, one file the process itself made before it was closed (the warm worker's socket), it may still
+    remove once closed."""
+    _STATE.files.add(Path(os.path.realpath(path)))
 
 
 def _network_allowed(event: str, args: tuple) -> bool:
