@@ -67,12 +67,15 @@ def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
 
 
 def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:
-    """The code this hospital runs by name: built in, and what its node config and policy list."""
+    """The code this hospital runs by name: built in, and what its node config and policy list; the size of the
+    networks it builds (its limits' model-parameters)."""
     policy = enforcer.policy if enforcer is not None else None
     models = split_list(node.models) + tuple(policy.models if policy else ())
     datasets = split_list(node.datasets) + tuple(policy.datasets if policy else ())
+    limits = policy.limits if policy else DEFAULT_JOB_LIMITS
     return CodeGate(models, datasets, trust_run_config=node.virtual,
-                    source="node config and policy" if policy else "node config")
+                    source="node config and policy" if policy else "node config",
+                    max_parameters=0 if node.virtual else limits["model-parameters"])
 
 
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:

@@ -27,6 +27,7 @@ from .test_secure_by_default import (  # noqa: F401 (fixtures, used as arguments
     deployed,
     listener,
     shipped_configs,
+    site_code,
 )
 
 # --- 1. allow-lists by kind ------------------------------------------------------------------------------------------
@@ -237,3 +238,97 @@ def test_the_process_stays_closed_after_the_answer_but_for_its_supernode(tmp_pat
     assert result["error"] is None
     assert result["after"] == ["refused (Refused)"] and result["own"] == "refused (Refused)"
     assert result["api"] == "went through" and accepted == []
+
+
+# --- 4. arguments resolved, not pattern-matched -----------------------------------------------------------------------
+#: strings that are not paths by their look but name files as a loader opens them (from a working folder that holds
+#: secret.key, with $HOME set), and one that is
+NAMING_FILES = (".", "..", "secret.key", "$HOME", "${PWD}", "~", "$PWD/secret.key", "/etc/hostname")
+
+
+@pytest.mark.parametrize("shipped", CONFIGURATIONS)
+@pytest.mark.parametrize("place", ["value", "key", "nested key"])
+@pytest.mark.parametrize("text", NAMING_FILES)
+def test_a_string_that_names_a_file_outside_is_refused_wherever_it_stands(tmp_path, site_code, deployed,  # noqa: F811
+                                                                          shipped, place, text, monkeypatch):
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (work / "secret.key").write_text("key")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    node = deployed(shipped)
+    arguments = {"value": {"labels": text}, "key": {text: 1}, "nested key": {"options": [{text: True}]}}[place]
+    reply = answer(node, {"dataset": "my_site.data:load", "dataset-args": json.dumps(arguments)})
+    assert reply.has_error() and "outside this hospital's own folders" in reply.error.reason, \
+        reply.error.reason if reply.has_error() else "accepted"
+    assert not (tmp_path / "data" / "loader-ran").exists()
+
+
+@pytest.mark.parametrize("shipped", CONFIGURATIONS)
+def test_plain_words_and_the_hospitals_own_files_still_pass(tmp_path, site_code, deployed, shipped,  # noqa: F811
+                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    node = deployed(shipped)
+    own = Path(node["data-dir"]) / "labels.csv"
+    own.write_text("patient,label\n")
+    reply = answer(node, {"dataset": "my_site.data:load", "dataset-args": json.dumps(
+        {"labels": str(own), "mode": "bilinear", "act": "relu", str(own): 1})})
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+
+
+@pytest.mark.parametrize("shipped", CONFIGURATIONS)
+@pytest.mark.parametrize("flag", ["false", "no", "0", "off"])
+def test_a_string_where_a_download_flag_is_expected_is_refused(site_code, deployed, shipped, flag):  # noqa: F811
+    lists = ({"policy": 'models = ["monai.networks.nets:DenseNet121"]\n'} if shipped == "policy"
+             else {"models": "monai.networks.nets:DenseNet121"})
+    node = deployed(shipped, **lists)
+    reply = answer(node, {"model": "monai.networks.nets:DenseNet121",
+                          "model-args": json.dumps({"spatial_dims": 2, "pretrained": flag})})
+    assert reply.has_error() and "would fetch weights" in reply.error.reason
+    off = answer(node, {"model": "monai.networks.nets:DenseNet121",
+                        "model-args": json.dumps({"spatial_dims": 2, "pretrained": False})})
+    assert not off.has_error(), off.error.reason if off.has_error() else ""
+
+
+def test_a_string_where_any_flag_is_expected_is_refused_when_the_network_is_built():
+    """With pretrained weights allowed, "false" still does not reach DenseNet, which would read it as true."""
+    from common.models.networks import build_network
+
+    with CodeGate(models=("monai.networks.nets:DenseNet121",)).enforced():
+        for flag in ("false", "0", 0, None):
+            with pytest.raises(ConfigError, match="takes true or false there"):
+                build_network("monai.networks.nets:DenseNet121", {}, {"spatial_dims": 2, "in_channels": 3,
+                                                                      "out_channels": 2, "pretrained": flag})
+        assert build_network("monai.networks.nets:DenseNet121", {}, {"spatial_dims": 2, "in_channels": 3,
+                                                                     "out_channels": 2, "pretrained": False})
+
+
+@pytest.mark.parametrize("approval", ["monai.networks.nets:DenseNet121", "monai.*"])
+def test_a_network_beyond_the_hospitals_size_is_refused_before_it_is_built(approval):
+    from common.models.networks import build_network
+    from common.trust.argument_gate import DEFAULT_JOB_LIMITS
+    from common.trust.code_gate import CodeRefused
+
+    limit = DEFAULT_JOB_LIMITS["model-parameters"]
+    with CodeGate(models=(approval,), max_parameters=limit).enforced():
+        with pytest.raises(CodeRefused, match="parameters, more than this hospital allows"):
+            build_network("monai.networks.nets:DenseNet121", {}, {"spatial_dims": 2, "in_channels": 3,
+                                                                  "out_channels": 10**12})
+        built = build_network("monai.networks.nets:DenseNet121", {}, {"spatial_dims": 2, "in_channels": 3,
+                                                                      "out_channels": 2})
+    assert not any(parameter.is_meta for parameter in built.parameters())
+    assert 0 < sum(parameter.numel() for parameter in built.parameters()) <= limit
+
+
+@pytest.mark.parametrize("shipped", CONFIGURATIONS)
+def test_a_job_that_sizes_its_network_past_the_limit_is_refused(site_code, deployed, shipped):  # noqa: F811
+    from flwr.app import MessageType
+
+    lists = ({"policy": 'models = ["monai.*"]\n[job-limits]\nmodel-parameters = 1000000\n'} if shipped == "policy"
+             else {"models": "monai.*"})
+    node = deployed(shipped, **lists)
+    reply = answer(node, {"model": "monai.networks.nets:DenseNet121",
+                          "model-args": json.dumps({"spatial_dims": 2, "out_channels": 10**12}),
+                          "model.num-classes": 2, "model.in-channels": 3}, MessageType.TRAIN)
+    assert reply.has_error() and "parameters, more than this hospital allows" in reply.error.reason

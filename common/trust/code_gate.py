@@ -79,6 +79,7 @@ class CodeGate:
     datasets: tuple[str, ...] = ()
     trust_run_config: bool = False
     source: str = "node config"  #: where the lists come from, for the refusal's reason
+    max_parameters: int = 0  #: the most parameters a network it builds may have (0: no limit)
 
     def approved(self, kind: str) -> tuple[str, ...]:
         return self.models if kind == MODELS else self.datasets
@@ -139,6 +140,11 @@ def refusal(key: str, name: str) -> str | None:
     (the server, benchmarks, in-process runs) or when it is approved."""
     gate = _GATE.get()
     return None if gate is None else gate.refusal(key, name)
+
+
+def gate_in_force() -> CodeGate | None:
+    """The gate of the hospital answering now (None: the server, benchmarks, in-process runs)."""
+    return _GATE.get()
 
 
 def is_network_class(obj: object) -> bool:
