@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("policy", help="what a hospital's policy and node config allow: fedmed policy check --help",
                    add_help=False)
+    sub.add_parser("console", help="a read-only page over a hospital's state and a results folder: fedmed console "
+                   "--help", add_help=False)
     runs = sub.add_parser("runs", help="the runs in a results folder, newest first")
     runs.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results)")
     runs.add_argument("--metric", default="", help="e.g. test.dice, min:test.loss, train.val-accuracy (default: the "

@@ -100,7 +100,7 @@ class Hospital:
             except Exception as error:  # the reply is not sent unlogged
                 reason = f"hospital {self.name}: {type(error).__name__}: {error}"
                 log.error("%s", reason)
-                reply = Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+                reply = Message(Error(code=HOSPITAL_ERROR, reason=without_local_paths(reason)), reply_to=message)
         return reply
 
     def audit_log(self) -> AuditLog | None:

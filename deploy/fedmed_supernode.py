@@ -145,14 +145,26 @@ class AppRefused(RuntimeError):
     """A FAB the hospital did not approve: nothing of it was installed, loaded or run."""
 
 
+class NodeConfigError(ValueError):
+    """The SuperNode's --node-config cannot be read: the hospital does not start."""
+
+
 def node_config_of(supernode_args: list[str]) -> dict[str, Any]:
-    """The SuperNode's ``--node-config``, parsed as Flower parses it."""
+    """The SuperNode's ``--node-config``, parsed as Flower parses it; NodeConfigError saying why it cannot be."""
     from flwr.common.config import parse_config_args
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--node-config")
     text = parser.parse_known_args(supernode_args)[0].node_config
-    return parse_config_args([text]) if text else {}
+    try:
+        parsed = parse_config_args([text]) if text else {}
+    except Exception as error:  # Flower raises click's exception, or TOML's
+        reason = getattr(error, "message", None) or str(error)
+        raise NodeConfigError(f"--node-config {text!r}: {reason.splitlines()[0] if reason else type(error).__name__}"
+                              ) from None
+    if text and text.strip() and not parsed:  # Flower reads 'hospital=' or 'a b' as no key at all
+        raise NodeConfigError(f"--node-config {text!r}: holds no key='value' pair")
+    return parsed
 
 
 def approved_apps(node_config: dict[str, Any]) -> frozenset[str] | None:
@@ -241,7 +253,11 @@ def supervise(supernode_args: list[str]) -> int:
     not start without approved apps (or ``--any-app``)."""
     any_app = ANY_APP_FLAG in supernode_args
     supernode_args = [arg for arg in supernode_args if arg != ANY_APP_FLAG]
-    node_config = node_config_of(supernode_args)
+    try:
+        node_config = node_config_of(supernode_args)
+    except NodeConfigError as error:
+        log.error("%s", error)
+        return 2
     if any_app:
         log.warning(ANY_APP_WARNING)
     elif approved_apps(node_config) is None:

@@ -21,7 +21,7 @@ tls_mode=tls; approve=""; any_app=()
 while [ $# -gt 0 ]; do
   case $1 in
     --insecure) tls_mode=insecure; shift ;;
-    --approve) approve=$2; shift 2 ;;
+    --approve) approve=${2:-}; shift $(( $# > 1 ? 2 : 1 )) ;;
     --any-app) any_app=(--any-app); shift ;;
     *) break ;;
   esac
@@ -36,13 +36,18 @@ port=${SUPERNODE_PORT:-9094}
 python=${FEDMED_PYTHON:-python3}  # the Python that has Flower and the project installed
 root=$(cd "$(dirname "$0")/.." && pwd)
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
-if [ ${#any_app[@]} -eq 0 ]; then
-  if [ -z "$approve" ]; then  # the checkout beside this script: the app the hospital reviewed
-    approve=$("$python" -m cli.main app-hash --hash-only "$root")
+# every argument is checked before anything slow (the app's hash) starts
+for hash in ${approve//,/ }; do
+  if ! [[ $hash =~ ^[0-9a-fA-F]{64}$ ]]; then
+    echo "$0: --approve: '$hash' is not an app hash (64 hexadecimal digits, as \`fedmed app-hash --hash-only APP_DIR\`" \
+         "prints; comma-separated for several)" >&2
+    exit 2
   fi
-  extra="approved-apps='$approve' $extra"
+done
+if [ -n "${approve//[, ]/}" ] || [ ${#any_app[@]} -gt 0 ]; then :; elif [ -n "$approve" ]; then
+  echo "$0: --approve names no app hash" >&2
+  exit 2
 fi
-mkdir -p "$state"
 if [ "$tls_mode" = insecure ]; then
   echo "WARNING: plain-text connection to the SuperLink, no hospital key: a closed test network only" >&2
   security=(--insecure)
@@ -56,5 +61,12 @@ else
   # the key signs the hospital's name (hospital-keys) and its secure-aggregation messages; peer-keys checks the others'
   extra="identity-key='$key' peer-keys='$peers' $extra"
 fi
+if [ ${#any_app[@]} -eq 0 ]; then
+  if [ -z "$approve" ]; then  # the checkout beside this script: the app the hospital reviewed
+    approve=$("$python" -m cli.main app-hash --hash-only "$root")
+  fi
+  extra="approved-apps='$approve' $extra"
+fi
+mkdir -p "$state"
 exec "$python" "$root/deploy/fedmed_supernode.py" "${security[@]}" "${any_app[@]}" --superlink "$superlink" \
   --host 127.0.0.1 --port "$port" --node-config "hospital='$hospital' data-dir='$data' state-dir='$state' $extra"

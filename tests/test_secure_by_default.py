@@ -491,6 +491,13 @@ CLI_CASES = {
     "a node config cut short": (["policy", "check", "--node-config", "hospital='x"], "--node-config"),
     "an app folder in a link loop": (["app-hash", "{tmp}/loop-a"], "symbolic link loop"),
     "an app folder without an app": (["app-hash", "{tmp}"], "holds no pyproject.toml"),
+    "a console policy that is not TOML": (["console", "--state", "{tmp}", "--policy", "{tmp}/policy.toml"],
+                                          "is not valid TOML"),
+    "demo results in a file": (["demo", "--results", "{tmp}/policy.toml"], "not a folder"),
+    "a negative federation value": (["simulate", "--federation-config", "client-resources-num-cpus=-1"],
+                                    "must be a whole number"),
+    "an unknown simulation backend": (["simulate", "--federation-config", "backend='bogus'"], "backend 'ray'"),
+    "a federation flag that is a number": (["simulate", "--federation-config", "verbose=3"], "true or false"),
 }
 
 
@@ -498,8 +505,9 @@ CLI_CASES = {
 def test_every_subcommand_fails_with_one_line_before_anything_starts(tmp_path, case):
     (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
     (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    (tmp_path / "policy.toml").write_text("models = [not toml\n")
     args, words = CLI_CASES[case]
-    home = ["--home", str(tmp_path / "home")] if args[0] == "simulate" else []
+    home = ["--home", str(tmp_path / "home")] if args[0] in ("simulate", "demo") else []
     done = run_fedmed(*[a.replace("{tmp}", str(tmp_path)) for a in args], *home, home=tmp_path / "home")
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -511,5 +519,5 @@ def test_help_lists_every_subcommand():
     done = subprocess.run([sys.executable, "-m", "cli.main", "--help"], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, timeout=60)
     for command in ("demo", "simulate", "partition", "export-int8", "segment", "evaluate", "audit", "app-hash",
-                    "policy", "runs"):
+                    "policy", "console", "runs"):
         assert f"    {command} " in done.stdout, command
