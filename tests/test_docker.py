@@ -8,6 +8,7 @@ stops it itself)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -163,6 +164,20 @@ def test_the_docker_engine_is_stopped_after_the_test_only_when_the_test_started_
     assert (tmp_path / "calls").read_text().split() == calls
 
 
+#: run in hospital-a's ClientApp container: which addresses accept a connection
+REACH = """
+import json, socket
+def reaches(host, port):
+    try:
+        socket.create_connection((host, port), 3).close()
+        return True
+    except OSError:
+        return False
+print(json.dumps({"its supernode": reaches("10.209.1.2", 9094), "the superlink": reaches("superlink", 9200),
+                  "another hospital": reaches("10.209.2.2", 9094), "the internet": reaches("1.1.1.1", 53)}))
+"""
+
+
 @pytest.mark.docker
 @pytest.mark.integration
 @pytest.mark.slow
@@ -180,6 +195,11 @@ def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     results = project / "results" / "compose-first"
     for path in (results / "summary.md", results / "checkpoints" / "round-00002.npz"):
         assert path.is_file() and path.stat().st_uid == os.getuid(), path  # on the host, owned by its user
+    # from inside a hospital's ClientApp container, only its own SuperNode answers
+    inside = sh(*compose, "exec", "-T", "hospital-a-clientapp", "python3", "-c", REACH, cwd=project)
+    reached = json.loads(inside.stdout)
+    assert reached == {"its supernode": True, "the superlink": False, "another hospital": False,
+                       "the internet": False}, reached
 
     # The restarted hospital is listed again only once the SuperLink has given up on its killed node (60 s
     # without a heartbeat) and the new one has joined, while rounds without it take seconds: the run goes on
@@ -187,10 +207,10 @@ def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     second = submit_run(home, "consortium", run_config("compose-second", 300, strategy="fedproin",
                                                        **{"round-timeout": 40.0}))
     wait_for(lambda: len(history_of(project, "compose-second")) >= 1, 300, "round 1 of the second run")
-    sh(*compose, "kill", "hospital-c", cwd=project)
+    sh(*compose, "kill", "hospital-c", "hospital-c-clientapp", cwd=project)
     wait_for(lambda: any("hospital-c" in r["missing"] for r in history_of(project, "compose-second")), 300,
              "a round that names hospital-c as missing")
-    sh(*compose, "start", "hospital-c", cwd=project)
+    sh(*compose, "start", "hospital-c", "hospital-c-clientapp", cwd=project)
 
     def back_in(history):
         missed = [r["round"] for r in history if "hospital-c" in r["missing"]]
