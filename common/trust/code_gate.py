@@ -138,7 +138,7 @@ _GATE: contextvars.ContextVar[CodeGate | None] = contextvars.ContextVar("fedmed_
 def refusal(key: str, name: str) -> str | None:
     """The gate in force (a hospital answering a message) refuses ``name``: why; None outside a hospital's answer
     (the server, benchmarks, in-process runs) or when it is approved."""
-    gate = _GATE.get()
+    gate = gate_in_force()
     return None if gate is None else gate.refusal(key, name)
 
 
@@ -262,7 +262,7 @@ def load_factory(name: str, key: str = "model"):
         raise ConfigError(f"{key}: {name!r}: module {module!r} has no {attribute!r}") from None
     if not callable(factory):
         raise ConfigError(f"{key}: {name!r} is not callable")
-    gate = _GATE.get()
+    gate = gate_in_force()
     problem = kind_problem(kind_of(key), name, factory) if name not in BUILT_IN_NETWORKS else None
     problem = problem or (gate.kind_refusal(key, name, factory) if gate is not None else None)
     if problem:
