@@ -63,15 +63,11 @@ def test_the_app_bundle_holds_the_app_and_nothing_else():
     assert len(files) < 250
 
 
-def test_a_run_flower_ends_from_outside_is_not_left_running(tmp_path):
-    """Flower ends a ServerApp whose SuperLink restarted (its heartbeat is refused) through its exit handlers, then
-    forces the exit: status.json says stopped (interrupted) before that."""
-    from flwr.supercore.exit.exit_handler import trigger_exit_handlers
-
+def open_run(tmp_path: Path):
+    """A run the ServerApp has started (status running) with Flower's exit handler registered: its config and saver."""
     from common.config import load_job_config
     from common.engine.round_engine import RoundEngine
     from server_app.app import RoundSaver, closed_on_exit
-    from server_app.results import read_status
 
     cfg = load_job_config({**SMALL, "results-dir": str(tmp_path / "results"), "state-dir": str(tmp_path / "state"),
                            "num-server-rounds": 3})
@@ -79,6 +75,17 @@ def test_a_run_flower_ends_from_outside_is_not_left_running(tmp_path):
     engine, saver = RoundEngine(cfg), RoundSaver()
     saver.start(engine)
     closed_on_exit(saver, cfg, engine)
+    return cfg, saver
+
+
+def test_a_run_flower_ends_from_outside_is_not_left_running(tmp_path):
+    """Flower ends a ServerApp whose SuperLink restarted (its heartbeat is refused) through its exit handlers, then
+    forces the exit: status.json says stopped (interrupted) before that."""
+    from flwr.supercore.exit.exit_handler import trigger_exit_handlers
+
+    from server_app.results import read_status
+
+    cfg, _ = open_run(tmp_path)
     assert read_status(cfg.run_dir)["status"] == "running"
     trigger_exit_handlers(run_before_force_exit=True)  # what flwr_exit does first
     status = read_status(cfg.run_dir)
@@ -88,16 +95,9 @@ def test_a_run_flower_ends_from_outside_is_not_left_running(tmp_path):
 def test_a_run_that_ended_is_left_as_it_ended(tmp_path):
     from flwr.supercore.exit.exit_handler import trigger_exit_handlers
 
-    from common.config import load_job_config
-    from common.engine.round_engine import RoundEngine
-    from server_app.app import RoundSaver, closed_on_exit
     from server_app.results import read_status
 
-    cfg = load_job_config({**SMALL, "results-dir": str(tmp_path / "results"), "state-dir": str(tmp_path / "state")})
-    cfg.run_dir.mkdir(parents=True)
-    engine, saver = RoundEngine(cfg), RoundSaver()
-    saver.start(engine)
-    closed_on_exit(saver, cfg, engine)
+    cfg, saver = open_run(tmp_path)
     saver.close(cfg, [], "failed", error="no hospital")
     trigger_exit_handlers(run_before_force_exit=True)
     assert read_status(cfg.run_dir)["status"] == "failed"
