@@ -972,7 +972,7 @@ class HospitalStrategy(Strategy):
     def record_nothing_aggregated(self, reason: str) -> None:
         """The run aggregated nobody: why, logged, kept as ``nothing_aggregated`` and written to the audit log."""
         self.nothing_aggregated = reason
-        log.error("%s: %s; the Result holds the model it started from", self.job.run_name, reason)
+        log.error("%s: %s; the Result holds no arrays, as Flower's", self.job.run_name, reason)
         audit = self.audit_log()
         if audit is not None:
             audit.append("run", run=self.job.run_name, method=self.job.strategy, outcome="nothing aggregated",
@@ -999,8 +999,8 @@ class HospitalStrategy(Strategy):
         every train and evaluate message (their keys win over ours, e.g. ``local-epochs``); ``evaluate_fn(round,
         arrays)`` scores the global model before round 1 and after every round. What ours adds: hospitals by
         name, faster polling, messages a few at a time in simulation, and resume. A run in which no round
-        aggregated any hospital returns its Result as Flower's loop does (the initial model in it), the reason
-        logged, in the audit log and in ``nothing_aggregated``.
+        aggregated any hospital returns its Result as Flower's loop does (``Result.arrays`` empty: it holds the last
+        round's aggregate only), the reason logged, in the audit log and in ``nothing_aggregated``.
         """
         self.claim_run_folder()
         try:
@@ -1049,7 +1049,7 @@ class HospitalStrategy(Strategy):
                 if streamed:
                     warn_unsent(messages, timeout, in_flight)
                 if aggregated is not None:
-                    arrays = aggregated
+                    arrays = result.arrays = aggregated  # as in Flower's loop: the last aggregate, else none
                 if metrics is not None:
                     result.train_metrics_clientapp[rnd] = metrics
                 record = self.round_record(rnd)
@@ -1071,7 +1071,6 @@ class HospitalStrategy(Strategy):
                 self.round_ended(record)
         finally:
             self._in_own_loop = False
-        result.arrays = arrays
         ran = [r for r in self.engine.history if r["round"] >= first]
         if ran and not any(r["aggregated"] for r in ran):
             self.record_nothing_aggregated(why_nothing_aggregated(ran, first, num_rounds))
