@@ -1,0 +1,102 @@
+"""A Flower user's app as Flower's examples write it, with our strategies: the user's mods see every message
+(fedmed's included) in Flower's order, Flower's own client-side mods work beside ours or are refused before round 1,
+Flower's metric names and Result are kept, and Flower's legacy-API arguments are refused naming their Message-API
+equivalent."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, MessageType
+from flwr.client.mod import secagg_mod, secaggplus_mod
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+from client_app.hospital_mod import HospitalClientApp
+from strategies import FedAvgStrategy, FedProInStrategy
+
+from .conftest import ROOT
+from .fake_grid import FakeGrid, flower_clientapp_node
+from .test_strategies import SMALL_CLASSIFICATION, run_config
+
+sys.path.insert(0, str(ROOT / "examples" / "quickstart_pytorch"))
+from quickstart import client_app as quickstart_client  # noqa: E402  (Flower's quickstart ClientApp, as it is)
+from quickstart.task import Net  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+APP_CONFIG = {"batch-size": 32, "local-epochs": 1}  # the quickstart app's own run config
+
+
+def nodes_of(app, config: dict, count: int = 2) -> FakeGrid:
+    return FakeGrid({101 + pid: flower_clientapp_node(app, config, {"partition-id": pid, "num-partitions": count},
+                                                      101 + pid) for pid in range(count)})
+
+
+def recording_mod(log: list, tag: str):
+    def mod(message, context, call_next):
+        log.append((tag, message.metadata.message_type))
+        reply = call_next(message, context)
+        log.append((f"{tag}-reply", message.metadata.message_type))
+        return reply
+    return mod
+
+
+def test_the_users_mods_see_every_message_ours_included_in_flowers_order(tmp_path):
+    """FedProIn's rounds are fedmed's hospital step: the app's mod and its train handler's mod still see them, the
+    app's outermost, as Flower wraps them; the handler itself is not asked."""
+    seen: list = []
+    app = HospitalClientApp(mods=[recording_mod(seen, "app")])
+
+    @app.train(mods=[recording_mod(seen, "handler")])
+    def train(message, context):
+        raise AssertionError("FedProIn's rounds are fedmed's step")
+
+    config = run_config(tmp_path, SMALL_CLASSIFICATION)
+    FedProInStrategy(run_config=config, num_prototypes=1).start(nodes_of(app, config), num_rounds=1)
+    kinds = [kind for tag, kind in seen if tag == "app"]
+    assert kinds.count(MessageType.TRAIN) == 2 and kinds.count(MessageType.QUERY) >= 2  # identity, and the run's end
+    trains = [tag for tag, kind in seen if kind == MessageType.TRAIN]
+    assert trains[:4] == ["app", "handler", "handler-reply", "app-reply"]  # Flower's order: the app's mod outermost
+
+
+@pytest.mark.parametrize("mod", [secaggplus_mod, secagg_mod], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("where", ["app", "train"])
+def test_flowers_legacy_secure_aggregation_mods_are_refused_when_the_app_is_built(mod, where):
+    with pytest.raises(ValueError, match=f"{mod.__name__} .*legacy SecAggPlusWorkflow.*secure-aggregation.enabled"):
+        if where == "app":
+            HospitalClientApp(mods=[mod])
+        else:
+            HospitalClientApp().train(mods=[mod])
+
+
+@pytest.mark.parametrize("mod", [fixedclipping_mod, adaptiveclipping_mod], ids=lambda m: m.__name__)
+def test_flowers_clipping_mods_belong_on_the_train_handler_as_flowers_docs_install_them(mod):
+    with pytest.raises(ValueError, match=rf"install it on the train handler, @app.train\(mods=\[{mod.__name__}\]\)"):
+        HospitalClientApp(mods=[mod])
+    with pytest.raises(ValueError, match="evaluate handler"):
+        HospitalClientApp().evaluate(mods=[mod])
+    HospitalClientApp().train(mods=[mod])  # accepted there
+
+
+def test_flowers_fixedclipping_mod_clips_the_users_own_training_beside_our_mod(tmp_path):
+    """Flower's client-side DP: the wrapper sends the clipping norm, the app's own train handler trains, Flower's
+    fixedclipping_mod on it clips the reply (our mod, innermost, passes Flower's messages on)."""
+    app = HospitalClientApp()
+    app.train(mods=[fixedclipping_mod])(quickstart_client.train)
+    app.evaluate()(quickstart_client.evaluate)
+    grid = nodes_of(app, APP_CONFIG)
+    strategy = FedAvgStrategy(run_config={"run-name": "dp", "results-dir": str(tmp_path / "r"),
+                                          "state-dir": str(tmp_path / "s")})
+    wrapper = DifferentialPrivacyClientSideFixedClipping(strategy, noise_multiplier=0.0, clipping_norm=0.05,
+                                                         num_sampled_clients=2)
+    initial = ArrayRecord(Net().state_dict())
+    wrapper.start(grid, initial_arrays=initial, num_rounds=1, train_config=ConfigRecord({"lr": 0.1}))
+    replies = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
+    assert len(replies) == 2 and not [m for m in replies if m.has_error()]
+    start = {k: v.numpy() for k, v in initial.items()}
+    for reply in replies:
+        assert "train_loss" in reply.content["metrics"]  # the user's own train loop answered
+        update = [reply.content["arrays"][k].numpy() - start[k] for k in start]
+        assert np.sqrt(sum(float(np.sum(u.astype(np.float64) ** 2)) for u in update)) <= 0.05 + 1e-5
