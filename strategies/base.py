@@ -55,6 +55,9 @@ from .grid_messages import (
     send_and_receive,
     warn_unsent,
 )
+from .legacy_api import ARGUMENTS as LEGACY_ARGUMENTS
+from .legacy_api import METHODS as LEGACY_METHODS
+from .legacy_api import legacy_argument, legacy_method
 from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
 
@@ -160,6 +163,9 @@ class HospitalStrategy(Strategy):
             raise ConfigError(f"fraction_evaluate={fraction_evaluate!r} must be between 0 and 1")
         own = self.own_arguments()
         unknown = sorted(set(method_settings) - set(own))
+        legacy = [legacy_argument(type(self).__name__, name) for name in unknown if name in LEGACY_ARGUMENTS]
+        if legacy:
+            raise TypeError(legacy[0])
         if unknown:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r} "
                             f"(its method's own: {', '.join(own) or 'none'})")
@@ -231,6 +237,8 @@ class HospitalStrategy(Strategy):
         if name.startswith("_") or "job" not in self.__dict__:
             raise AttributeError(name)
         field = type(self).own_arguments().get(name)
+        if field is None and name in LEGACY_METHODS:
+            raise AttributeError(legacy_method(type(self).__name__, name))
         if field is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(getattr(self.job, self.section), field)
@@ -847,8 +855,11 @@ class HospitalStrategy(Strategy):
         raise ConfigError(f"{mismatch}: {what} are not a {method} model of the run config's network, which names none "
                           f"(model unset: the {self.job.task} task's default, {network!r}). {method} builds its model "
                           "around the network, so the server needs the network itself: name yours in the run config, "
-                          "model='package.module:Net' (docs/own-serverapp.md), and pass initial_arrays="
-                          "strategy.initial_arrays() or none")
+                          "model='package.module:Net', and pass initial_arrays=strategy.initial_arrays() or none; "
+                          f"its hospitals run fedmed's {method} step, so the ClientApp also becomes a "
+                          "HospitalClientApp (from client_app.hospital_mod import HospitalClientApp) and the run "
+                          "config names a loader of its data, dataset='package.module:load' (docs/own-serverapp.md "
+                          "shows the whole change for each method)")
 
     def round_ended(self, record: dict[str, Any]) -> None:
         """Hand the finished round to ``on_round_end`` (checkpoint, result files), unless the run was stopped.

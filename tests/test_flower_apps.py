@@ -5,6 +5,7 @@ equivalent."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -15,7 +16,8 @@ from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 
 from client_app.hospital_mod import HospitalClientApp
-from strategies import FedAvgStrategy, FedProInStrategy
+from common.config import ConfigError
+from strategies import FedAvgStrategy, FedProInStrategy, FedProxStrategy, QFedPolypStrategy, legacy_api
 
 from .conftest import ROOT
 from .fake_grid import FakeGrid, flower_clientapp_node
@@ -100,3 +102,34 @@ def test_flowers_fixedclipping_mod_clips_the_users_own_training_beside_our_mod(t
         assert "train_loss" in reply.content["metrics"]  # the user's own train loop answered
         update = [reply.content["arrays"][k].numpy() - start[k] for k in start]
         assert np.sqrt(sum(float(np.sum(u.astype(np.float64) ** 2)) for u in update)) <= 0.05 + 1e-5
+
+
+@pytest.mark.parametrize("strategy_type", [FedProInStrategy, QFedPolypStrategy], ids=lambda s: s.__name__)
+def test_a_bare_one_line_swap_is_refused_naming_everything_the_app_also_needs(tmp_path, strategy_type):
+    """Flower's quickstart with only the import and constructor changed: refused before round 1, naming the network,
+    the initial arrays, the ClientApp and the data loader the method also needs."""
+    strategy = strategy_type(run_config={"run-name": "swap", "results-dir": str(tmp_path / "r"),
+                                         "state-dir": str(tmp_path / "s")})
+    grid = nodes_of(quickstart_client.app, APP_CONFIG)
+    with pytest.raises(ConfigError) as refused:
+        strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=1)
+    for needed in ("model='package.module:Net'", "initial_arrays", "HospitalClientApp", "dataset="):
+        assert needed in str(refused.value)
+    assert not grid.sent_of_type(MessageType.TRAIN)
+
+
+@pytest.mark.parametrize("name", sorted(legacy_api.ARGUMENTS))
+@pytest.mark.parametrize("strategy_type", [FedAvgStrategy, FedProxStrategy, FedProInStrategy], ids=lambda s: s.__name__)
+def test_a_legacy_api_argument_is_refused_naming_its_message_api_equivalent(strategy_type, name):
+    with pytest.raises(TypeError) as refused:
+        strategy_type(**{name: None})
+    text = str(refused.value)
+    assert f"legacy-API argument {name!r}" in text and "Message-API strategy" in text
+    assert legacy_api.ARGUMENTS[name] in text
+
+
+@pytest.mark.parametrize("name", sorted(legacy_api.METHODS))
+def test_a_legacy_server_calling_a_legacy_method_is_told_the_message_api_equivalent(name):
+    equivalent = re.escape(legacy_api.METHODS[name])
+    with pytest.raises(AttributeError, match=rf"no legacy {name}\(\).*@app.main\(\).*{equivalent}"):
+        getattr(FedAvgStrategy(), name)
