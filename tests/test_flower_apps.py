@@ -133,3 +133,23 @@ def test_a_legacy_server_calling_a_legacy_method_is_told_the_message_api_equival
     equivalent = re.escape(legacy_api.METHODS[name])
     with pytest.raises(AttributeError, match=rf"no legacy {name}\(\).*@app.main\(\).*{equivalent}"):
         getattr(FedAvgStrategy(), name)
+
+
+def test_the_users_metric_names_are_kept_as_flowers_fedavg_aggregates_them_ours_beside_them_prefixed(tmp_path):
+    """Flower's quickstart ClientApp replies with ``train_loss``: the Result has it under that name, with the value
+    Flower's own aggregation gives (``aggregate_metricrecords``), and fedmed's metrics beside it, prefixed."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    grid = nodes_of(quickstart_client.app, APP_CONFIG)
+    strategy = FedAvgStrategy(run_config={"run-name": "names", "results-dir": str(tmp_path / "r"),
+                                          "state-dir": str(tmp_path / "s")})
+    result = strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=1,
+                            train_config=ConfigRecord({"lr": 0.1}))
+    replies = [m.content for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
+    flowers = aggregate_metricrecords(replies, "num-examples")
+    metrics = result.train_metrics_clientapp[1]
+    assert set(flowers) == {"train_loss"}
+    assert metrics["train_loss"] == pytest.approx(flowers["train_loss"], rel=1e-12)
+    assert "num-examples" not in metrics  # the weighting key, left out as Flower's aggregation leaves it out
+    ours = set(metrics) - set(flowers)
+    assert ours and all(name.startswith(("train.", "bytes-", "hospitals-", "update-norm.")) for name in ours), ours
