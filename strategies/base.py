@@ -90,6 +90,25 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
 #: answers the identity query with it is a standard Flower ClientApp that trains the model itself.
 NO_QUERY_HANDLER = "No query function registered"
 
+
+class ExpectedNoQueryHandler(logging.Filter):
+    """Drops Flower's log records of a ClientApp's "No query function registered". Flower's simulation engine
+    (``vce_api``, in the process that runs this ServerApp) logs every exception a ClientApp raises twice, the error
+    and its traceback, and a Flower ClientApp without a query handler raises that one at our identity query: it is
+    how such an app says it trains the model itself, which :meth:`HospitalStrategy.learn_flower_clientapp` logs once
+    per node in words. (A deployment's SuperNode logs it in its own process, once per node: the run's end is not
+    announced to such nodes.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return NO_QUERY_HANDLER not in record.getMessage()
+
+
+def quiet_expected_no_query_handler() -> None:
+    """Install :class:`ExpectedNoQueryHandler` on Flower's logger, once per process."""
+    flower = logging.getLogger("flwr")
+    if not any(isinstance(existing, ExpectedNoQueryHandler) for existing in flower.filters):
+        flower.addFilter(ExpectedNoQueryHandler())
+
 #: What a hospital may declare about itself besides its name and size (modalities, bit-width...), and how long.
 MAX_PROPERTIES = 32
 MAX_PROPERTY_TEXT = 256
@@ -370,6 +389,8 @@ class HospitalStrategy(Strategy):
         give_up = time.time() + self.job.round_timeout
         asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
         in_flight = messages_in_flight(self.job, grid, queries=True)
+        if new:
+            quiet_expected_no_query_handler()
         while new and time.time() < give_up:
             windows = -(-len(new) // in_flight) if in_flight else 1  # a query's patience starts when it is sent
             patience = min(self.QUERY_PATIENCE * windows, give_up - time.time())

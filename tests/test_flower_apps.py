@@ -153,3 +153,28 @@ def test_the_users_metric_names_are_kept_as_flowers_fedavg_aggregates_them_ours_
     assert "num-examples" not in metrics  # the weighting key, left out as Flower's aggregation leaves it out
     ours = set(metrics) - set(flowers)
     assert ours and all(name.startswith(("train.", "bytes-", "hospitals-", "update-norm.")) for name in ours), ours
+
+
+def test_flowers_no_query_function_noise_is_quieted_and_said_once_per_node_in_words(tmp_path, caplog):
+    """A Flower ClientApp without a query handler answers our identity query with Flower's error; the simulation
+    engine would log it twice per node (error and traceback): those records of Flower's logger are dropped, and the
+    strategy says once per node what the answer means."""
+    import logging
+
+    grid = nodes_of(quickstart_client.app, APP_CONFIG)
+    strategy = FedAvgStrategy(run_config={"run-name": "quiet", "results-dir": str(tmp_path / "r"),
+                                          "state-dir": str(tmp_path / "s")})
+    with caplog.at_level(logging.INFO, logger="fedmed"):
+        strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=2,
+                       train_config=ConfigRecord({"lr": 0.1}))
+    errors = [m for m in grid.replies if m.has_error()]
+    assert len(errors) == 2  # one identity query per node, not one per round nor at the run's end
+    flower = logging.getLogger("flwr")
+    for reply in errors:  # what Flower's simulation engine logs for each: the exception, then its traceback
+        for text in (reply.error.reason, f"Traceback (most recent call last):\n ... {reply.error.reason}"):
+            assert not flower.filter(logging.LogRecord("flwr", logging.ERROR, __file__, 1, text, None, None))
+    assert flower.filter(logging.LogRecord("flwr", logging.ERROR, __file__, 1, "another ClientApp error", None, None))
+    said = [r.getMessage() for r in caplog.records if "is a Flower ClientApp that trains the model itself" in
+            r.getMessage()]
+    assert sorted(said) == [f"node {n} is a Flower ClientApp that trains the model itself: hospital node-{n}, sent "
+                            "Flower's own messages" for n in (101, 102)]
