@@ -12,6 +12,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from common.config import ConfigError
 from strategies import (
     FedAvgStrategy,
     FedBNStrategy,
@@ -102,3 +103,38 @@ def test_fedproin_trains_a_round_from_monai_densenet_state_dict(tmp_path):
     result = strategy.start(FakeGrid(simulated_hospitals(config, 2)), initial_arrays=ArrayRecord(state), num_rounds=1)
     assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01"]
     assert "prototypes" in result.arrays and "encoder.features.norm0.running_var" in result.arrays
+
+
+def no_server_data(request):
+    """A loader as docs/own-clientapp.md allows: the hospitals' data only, nothing at the server."""
+    assert request.role == "server"  # only the server's check runs here
+    return None
+
+
+QUICKSTART_MONAI = {"model": "monai.networks.nets:DenseNet121", "dataset": f"{__name__}:no_server_data",
+                    "num-classes": 4, "model-args": json.dumps({**DENSENET_ARGS, "in_channels": 1})}
+
+
+def test_with_no_data_at_the_server_the_check_says_its_batch_was_made_up_and_how_to_give_the_shape(tmp_path):
+    """quickstart-monai's 1-channel DenseNet, a loader that gives the server nothing: the made-up batch has 3
+    channels, and the refusal says it was made up and names input-shape."""
+    with pytest.raises(ConfigError, match=r"\(2, 3, 32, 32\) inputs, a made-up batch of zeros .*the server holds no "
+                                          r"data; input-shape='C,H,W' in the run config"):
+        FedAvgStrategy(run_config=run_config(tmp_path, {**QUICKSTART_MONAI, "image-size": 32})).initial_arrays()
+
+
+@pytest.mark.parametrize("model_args", ["with-in-channels", "without"])
+def test_input_shape_gives_the_check_its_batch_and_the_network_its_channels(tmp_path, caplog, model_args):
+    keys = dict(QUICKSTART_MONAI)
+    if model_args == "without":  # the run config's shape alone tells the factory its in_channels
+        keys["model-args"] = json.dumps(DENSENET_ARGS)
+    with caplog.at_level("INFO", logger="fedmed"):
+        strategy = FedAvgStrategy(run_config=run_config(tmp_path, {**keys, "input-shape": "1,64,64"}))
+        strategy.initial_arrays()  # the network is built, and checked, before round 1
+    assert strategy.engine.method.global_arrays["features.conv0.weight"].shape[1] == 1
+    assert [r for r in caplog.records if "made-up batch of zeros (input-shape" in r.getMessage()]
+
+
+def test_an_input_shape_that_is_not_one_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="input-shape.*'C,H,W'"):
+        FedAvgStrategy(run_config=run_config(tmp_path, {**QUICKSTART_MONAI, "input-shape": "64,64"}))
