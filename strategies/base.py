@@ -221,6 +221,7 @@ class HospitalStrategy(Strategy):
         self._warned_names = False
         self._warned_gpus = False
         self._warned_client_dp = False
+        self._warned_secure_weight = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
@@ -489,9 +490,10 @@ class HospitalStrategy(Strategy):
             return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod: Flower's ClientApp with fedmed's hospital mod "
                     "and query handler; docs/own-clientapp.md)")
-        if self.secure_aggregation is not None:
-            return (f"{what}, but secure aggregation runs fedmed's protocol at every hospital: give it fedmed's "
-                    "ClientApp, or one of its own built on client_app.api (docs/own-clientapp.md)")
+        if self.secure_aggregation is not None and not signs:
+            return (f"{what}, but secure aggregation masks every reply at the hospital: make its ClientApp a "
+                    "HospitalClientApp (from client_app.hospital_mod), whose mod masks what its own train handler "
+                    "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
         if self.job.hospital_keys and not signs:
             return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
@@ -510,6 +512,13 @@ class HospitalStrategy(Strategy):
             problem = self.trains_itself_problem(f"{name} trains the model itself (its ClientApp's own train)")
             if problem:
                 raise ValueError(problem)
+            if count is None and self.secure_aggregation is not None and not self._warned_secure_weight:
+                self._warned_secure_weight = True
+                log.warning("%s trains the model itself and declares no sample count: under secure aggregation its "
+                            "weight counts at most screening.max-samples=%d samples, and each hospital's weight is "
+                            "its samples over the largest declared count (as Flower's SecAggPlusWorkflow's "
+                            "max_weight): set screening.max-samples near your hospitals' size, or the masked sum's "
+                            "quantisation swamps the update", name, self.job.screening.max_samples)
             count = self.job.screening.max_samples if count is None else count
         problem = declared_count_problem(count, self.job.screening.max_samples)
         if problem:
@@ -540,7 +549,7 @@ class HospitalStrategy(Strategy):
         config = {**dict(config or {}), **(self.flower_train_config() if message_type == MessageType.TRAIN else {})}
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
-            if info.properties.get(TRAINS_ITSELF):
+            if info.properties.get(TRAINS_ITSELF) and not self.masks_own_training(message_type):
                 content = self.flower_content(server_round, payload, config, shared)
             else:
                 payload.config = {**payload.config, **self.hospital_config(server_round), **config,
@@ -566,6 +575,12 @@ class HospitalStrategy(Strategy):
                                                                  for name, value in arrays.items()}))
         return RecordDict({self.records.arrays: shared[same][1],
                            self.records.config: ConfigRecord({**config, "server-round": server_round})})
+
+    def masks_own_training(self, message_type: str) -> bool:
+        """Whether a hospital that trains the model itself gets fedmed's messages rather than Flower's: the training
+        rounds of a secure run, whose stages its HospitalClientApp's mod answers, masking what the app's own train
+        handler returns (``client_app/hospital_mod.py``); its evaluate phase stays Flower's."""
+        return self.secure_aggregation is not None and message_type == MessageType.TRAIN
 
     def flower_train_config(self) -> dict[str, Any]:
         """What a train message's config carries for the method beside the user's train config, as Flower's strategy
@@ -703,7 +718,8 @@ class HospitalStrategy(Strategy):
         """A reply's payload: fedmed's records, or for a hospital that trains the model itself Flower's contract (one
         ArrayRecord, one MetricRecord, any names), its model's tensors sorted into the method's array groups
         (``ServerMethod.flower_reply_arrays``). MalformedPayload says what does not fit."""
-        if not hospital.properties.get(TRAINS_ITSELF):
+        if not hospital.properties.get(TRAINS_ITSELF) or self.masks_own_training(MessageType.TRAIN if training
+                                                                                 else MessageType.EVALUATE):
             return from_recorddict(content, limit, self.records, tensors, copy=copy)
         payload = from_flower_reply(content, limit, tensors, copy, with_arrays=training)
         if training:
@@ -1015,6 +1031,18 @@ class HospitalStrategy(Strategy):
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
                  type(self).__name__, self.job.num_server_rounds, self.job.fraction_train,
                  self.job.min_train_hospitals, self.job.round_timeout)
+        log.info("%s: %s", type(self).__name__, self.who_trains())
+
+    def who_trains(self) -> str:
+        """Whose train loop trains this run's rounds, for its first lines: a ClientApp's own for the methods of
+        Flower's contract (masked by fedmed's mod under secure aggregation), fedmed's hospital step for the others."""
+        method = self.job.strategy
+        if method_spec(method).flower_contract:
+            secure = (": under secure aggregation a HospitalClientApp's mod masks what the app's own train handler "
+                      "returns, as Flower's secaggplus_mod does" if self.secure_aggregation is not None else "")
+            return f"a ClientApp that trains the model itself trains {method}'s rounds with its own train loop{secure}"
+        return (f"{method}'s hospitals run fedmed's {method} step (its own local training): a HospitalClientApp's own "
+                f"train handler is not asked for {method}'s rounds (docs/own-clientapp.md)")
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,

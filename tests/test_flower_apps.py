@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, MessageType
 from flwr.client.mod import secagg_mod, secaggplus_mod
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
@@ -178,3 +179,63 @@ def test_flowers_no_query_function_noise_is_quieted_and_said_once_per_node_in_wo
             r.getMessage()]
     assert sorted(said) == [f"node {n} is a Flower ClientApp that trains the model itself: hospital node-{n}, sent "
                             "Flower's own messages" for n in (101, 102)]
+
+
+def own_training_app(trained: list) -> HospitalClientApp:
+    """Flower's quickstart ClientApp made a HospitalClientApp, its own handlers marking each call."""
+    app = HospitalClientApp()
+
+    @app.train()
+    def train(message, context):
+        trained.append(context.node_id)
+        torch.manual_seed(context.node_id)  # its loader's shuffle: the same draws whichever node trains first
+        return quickstart_client.train(message, context)
+
+    app.evaluate()(quickstart_client.evaluate)
+    return app
+
+
+def test_under_secure_aggregation_the_users_own_train_loop_trains_and_our_mod_masks_its_reply(tmp_path, monkeypatch):
+    """FedAvg's family with secure aggregation: the app's own train handler trains (as under Flower's secaggplus_mod),
+    fedmed's mod masks what it returns; the mean is the plain run's, but for the quantisation of the masked sum."""
+    from strategies.records import arrays_of
+
+    from .test_secure_aggregation import STEP, masked_replies
+
+    monkeypatch.chdir(tmp_path)  # the hospitals keep their state (the replay memory) in ./state
+    initial = ArrayRecord(Net().state_dict())
+    finals, trained = {}, {}
+    for name, secure in (("plain", False), ("secure", True)):
+        trained[name] = []
+        grid = nodes_of(own_training_app(trained[name]), APP_CONFIG, count=3)
+        strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config={
+            "run-name": name, "results-dir": str(tmp_path / name), "state-dir": str(tmp_path / name / "s"),
+            "round-timeout": 5.0, "secure-aggregation.enabled": secure,
+            "screening.max-samples": 1000})  # its weight cap: the app declares no count (Flower's max_weight)
+        result = strategy.start(grid, initial_arrays=initial, num_rounds=1, train_config=ConfigRecord({"lr": 0.1}))
+        finals[name] = arrays_of(result.arrays)
+        assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"]
+        if secure:
+            masked = masked_replies(grid)
+            assert len(masked) == 3 and all("train_loss" in m.content["metrics"] for m in masked)
+            assert not [m for m in masked if set(m.content.array_records.get("arrays", {})) & set(initial)]
+    assert sorted(trained["secure"]) == sorted(trained["plain"]) == [101, 102, 103]  # the app's own loop, each node
+    for tensor, value in finals["plain"].items():
+        np.testing.assert_allclose(finals["secure"][tensor], value, atol=3 * STEP + 1e-6, err_msg=tensor)
+
+
+@pytest.mark.parametrize(("strategy_type", "secure", "said"), [
+    (FedAvgStrategy, False, "a ClientApp that trains the model itself trains fedavg's rounds with its own train loop"),
+    (FedProxStrategy, True, "under secure aggregation a HospitalClientApp's mod masks what the app's own train "
+                            "handler returns"),
+    (FedProInStrategy, False, "fedproin's hospitals run fedmed's fedproin step (its own local training): a "
+                              "HospitalClientApp's own train handler is not asked"),
+    (FedProInStrategy, True, "fedproin's hospitals run fedmed's fedproin step")])
+def test_the_runs_first_lines_say_whose_train_loop_trains(tmp_path, caplog, strategy_type, secure, said):
+    import logging
+
+    strategy = strategy_type(run_config={"run-name": "who", "results-dir": str(tmp_path), "state-dir": str(tmp_path),
+                                         "secure-aggregation.enabled": secure})
+    with caplog.at_level(logging.INFO, logger="fedmed"):
+        strategy.summary()  # what start() and Flower's loop log first
+    assert said in caplog.records[1].getMessage()
