@@ -38,11 +38,11 @@ def get_wandb_mod(name: str, logdir: str) -> Mod:
             results_to_log = dict(reply.content["metrics"])
             results_to_log["fit_time"] = time.time() - start_time
             results_to_log["server-round"] = server_round_of(msg)
+            os.makedirs(logdir, exist_ok=True)
             with open(os.path.join(logdir, f"wandb-{name}-{msg.metadata.dst_node_id}.jsonl"), "a") as out:
                 out.write(json.dumps(results_to_log) + "\n")
         return reply
 
-    os.makedirs(logdir, exist_ok=True)
     return wandb_mod
 
 
