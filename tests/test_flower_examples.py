@@ -76,13 +76,12 @@ def grid_of(app, run_config: dict, nodes: int = 2) -> FakeGrid:
         app, run_config, {"partition-id": pid, "num-partitions": nodes}, 101 + pid)) for pid in range(nodes)})
 
 
-def as_hospital_clientapp(app) -> HospitalClientApp:
-    """The one-line change ``app = HospitalClientApp(mods=...)`` of ``app = ClientApp(mods=...)``: the same mods,
-    the same handlers."""
-    swapped = HospitalClientApp(mods=list(app._mods))
-    for name, handler in app._registered_funcs.items():
-        kind = name.split(".")[0]
-        getattr(swapped, kind)()(handler.__wrapped_handler__ if hasattr(handler, "__wrapped_handler__") else handler)
+def as_hospital_clientapp(client) -> HospitalClientApp:
+    """The one-line change ``app = HospitalClientApp(mods=...)`` of the example's ``app = ClientApp(mods=...)``: the
+    same mods, the same ``train`` and ``evaluate`` functions registered."""
+    swapped = HospitalClientApp(mods=list(client.app._mods))
+    swapped.train()(client.train)
+    swapped.evaluate()(client.evaluate)
     return swapped
 
 
@@ -157,7 +156,7 @@ def test_the_hospital_step_methods_run_each_example_with_its_mods_seeing_our_mes
         "model": f"{package}.task:{model}", "dataset": f"{__name__}:{LOADERS[name]}", "num-classes": classes,
         "image-size": int(shape.split(",")[-1]), "input-shape": shape, "task": "classification"})
     extra = {"bit_widths": "8"} if strategy_type is QFedPolypStrategy else {"num_prototypes": 1}
-    app = as_hospital_clientapp(client.app)
+    app = as_hospital_clientapp(client)
     grid = grid_of(app, run_config)
     strategy = strategy_type(fraction_evaluate=0.0, settings=settings, **extra)
     result = strategy.start(grid, initial_arrays=ArrayRecord(factory().state_dict()), num_rounds=2,
