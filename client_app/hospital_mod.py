@@ -88,32 +88,36 @@ def fedmed_query(message: Message, context: Context) -> Message:
     return Hospital(context).answer(message)
 
 
-def _flowers_mods_that_cannot_serve_fedmed() -> dict[Mod, str]:
-    """Flower's own client-side mods that fail on fedmed's messages where a ClientApp installs them, and what to do
-    instead. Flower's SecAgg/SecAgg+ mods speak the protocol of Flower's legacy ``SecAggPlusWorkflow``, which no
-    Message-API strategy (Flower's or ours) drives: they fail on every train message of ours. Flower's clipping
-    mods refuse every message that is not a train reply to clip (the identity query, evaluate): installed on the
-    whole app rather than on its train handler, as Flower's docs install them, they refuse the identity query."""
+TRAIN_HANDLER = "the train handler"
+
+
+def _flowers_mods_that_cannot_serve_fedmed() -> dict[Mod, tuple[str, str | None]]:
+    """Flower's own client-side mods that fail on fedmed's messages where a ClientApp installs them: why, and where
+    they do serve (None: nowhere). Flower's SecAgg/SecAgg+ mods speak the protocol of Flower's legacy
+    ``SecAggPlusWorkflow``, which no Message-API strategy (Flower's or ours) drives: they fail on every train message
+    of ours. Flower's clipping mods refuse every message that is not a train reply to clip (the identity query,
+    evaluate): on the train handler, as Flower's docs install them, they clip; on the whole app they refuse the
+    identity query."""
     from flwr.client.mod import secagg_mod, secaggplus_mod
     from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
     secure = ("speaks the protocol of Flower's legacy SecAggPlusWorkflow, which no Message-API strategy drives; "
               "fedmed's strategies run SecAgg+ themselves with fedmed's mod: drop it and set "
-              "secure-aggregation.enabled=true in the run config (docs/secure-aggregation.md)")
+              "secure-aggregation.enabled=true in the run config (docs/secure-aggregation.md)", None)
     clipping = ("clips train replies and refuses every other message (the server's identity query, evaluate): "
-                "install it on the train handler, @app.train(mods=[{name}]), as Flower's docs do")
+                "install it on the train handler, @app.train(mods=[{name}]), as Flower's docs do", TRAIN_HANDLER)
     return {secaggplus_mod: secure, secagg_mod: secure, fixedclipping_mod: clipping, adaptiveclipping_mod: clipping}
 
 
 def refuse_unfit_mods(mods: list[Mod], where: str) -> None:
     """ValueError, when the app is built (before round 1), for a Flower mod that cannot serve fedmed's strategies
     where it is installed (``where``: the whole app, or a handler)."""
+    unfit = _flowers_mods_that_cannot_serve_fedmed()
     for mod in mods:
-        reason = _flowers_mods_that_cannot_serve_fedmed().get(mod)
-        if reason is None or (where == "the train handler" and "train handler" in reason):  # where clipping belongs
-            continue
-        name = getattr(mod, "__name__", repr(mod))
-        raise ValueError(f"HospitalClientApp: Flower's {name} on {where} {reason.format(name=name)}")
+        reason, serves_on = unfit.get(mod, (None, None))
+        if reason is not None and where != serves_on:
+            name = getattr(mod, "__name__", repr(mod))
+            raise ValueError(f"HospitalClientApp: Flower's {name} on {where} {reason.format(name=name)}")
 
 
 class HospitalClientApp(ClientApp):
@@ -128,7 +132,7 @@ class HospitalClientApp(ClientApp):
         super().query(mods=[hospital_mod])(fedmed_query)
 
     def train(self, action: str = DEFAULT_ACTION, *, mods: list[Mod] | None = None):
-        refuse_unfit_mods(list(mods or []), "the train handler")
+        refuse_unfit_mods(list(mods or []), TRAIN_HANDLER)
         return super().train(action, mods=[*(mods or []), hospital_mod])
 
     def evaluate(self, action: str = DEFAULT_ACTION, *, mods: list[Mod] | None = None):
