@@ -181,3 +181,29 @@ def test_quickstart_monai_with_no_server_data_and_no_input_shape_is_refused_sayi
     with pytest.raises(ConfigError, match=r"made-up batch of zeros .*input-shape='C,H,W'.*expected input\[2, 3, 64, "
                                           r"64\] to have 1 channels"):
         FedProInStrategy(settings=settings).initial_arrays()
+
+
+@pytest.mark.parametrize("name", ["quickstart-pytorch", "custom-mods"])
+def test_with_secure_aggregation_the_apps_own_loop_trains_and_its_mods_see_the_masked_round(tmp_path, example, name):
+    """FedAvg with secure aggregation, the app a HospitalClientApp: its own train loop trains (seeded as under
+    Flower's FedAvg, so the mean is Flower's but for the masked sum's quantisation) and its mods log each round."""
+    from .test_secure_aggregation import STEP
+
+    client, task, factory, run_config, train_config = example(name)
+    initial = ArrayRecord(factory().state_dict())
+    flowers = FedAvg(fraction_evaluate=0.0).start(grid_of(client.app, run_config), initial_arrays=initial,
+                                                  num_rounds=1, train_config=train_config)
+    shutil.rmtree(tmp_path / "trackers", ignore_errors=True)
+    grid = grid_of(as_hospital_clientapp(client), run_config)
+    size = len(task.load_data(0, 2, 32)[0].dataset)  # the weight cap near the hospitals' size, as the docs advise
+    ours = FedAvgStrategy(fraction_evaluate=0.0, settings=fedmed_settings(
+        tmp_path, name, **{"secure-aggregation.enabled": True, "screening.max-samples": size})).start(
+        grid, initial_arrays=initial, num_rounds=1, train_config=train_config)
+    for tensor, value in arrays_of(flowers.arrays).items():
+        np.testing.assert_allclose(arrays_of(ours.arrays)[tensor], value, atol=3 * STEP + 1e-6, err_msg=tensor)
+    flowers_loss = flowers.train_metrics_clientapp[1]["train_loss"]
+    assert ours.train_metrics_clientapp[1]["train_loss"] == pytest.approx(flowers_loss)  # the app's own loop's
+    if name == "custom-mods":
+        scalars = [json.loads(line) for path in (tmp_path / "trackers").rglob("scalars.jsonl")
+                   for line in path.read_text().splitlines()]
+        assert sorted(s["step"] for s in scalars if s["tag"] == "train_loss") == [1, 1]
