@@ -32,6 +32,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 APP_CONFIG = {"batch-size": 32, "local-epochs": 1}  # the quickstart app's own run config
 
 
+def job(tmp_path, name: str, **more) -> dict:
+    """Where fedmed writes for a run named ``name`` (results, state), and ``more``; nothing of the app's network."""
+    return {"run-name": name, "results-dir": str(tmp_path / name), "state-dir": str(tmp_path / name / "s"), **more}
+
+
 def nodes_of(app, config: dict, count: int = 2) -> FakeGrid:
     return FakeGrid({101 + pid: flower_clientapp_node(app, config, {"partition-id": pid, "num-partitions": count},
                                                       101 + pid) for pid in range(count)})
@@ -90,8 +95,7 @@ def test_flowers_fixedclipping_mod_clips_the_users_own_training_beside_our_mod(t
     app.train(mods=[fixedclipping_mod])(quickstart_client.train)
     app.evaluate()(quickstart_client.evaluate)
     grid = nodes_of(app, APP_CONFIG)
-    strategy = FedAvgStrategy(run_config={"run-name": "dp", "results-dir": str(tmp_path / "r"),
-                                          "state-dir": str(tmp_path / "s")})
+    strategy = FedAvgStrategy(run_config=job(tmp_path, "dp"))
     wrapper = DifferentialPrivacyClientSideFixedClipping(strategy, noise_multiplier=0.0, clipping_norm=0.05,
                                                          num_sampled_clients=2)
     initial = ArrayRecord(Net().state_dict())
@@ -109,8 +113,7 @@ def test_flowers_fixedclipping_mod_clips_the_users_own_training_beside_our_mod(t
 def test_a_bare_one_line_swap_is_refused_naming_everything_the_app_also_needs(tmp_path, strategy_type):
     """Flower's quickstart with only the import and constructor changed: refused before round 1, naming the network,
     the initial arrays, the ClientApp and the data loader the method also needs."""
-    strategy = strategy_type(run_config={"run-name": "swap", "results-dir": str(tmp_path / "r"),
-                                         "state-dir": str(tmp_path / "s")})
+    strategy = strategy_type(run_config=job(tmp_path, "swap"))
     grid = nodes_of(quickstart_client.app, APP_CONFIG)
     with pytest.raises(ConfigError) as refused:
         strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=1)
@@ -142,8 +145,7 @@ def test_the_users_metric_names_are_kept_as_flowers_fedavg_aggregates_them_ours_
     from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
     grid = nodes_of(quickstart_client.app, APP_CONFIG)
-    strategy = FedAvgStrategy(run_config={"run-name": "names", "results-dir": str(tmp_path / "r"),
-                                          "state-dir": str(tmp_path / "s")})
+    strategy = FedAvgStrategy(run_config=job(tmp_path, "names"))
     result = strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=1,
                             train_config=ConfigRecord({"lr": 0.1}))
     replies = [m.content for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
@@ -163,8 +165,7 @@ def test_flowers_no_query_function_noise_is_quieted_and_said_once_per_node_in_wo
     import logging
 
     grid = nodes_of(quickstart_client.app, APP_CONFIG)
-    strategy = FedAvgStrategy(run_config={"run-name": "quiet", "results-dir": str(tmp_path / "r"),
-                                          "state-dir": str(tmp_path / "s")})
+    strategy = FedAvgStrategy(run_config=job(tmp_path, "quiet"))
     with caplog.at_level(logging.INFO, logger="fedmed"):
         strategy.start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=2,
                        train_config=ConfigRecord({"lr": 0.1}))
@@ -208,10 +209,9 @@ def test_under_secure_aggregation_the_users_own_train_loop_trains_and_our_mod_ma
     for name, secure in (("plain", False), ("secure", True)):
         trained[name] = []
         grid = nodes_of(own_training_app(trained[name]), APP_CONFIG, count=3)
-        strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config={
-            "run-name": name, "results-dir": str(tmp_path / name), "state-dir": str(tmp_path / name / "s"),
-            "round-timeout": 5.0, "secure-aggregation.enabled": secure,
-            "screening.max-samples": 1000})  # its weight cap: the app declares no count (Flower's max_weight)
+        strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config=job(
+            tmp_path, name, **{"round-timeout": 5.0, "secure-aggregation.enabled": secure,
+                               "screening.max-samples": 1000}))  # its weight cap: the app declares no count
         result = strategy.start(grid, initial_arrays=initial, num_rounds=1, train_config=ConfigRecord({"lr": 0.1}))
         finals[name] = arrays_of(result.arrays)
         assert strategy.engine.history[0]["aggregated"] == ["hospital-00", "hospital-01", "hospital-02"]
@@ -234,8 +234,7 @@ def test_under_secure_aggregation_the_users_own_train_loop_trains_and_our_mod_ma
 def test_the_runs_first_lines_say_whose_train_loop_trains(tmp_path, caplog, strategy_type, secure, said):
     import logging
 
-    strategy = strategy_type(run_config={"run-name": "who", "results-dir": str(tmp_path), "state-dir": str(tmp_path),
-                                         "secure-aggregation.enabled": secure})
+    strategy = strategy_type(run_config=job(tmp_path, "who", **{"secure-aggregation.enabled": secure}))
     with caplog.at_level(logging.INFO, logger="fedmed"):
         strategy.summary()  # what start() and Flower's loop log first
     assert said in caplog.records[1].getMessage()
