@@ -80,8 +80,11 @@ def pixels(ds, path: Path) -> np.ndarray:
     try:
         array = ds.pixel_array
     except Exception as error:  # pydicom's decoders raise RuntimeError, ValueError, their plugins' own kinds
-        raise DataError(f"{path}: pixels do not decode ({type(error).__name__}: "
-                        f"{str(error).splitlines()[0][:160]})") from None
+        syntax = ds.file_meta.TransferSyntaxUID
+        codec = (f"compressed as {syntax.name}, which no codec installed here decodes (pip install pylibjpeg "
+                 "pylibjpeg-libjpeg pylibjpeg-openjpeg, or store it uncompressed)" if syntax.is_compressed
+                 else f"{type(error).__name__}")
+        raise DataError(f"{path}: pixels do not decode ({codec})") from None
     if int(getattr(ds, "NumberOfFrames", 1) or 1) > 1:
         raise DataError(f"{path}: a multi-frame instance ({int(ds.NumberOfFrames)} frames); a 2D sample is one "
                         "single-frame instance")
