@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
+from PIL import Image
 from pydicom.data import get_testdata_file
 
 from benchmarks.dicom.make_dicom import brats_to_dicom, ham10000_to_dicom, image_mask_to_dicom
@@ -363,3 +364,49 @@ def test_a_missing_series_and_a_series_of_mixed_grids_are_named(brats, tmp_path)
     with pytest.raises(DataError) as error:
         load_study(study, ("t1ce", "t1", "t2"))
     one_line_naming(error, sorted((study / "t1").iterdir())[0], values)
+
+
+# --- DICOM SEG out --------------------------------------------------------------------------------------------------
+def test_segment_writes_a_seg_over_each_frame_and_one_over_a_series_naming_the_algorithm(cvc, brats, tmp_path, capsys):
+    """`fedmed segment` on DICOM: the masks it writes as PNGs for the JPEG frames, as SEGs over the DICOM copies
+    (each referencing its source, same frame of reference and size), identified by method, run and checkpoint hash;
+    an MR series gets one SEG over all its slices."""
+    import hashlib
+
+    import highdicom as hd
+
+    from cli.main import main as fedmed
+
+    from .test_qfedpolyp_int8 import saved_run
+
+    pytest.importorskip("torchao")
+    saved_run(tmp_path)
+    checkpoint = next((tmp_path / "run").rglob("round-00001.npz"))
+    model = tmp_path / "polyp-int8.pt2"
+    assert fedmed(["export-int8", "--run", str(tmp_path / "run"), "--out", str(model), "--calibration-images",
+                   "8"]) == 0
+    assert fedmed(["segment", "--model", str(model), "--images", str(cvc / "jpeg"), "--out", str(tmp_path / "png")]) == 0
+    assert fedmed(["segment", "--model", str(model), "--images", str(cvc / "dicom"), "--out", str(tmp_path / "seg")]) == 0
+    images = {str(pydicom.dcmread(p).SOPInstanceUID): p
+              for p in (cvc / "dicom" / "cvc_clinicdb_256" / "images").iterdir()}
+    segs = sorted((tmp_path / "seg").iterdir())
+    assert len(segs) == len(images) and f"{len(segs)} masks written" in capsys.readouterr().out
+    digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    for path in segs:
+        (uid, mask), = seg_masks(path, images).items()
+        image, seg = pydicom.dcmread(images[uid]), pydicom.dcmread(path)
+        assert path.name == f"{images[uid].stem}.seg.dcm" and seg.FrameOfReferenceUID == image.FrameOfReferenceUID
+        assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == image.SeriesInstanceUID
+        png = np.asarray(Image.open(tmp_path / "png" / f"{images[uid].stem}.png")) > 0
+        assert np.array_equal(mask.astype(bool), png)
+        segment = seg.SegmentSequence[0]
+        assert segment.SegmentAlgorithmType == "AUTOMATIC"
+        algorithm = hd.AlgorithmIdentificationSequence.from_sequence(segment.SegmentationAlgorithmIdentificationSequence)
+        assert algorithm.name == "fedmed qfedpolyp" and algorithm.parameters == {"run": "q", "checkpoint-sha256": digest}
+    series = sorted((brats / "dicom").iterdir())[0] / "flair"
+    assert fedmed(["segment", "--model", str(model), "--images", str(series), "--out", str(tmp_path / "mr")]) == 0
+    (written,) = (tmp_path / "mr").iterdir()
+    seg = hd.seg.segread(written)
+    assert {uid for _, _, uid in seg.get_source_image_uids()} == {
+        str(pydicom.dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in series.iterdir()}
+    assert seg.get_volume().geometry_equal(hd.get_volume_from_series([pydicom.dcmread(p) for p in series.iterdir()]))

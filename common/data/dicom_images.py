@@ -243,3 +243,30 @@ def write_dicom_segmentation(data: SegmentationImages, folder: Path, source_root
             if not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
+
+
+# --- segmentations out (fedmed segment) ----------------------------------------------------------------------------
+def segment_instances(files: list[Path], out: Path, predict, algorithm) -> list[Path]:
+    """A DICOM SEG of ``predict``'s masks (a list of RGB images -> a list of 0/1 masks of their sizes) over
+    ``files``, identified by ``algorithm`` (:class:`common.data.dicom_write.Algorithm`): one SEG per series of
+    instances in patient space (an MR or CT slice series), one per instance for images without patient geometry
+    (photographs, endoscopy frames: highdicom puts one such frame in a SEG); named after its first file's stem."""
+    from .dicom_write import write_seg
+
+    units: dict[tuple[str, ...], list[tuple[Path, object]]] = {}
+    for path in files:
+        ds = read_instance(path)
+        if is_seg(ds):
+            continue
+        spatial = "ImagePositionPatient" in ds and "FrameOfReferenceUID" in ds
+        key = (str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)) if spatial else (str(path),)
+        units.setdefault(key, []).append((path, ds))
+    if not units:
+        raise DataError(f"{files[0].parent if files else out}: no DICOM images to segment")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for members in units.values():
+        masks = predict([rgb_pixels(ds, path) for path, ds in members])
+        target = out / f"{members[0][0].stem}.seg.dcm"
+        written.append(write_seg([ds for _, ds in members], np.stack(masks), ["polyp"], target, algorithm))
+    return written

@@ -72,6 +72,28 @@ def find_images(folder: str | Path) -> list[Path]:
     return [path for data_set in sets for path in list_images(data_set / "images")]
 
 
+def dicom_images(folder: str | Path) -> list[Path]:
+    """The DICOM files directly under ``folder`` or under the ``images/`` folders of a data set of them (its
+    masks/ never taken for images); none for a folder of image files."""
+    from common.data.dicom_files import dicom_files
+
+    try:
+        sets = [data_set / "images" for data_set in data_set_folders(folder)]
+    except DataError:
+        sets = [Path(folder)]
+    return [path for images in sets if images.is_dir() for path in dicom_files(images)]
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_images(paths: list[Path], image_size: int) -> np.ndarray:
     """uint8 (N, H, W, 3), resized as in training."""
     return (np.stack([read_rgb(path, image_size) for path in paths]) if paths
@@ -97,10 +119,29 @@ def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str 
                          "reads), or run it in Python on your loader's tensors: "
                          "common.quantization.int8.load_deployment(MODEL)")
     size, threshold = int(meta["image-size"]), float(meta.get("threshold", 0.5))
+
+    def predict(images: list[np.ndarray]) -> list[np.ndarray]:
+        """Binary masks (0/1) at each image's own size."""
+        masks = []
+        for start in range(0, len(images), batch_size):
+            chunk = images[start:start + batch_size]
+            resized = np.stack([np.asarray(Image.fromarray(rgb).resize((size, size), Image.BILINEAR)) for rgb in chunk])
+            logits = model(images_to_tensor(resized, torch.device("cpu")))
+            for rgb, mask in zip(chunk, (torch.sigmoid(logits[:, 0]) > threshold).numpy().astype(np.uint8)):
+                masks.append(np.asarray(Image.fromarray(mask).resize(rgb.shape[1::-1], Image.NEAREST)))
+        return masks
+
     paths = find_images(images_dir)
+    out_dir = Path(out_dir)
+    if not paths and dicom_images(images_dir):
+        from common.data.dicom_images import segment_instances
+        from common.data.dicom_write import Algorithm
+
+        algorithm = Algorithm(str(meta.get("method", "unknown")), str(meta.get("run-name", "")),
+                              str(meta.get("checkpoint-sha256") or file_sha256(Path(model_path))))
+        return segment_instances(dicom_images(images_dir), out_dir, predict, algorithm)
     if not paths:
         raise DataError(f"{images_dir}: no image files")
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for start in range(0, len(paths), batch_size):
@@ -342,7 +383,9 @@ def export_quietly(state: dict[str, np.ndarray], out: Path, calibration_dir: str
     channels = int(batches[0].shape[1])
     metadata = {"image-size": cfg.image_size, "in-channels": channels, "threshold": 0.5,
                 "normalisation": input_normalisation(cfg, channels), "run-name": cfg.run_name, "rounds": rounds,
-                "checkpoint": source, "calibration-images": int(sum(len(b) for b in batches)),
+                "method": cfg.strategy, "checkpoint": source,
+                "checkpoint-sha256": file_sha256(Path(source)) if Path(source).is_file() else "",
+                "calibration-images": int(sum(len(b) for b in batches)),
                 "calibration-range": [float(min(b.min() for b in batches)), float(max(b.max() for b in batches))]}
     labels = [label for label, (e, _) in CANDIDATES.items() if e in engines]
     with tempfile.TemporaryDirectory(prefix="fedmed-int8-") as work:
