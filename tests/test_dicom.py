@@ -367,10 +367,51 @@ def test_a_missing_series_and_a_series_of_mixed_grids_are_named(brats, tmp_path)
 
 
 # --- DICOM SEG out --------------------------------------------------------------------------------------------------
-def test_segment_writes_a_seg_over_each_frame_and_one_over_a_series_naming_the_algorithm(cvc, brats, tmp_path, capsys):
-    """`fedmed segment` on DICOM: the masks it writes as PNGs for the JPEG frames, as SEGs over the DICOM copies
-    (each referencing its source, same frame of reference and size), identified by method, run and checkpoint hash;
-    an MR series gets one SEG over all its slices."""
+def red_above_half(images: list[np.ndarray]) -> list[np.ndarray]:
+    """A stand-in segmenter: the pixels whose red is above 128."""
+    return [(rgb[..., 0] > 128).astype(np.uint8) for rgb in images]
+
+
+def test_a_seg_out_covers_each_frame_or_a_whole_series_and_names_the_algorithm(cvc, brats, tmp_path):
+    """SEGs over the DICOM frames (one each: no patient geometry) and over an MR series (one for all its slices):
+    each references its source, on its frame of reference and grid, holds the masks it was given and is identified
+    by method, run and checkpoint hash."""
+    import highdicom as hd
+
+    from common.data.dicom_images import segment_instances
+    from common.data.dicom_write import Algorithm
+    from common.quantization.int8 import dicom_images
+
+    algorithm = Algorithm("fedavg", "run-1", "ab" * 32)
+    frames = dicom_images(cvc / "dicom")
+    written = segment_instances(frames, tmp_path / "frames", red_above_half, algorithm)
+    images = {str(pydicom.dcmread(p, stop_before_pixels=True).SOPInstanceUID): p for p in frames}
+    assert len(written) == len(frames) == len(images)
+    for path in written:
+        (uid, mask), = seg_masks(path, images).items()
+        image, seg = pydicom.dcmread(images[uid]), pydicom.dcmread(path)
+        assert path.name == f"{images[uid].stem}.seg.dcm" and seg.FrameOfReferenceUID == image.FrameOfReferenceUID
+        assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == image.SeriesInstanceUID
+        assert np.array_equal(mask, red_above_half([image.pixel_array])[0])
+        segment = seg.SegmentSequence[0]
+        assert segment.SegmentAlgorithmType == "AUTOMATIC"
+        named = hd.AlgorithmIdentificationSequence.from_sequence(segment.SegmentationAlgorithmIdentificationSequence)
+        assert named.name == "fedmed fedavg" and named.parameters == {"run": "run-1", "checkpoint-sha256": "ab" * 32}
+    series = sorted((sorted((brats / "dicom").iterdir())[0] / "flair").iterdir())
+    (written,) = segment_instances(series, tmp_path / "mr", lambda images: [np.ones(i.shape[:2], np.uint8)
+                                                                             for i in images], algorithm)
+    seg = hd.seg.segread(written)
+    assert {uid for _, _, uid in seg.get_source_image_uids()} == {
+        str(pydicom.dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in series}
+    volume = seg.get_volume()
+    assert volume.geometry_equal(hd.get_volume_from_series([pydicom.dcmread(p) for p in series]))
+    assert volume.array.all()
+
+
+@pytest.mark.slow
+def test_fedmed_segment_on_dicom_writes_the_masks_it_writes_for_the_jpegs(cvc, tmp_path, capsys):
+    """`fedmed segment` of an exported run: SEGs over the DICOM copy hold the masks of the PNGs it writes for the
+    JPEG frames, identified by the run's method, name and checkpoint SHA-256 (an ONNX export: ~30 s on 2 cores)."""
     import hashlib
 
     import highdicom as hd
@@ -379,14 +420,14 @@ def test_segment_writes_a_seg_over_each_frame_and_one_over_a_series_naming_the_a
 
     from .test_qfedpolyp_int8 import saved_run
 
-    pytest.importorskip("torchao")
     saved_run(tmp_path)
     checkpoint = next((tmp_path / "run").rglob("round-00001.npz"))
-    model = tmp_path / "polyp-int8.pt2"
+    model = tmp_path / "polyp-int8.onnx"
     assert fedmed(["export-int8", "--run", str(tmp_path / "run"), "--out", str(model), "--calibration-images",
                    "8"]) == 0
-    assert fedmed(["segment", "--model", str(model), "--images", str(cvc / "jpeg"), "--out", str(tmp_path / "png")]) == 0
-    assert fedmed(["segment", "--model", str(model), "--images", str(cvc / "dicom"), "--out", str(tmp_path / "seg")]) == 0
+    for images, out in (("jpeg", "png"), ("dicom", "seg")):
+        assert fedmed(["segment", "--model", str(model), "--images", str(cvc / images), "--out",
+                       str(tmp_path / out)]) == 0
     images = {str(pydicom.dcmread(p).SOPInstanceUID): p
               for p in (cvc / "dicom" / "cvc_clinicdb_256" / "images").iterdir()}
     segs = sorted((tmp_path / "seg").iterdir())
@@ -394,19 +435,8 @@ def test_segment_writes_a_seg_over_each_frame_and_one_over_a_series_naming_the_a
     digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
     for path in segs:
         (uid, mask), = seg_masks(path, images).items()
-        image, seg = pydicom.dcmread(images[uid]), pydicom.dcmread(path)
-        assert path.name == f"{images[uid].stem}.seg.dcm" and seg.FrameOfReferenceUID == image.FrameOfReferenceUID
-        assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == image.SeriesInstanceUID
         png = np.asarray(Image.open(tmp_path / "png" / f"{images[uid].stem}.png")) > 0
         assert np.array_equal(mask.astype(bool), png)
-        segment = seg.SegmentSequence[0]
-        assert segment.SegmentAlgorithmType == "AUTOMATIC"
-        algorithm = hd.AlgorithmIdentificationSequence.from_sequence(segment.SegmentationAlgorithmIdentificationSequence)
-        assert algorithm.name == "fedmed qfedpolyp" and algorithm.parameters == {"run": "q", "checkpoint-sha256": digest}
-    series = sorted((brats / "dicom").iterdir())[0] / "flair"
-    assert fedmed(["segment", "--model", str(model), "--images", str(series), "--out", str(tmp_path / "mr")]) == 0
-    (written,) = (tmp_path / "mr").iterdir()
-    seg = hd.seg.segread(written)
-    assert {uid for _, _, uid in seg.get_source_image_uids()} == {
-        str(pydicom.dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in series.iterdir()}
-    assert seg.get_volume().geometry_equal(hd.get_volume_from_series([pydicom.dcmread(p) for p in series.iterdir()]))
+        named = hd.AlgorithmIdentificationSequence.from_sequence(
+            pydicom.dcmread(path).SegmentSequence[0].SegmentationAlgorithmIdentificationSequence)
+        assert named.name == "fedmed qfedpolyp" and named.parameters == {"run": "q", "checkpoint-sha256": digest}

@@ -264,9 +264,10 @@ def segment_instances(files: list[Path], out: Path, predict, algorithm) -> list[
     if not units:
         raise DataError(f"{files[0].parent if files else out}: no DICOM images to segment")
     out.mkdir(parents=True, exist_ok=True)
+    masks = iter(predict([rgb_pixels(ds, path) for members in units.values() for path, ds in members]))  # batched
     written = []
     for members in units.values():
-        masks = predict([rgb_pixels(ds, path) for path, ds in members])
         target = out / f"{members[0][0].stem}.seg.dcm"
-        written.append(write_seg([ds for _, ds in members], np.stack(masks), ["polyp"], target, algorithm))
+        written.append(write_seg([ds for _, ds in members], np.stack([next(masks) for _ in members]), ["polyp"],
+                                 target, algorithm))
     return written
