@@ -129,20 +129,31 @@ def test_partition_keeps_dicom_as_dicom_and_patients_in_one_folder(ham, tmp_path
 
 
 def test_the_header_values_of_a_dicom_run_reach_no_message_and_no_server_log_line(ham, tmp_path, caplog):
-    """A FakeGrid run on the DICOM copy: every message both ways (config values, metric and array names, array bytes,
+    """A FakeGrid run on the DICOM copy, two simulated hospitals and a deployed one whose folder holds an instance
+    compressed without its codec: every message both ways (config values, metric and array names, array bytes,
     error reasons) and every log line, searched for every identifying header value of the files."""
     from strategies import FedAvgStrategy
 
-    from .fake_grid import FakeGrid, simulated_hospitals
+    from .fake_grid import FakeGrid, hospital_node, simulated_hospitals
 
-    values = header_values(ham / "dicom")
+    broken = tmp_path / "broken"
+    ham10000_to_dicom(ham / "jpeg", broken, [p.stem for p in sorted((ham / "jpeg" / "images").iterdir())][:8])
+    shutil.copy2(get_testdata_file("JPEG-lossy.dcm"), broken / "images")
+    with (broken / "labels.csv").open("a") as handle:
+        handle.write("images/JPEG-lossy.dcm,nv\n")
+    values = header_values(ham / "dicom") | header_values(broken)
     assert len(values) > 50
     config = {**ham_config(ham, "dicom").to_flat(), "state-dir": str(tmp_path / "state"),
               "results-dir": str(tmp_path / "results")}
-    grid = FakeGrid(simulated_hospitals(config, 2))
+    nodes = simulated_hospitals(config, 2)
+    nodes[201] = hospital_node(config, {"hospital": "h-broken", "data-dir": str(broken),
+                                        "state-dir": str(tmp_path / "state-broken")}, 201)
+    grid = FakeGrid(nodes)
     with caplog.at_level(logging.DEBUG):
-        FedAvgStrategy(run_config=config).start(grid, num_rounds=1)
-    assert grid.replies and not any(reply.has_error() for reply in grid.replies)
+        FedAvgStrategy(min_train_nodes=2, run_config=config).start(grid, num_rounds=1)
+    refusals = [reply.error.reason for reply in grid.replies if reply.has_error()]
+    assert any("JPEG-lossy.dcm" in reason and "JPEG Extended" in reason for reason in refusals), refusals
+    assert sum(not reply.has_error() for reply in grid.replies) >= 4  # the two others joined and trained
     texts, blobs = [record.getMessage() for record in caplog.records], []
     for message in grid.sent + grid.replies:
         if message.has_error():
