@@ -246,6 +246,14 @@ def brats(tmp_path_factory):
 
 
 def test_a_study_reads_as_the_nifti_case_it_was_made_from(brats):
+    """The same arrays (volumes and labels), and the same cases to split."""
+    from common.data.brain_sources import case_names
+
+    def brain(dataset: str) -> JobConfig:
+        return load_job_config({"task": "brain-tumour-segmentation", "strategy": "fedmepd", "dataset": dataset,
+                                "data-dir": str(brats / ("dicom" if dataset == "dicom" else "nifti"))})
+
+    assert case_names(brain("dicom")) == case_names(brain("brats"))
     for study in sorted((brats / "dicom").iterdir()):
         case = load_case(brats / "nifti" / study.name)
         read = load_study(study)
@@ -302,7 +310,7 @@ def test_fedmepd_trains_on_dicom_studies(brats, tmp_path):
     cfg = load_job_config({
         "run-name": "t", "task": "brain-tumour-segmentation", "dataset": "dicom", "data-dir": str(data),
         "strategy": "fedmepd-local", "num-server-rounds": 1, "batch-size": 1, "brain.widths": "4,8,16,32",
-        "brain.crop-size": 16, "brain.hospital-modalities": "t1ce,t2", "test-fraction": 0.25,
+        "brain.crop-size": 16, "brain.downsample": 2, "brain.hospital-modalities": "t1ce,t2", "test-fraction": 0.25,
         "brain.server-fraction": 0.25, "device": "cpu"})
     history = run_rounds(cfg, simulated_sites(cfg, 1)).history
     assert history and history[0]["test"]
