@@ -21,7 +21,7 @@ from torch import nn
 
 from common.config import JobConfig
 from common.data.containers import DataError
-from common.data.image_files import image_size_of, list_images, read_rgb
+from common.data.image_files import list_images, read_rgb
 from common.data.image_mask import data_set_folders
 from common.tasks.base import images_to_tensor
 
@@ -109,7 +109,8 @@ def image_batches(images: np.ndarray, batch_size: int = 16) -> Iterable[torch.Te
 @torch.no_grad()
 def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str | Path,
                    batch_size: int = 8) -> list[Path]:
-    """Write a mask PNG (0/255, the image's own size) for every image under ``images_dir``."""
+    """Write a mask PNG (0/255, the image's own size) for every image under ``images_dir``; for DICOM images, DICOM
+    SEGs over them naming the run's method, name and checkpoint (:func:`common.data.dicom_images.segment_instances`)."""
     model, meta = load_deployment(model_path)
     normalisation = str(meta.get("normalisation", "imagenet"))
     if normalisation not in ("imagenet", "0.5/0.5"):
@@ -133,25 +134,23 @@ def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str 
 
     paths = find_images(images_dir)
     out_dir = Path(out_dir)
-    if not paths and dicom_images(images_dir):
+    instances = [] if paths else dicom_images(images_dir)
+    if instances:
         from common.data.dicom_images import segment_instances
         from common.data.dicom_write import Algorithm
 
         algorithm = Algorithm(str(meta.get("method", "unknown")), str(meta.get("run-name", "")),
                               str(meta.get("checkpoint-sha256") or file_sha256(Path(model_path))))
-        return segment_instances(dicom_images(images_dir), out_dir, predict, algorithm)
+        return segment_instances(instances, out_dir, predict, algorithm)
     if not paths:
         raise DataError(f"{images_dir}: no image files")
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for start in range(0, len(paths), batch_size):
         chunk = paths[start:start + batch_size]
-        logits = model(images_to_tensor(load_images(chunk, size), torch.device("cpu")))
-        masks = (torch.sigmoid(logits[:, 0]) > threshold).numpy().astype(np.uint8) * 255
-        for path, mask in zip(chunk, masks):
-            target = out_dir / f"{path.stem}.png"
-            Image.fromarray(mask).resize(image_size_of(path), Image.NEAREST).save(target)
-            written.append(target)
+        for path, mask in zip(chunk, predict([read_rgb(path, None) for path in chunk])):
+            written.append(out_dir / f"{path.stem}.png")
+            Image.fromarray(mask * 255).save(written[-1])
     return written
 
 
