@@ -38,39 +38,42 @@ def dicom_files(folder: Path) -> list[Path]:
     return found
 
 
-def read_header(path: Path):
-    """The instance's header (no pixels); a DataError naming the file when it is not DICOM."""
+def _dcmread(path: Path, **options):
     import pydicom
     from pydicom.errors import InvalidDicomError
 
     try:
-        return pydicom.dcmread(regular_file(path, "DICOM file"), stop_before_pixels=True)
+        return pydicom.dcmread(regular_file(path, "DICOM file"), **options)
     except (InvalidDicomError, EOFError, OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(f"{path}: not a readable DICOM file ({type(error).__name__})") from None
+
+
+def _no_codec(path: Path, syntax) -> DataError:
+    return DataError(f"{path}: pixels compressed as {syntax.name}, which no codec installed here decodes (pip install "
+                     "pylibjpeg pylibjpeg-libjpeg pylibjpeg-openjpeg, or store it uncompressed)")
+
+
+def read_header(path: Path):
+    """The instance's header (no pixels); a DataError naming the file when it is not DICOM."""
+    return _dcmread(path, stop_before_pixels=True)
 
 
 def read_instance(path: Path):
-    """The whole instance, its pixels decodable here: a DataError naming the file for a compressed transfer
-    syntax without an installed codec, or pixels that do not decode."""
-    import pydicom
-    from pydicom.errors import InvalidDicomError
+    """The whole instance, an image whose transfer syntax some installed codec decodes (else a DataError naming the
+    file)."""
     from pydicom.pixels import get_decoder
 
-    try:
-        ds = pydicom.dcmread(regular_file(path, "DICOM file"))
-    except (InvalidDicomError, EOFError, OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"{path}: not a readable DICOM file ({type(error).__name__})") from None
-    syntax = getattr(getattr(ds, "file_meta", None), "TransferSyntaxUID", None)
+    ds = _dcmread(path)
     if "PixelData" not in ds:
         raise DataError(f"{path}: a DICOM instance without pixel data (not an image)")
-    if syntax is not None and syntax.is_compressed:
+    syntax = ds.file_meta.TransferSyntaxUID
+    if syntax.is_compressed:
         try:
             available = get_decoder(syntax).is_available
         except NotImplementedError:
             available = False
         if not available:
-            raise DataError(f"{path}: pixels compressed as {syntax.name} and no codec for it is installed here "
-                            "(pip install pylibjpeg pylibjpeg-libjpeg pylibjpeg-openjpeg), or store it uncompressed")
+            raise _no_codec(path, syntax)
     return ds
 
 
@@ -81,10 +84,8 @@ def pixels(ds, path: Path) -> np.ndarray:
         array = ds.pixel_array
     except Exception as error:  # pydicom's decoders raise RuntimeError, ValueError, their plugins' own kinds
         syntax = ds.file_meta.TransferSyntaxUID
-        codec = (f"compressed as {syntax.name}, which no codec installed here decodes (pip install pylibjpeg "
-                 "pylibjpeg-libjpeg pylibjpeg-openjpeg, or store it uncompressed)" if syntax.is_compressed
-                 else f"{type(error).__name__}")
-        raise DataError(f"{path}: pixels do not decode ({codec})") from None
+        raise (_no_codec(path, syntax) if syntax.is_compressed else
+               DataError(f"{path}: pixels do not decode ({type(error).__name__})")) from None
     if int(getattr(ds, "NumberOfFrames", 1) or 1) > 1:
         raise DataError(f"{path}: a multi-frame instance ({int(ds.NumberOfFrames)} frames); a 2D sample is one "
                         "single-frame instance")

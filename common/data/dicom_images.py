@@ -125,6 +125,11 @@ def load_dicom_classification(folder: str | Path, image_size: int, classes: tupl
 
 
 # --- segmentation ---------------------------------------------------------------------------------------------------
+def another_series(seg_path: Path) -> DataError:
+    return DataError(f"{seg_path}: references an instance that is not an image of this data set (a SEG of another "
+                     "series); keep a SEG with the series it segments")
+
+
 def seg_masks(seg_path: Path, images: dict[str, Path]) -> dict[str, np.ndarray]:
     """{SOP Instance UID: (rows, columns) mask} of one SEG over ``images`` (uid -> file); a DataError naming the SEG
     when it references an instance that is not among them (a SEG of another series)."""
@@ -135,10 +140,8 @@ def seg_masks(seg_path: Path, images: dict[str, Path]) -> dict[str, np.ndarray]:
         referenced = [uid for _, _, uid in seg.get_source_image_uids()]
     except (AttributeError, ValueError, KeyError, TypeError, OSError) as error:
         raise DataError(f"{seg_path}: not a readable DICOM SEG ({type(error).__name__})") from None
-    foreign = [uid for uid in referenced if uid not in images]
-    if foreign:
-        raise DataError(f"{seg_path}: references {len(foreign)} instance(s) that are not images of this data set "
-                        "(a SEG of another series); keep a SEG with the series it segments")
+    if any(uid not in images for uid in referenced):
+        raise another_series(seg_path)
     try:
         frames = seg.get_pixels_by_source_instance(referenced, combine_segments=True, skip_overlap_checks=True)
     except (ValueError, KeyError, RuntimeError) as error:
@@ -151,9 +154,9 @@ def segmentation_pairs(folder: Path) -> list[tuple[Path, Path]]:
     image file of the same stem. Only headers are read."""
     images = by_stem(dicom_files(folder / "images"))
     masks_dir = folder / "masks"
-    files = sorted(p for p in masks_dir.iterdir() if not p.name.startswith(".")) if masks_dir.is_dir() else []
     if not masks_dir.is_dir():
         raise DataError(f"{masks_dir}: folder not found (a DICOM segmentation data set holds images/ and masks/)")
+    files = sorted(p for p in masks_dir.iterdir() if not p.name.startswith("."))
     mask_files = by_stem([p for p in files if p.suffix.lower() in IMAGE_SUFFIXES])
     uids = {str(read_header(path).SOPInstanceUID): stem for stem, path in images.items()}
     covered: dict[str, Path] = {}
@@ -167,8 +170,7 @@ def segmentation_pairs(folder: Path) -> list[tuple[Path, Path]]:
             for instance in getattr(item, "ReferencedInstanceSequence", []):
                 stem = uids.get(str(instance.ReferencedSOPInstanceUID))
                 if stem is None:
-                    raise DataError(f"{path}: references an instance that is not an image of {folder / 'images'} "
-                                    "(a SEG of another series); keep a SEG with the series it segments")
+                    raise another_series(path)
                 covered.setdefault(stem, path)
     pairs = []
     for stem in sorted(images):
