@@ -224,6 +224,22 @@ def test_endoscopy_frames_group_by_patient_as_their_videos_and_train(cvc, tmp_pa
     assert set(sources.simulation_split(cfg).test.groups).isdisjoint(sources.simulation_split(cfg).pool.groups)
 
 
+def test_partition_of_endoscopy_keeps_frames_with_their_segs_and_videos_whole(cvc, tmp_path):
+    from common.data.export import export_partitions
+
+    cfg = load_job_config({"run-name": "t", "task": "polyp-segmentation", "dataset": "dicom", "image-size": 16,
+                           "data-dir": str(cvc / "dicom"), "partitioner": "iid", "min-partition-size": 2})
+    export_partitions(cfg, 2, tmp_path / "sites")
+    owner: dict[str, str] = {}
+    whole = load_dicom_segmentation(cvc / "dicom", 16)
+    for site in ("test", "hospital-00", "hospital-01"):
+        part = load_dicom_segmentation(tmp_path / "sites" / site, 16)  # each image's SEG came with it
+        for name, group, mask in zip(part.names, part.groups, part.masks):
+            assert owner.setdefault(group, site) == site
+            assert np.array_equal(mask, whole.masks[whole.names.tolist().index(name)])
+    assert set(owner) == set(whole.groups.tolist())
+
+
 # --- brain tumour studies ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def brats(tmp_path_factory):
@@ -259,6 +275,16 @@ def test_a_study_reads_as_the_nifti_case_it_was_made_from(brats):
         read = load_study(study)
         assert np.array_equal(read.image, case.image) and np.array_equal(read.label, case.label)
         assert set(np.unique(read.label).tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("description,modality", [
+    ("AX T2 FLAIR", "flair"), ("t2_tirm_tra_dark-fluid FLAIR", "flair"), ("AX T1 POST GD", "t1ce"), ("T1C", "t1ce"),
+    ("t1_mprage_sag_Gd", "t1ce"), ("T1+C AX", "t1ce"), ("AX T1 PRE", "t1"), ("t1_se_tra", "t1"),
+    ("AX T2 FSE", "t2"), ("t2_tse_tra", "t2"), ("DWI b1000", None), ("3-plane localizer", None)])
+def test_the_default_series_rule_maps_the_usual_names(description, modality):
+    from common.data.dicom_brain import DEFAULT_RULES, modality_of
+
+    assert modality_of(description, DEFAULT_RULES) == modality
 
 
 def test_partial_modalities_a_hospital_rule_and_another_grid(brats, tmp_path):

@@ -31,7 +31,7 @@ from .image_files import cached_arrays, regular_file
 RULES_FILE = "series-rules.json"
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "flair": ("*flair*",),
-    "t1ce": ("*t1*ce*", "*t1*gd*", "*t1*gad*", "*t1*c+*", "*t1*contrast*", "*t1*post*", "*t1c*"),
+    "t1ce": ("*t1*ce*", "*t1*gd*", "*t1*gad*", "*t1*c+*", "*t1*+c*", "*t1*contrast*", "*t1*post*", "*t1c*"),
     "t1": ("*t1*",),
     "t2": ("*t2*",),
 }
