@@ -393,6 +393,28 @@ def test_a_seg_of_another_series_is_named(cvc, tmp_path):
     one_line_naming(error, folder / "masks" / f"{first.stem}.dcm", header_values(folder))
 
 
+def test_an_unforeseen_error_of_the_dicom_libraries_reaches_the_server_without_its_text(cvc, brats, monkeypatch):
+    """Whatever pydicom or highdicom raise, and whatever their message quotes, a loader's error names the folder and
+    the error's kind only."""
+    import highdicom as hd
+
+    folder = cvc / "dicom"
+    patient = pydicom.dcmread(next((folder / "cvc_clinicdb_256" / "images").iterdir())).PatientID
+
+    def quoting(*args, **kwargs):
+        raise RuntimeError(f"unexpected value in the header of patient {patient}")
+
+    monkeypatch.setattr(hd.seg, "segread", quoting)
+    monkeypatch.setattr(hd, "get_volume_from_series", quoting)
+    with pytest.raises(DataError) as error:
+        load_dicom_segmentation(folder, 17)  # a size not cached yet
+    assert "RuntimeError" in one_line_naming(error, folder, {patient})
+    study = sorted((brats / "dicom").iterdir())[0]
+    with pytest.raises(DataError) as error:
+        load_study(study, downsample=3)
+    assert "RuntimeError" in one_line_naming(error, study, header_values(study))
+
+
 def test_a_missing_series_and_a_series_of_mixed_grids_are_named(brats, tmp_path):
     study = tmp_path / "site" / "case"
     shutil.copytree(sorted((brats / "dicom").iterdir())[0], study)

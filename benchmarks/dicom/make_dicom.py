@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,8 @@ def brats_to_dicom(case: Path, out: Path, modalities: tuple[str, ...] = MODALITI
     import nibabel as nib
     from pydicom.uid import generate_uid
 
-    study = Study(patient_id=case.name, patient_name=f"Patient^{case.name}", study_description="MRI BRAIN W/WO")
+    patient = "P" + hashlib.sha256(case.name.encode()).hexdigest()[:10]  # not the folder's name: a header value
+    study = Study(patient_id=patient, patient_name=f"Patient^{patient}", study_description="MRI BRAIN W/WO")
     frame = generate_uid()
     first = None
     for number, modality in enumerate(modalities, start=1):

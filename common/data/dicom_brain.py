@@ -25,7 +25,7 @@ import numpy as np
 
 from .brats import MODALITIES, BratsCase, preprocess
 from .containers import DataError
-from .dicom_files import RAS_TO_LPS, dicom_files, is_seg, read_header, read_instance
+from .dicom_files import RAS_TO_LPS, dicom_files, headers_stay_here, is_seg, read_header, read_instance
 from .image_files import cached_arrays, regular_file
 
 RULES_FILE = "series-rules.json"
@@ -166,6 +166,7 @@ def label_files(study: Path, segs: list[Path]) -> list[Path]:
     return found
 
 
+@headers_stay_here
 def load_study(study: str | Path, modalities: tuple[str, ...] = MODALITIES, with_label: bool = True,
                downsample: int = 1) -> BratsCase:
     """One study as a case of ``modalities`` (a missing series is an error naming the study folder)."""

@@ -9,6 +9,7 @@ files. No header value goes into a container, a DataError (which the hospital re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -22,6 +23,24 @@ NOT_DICOM_SUFFIXES = (".csv", ".json", ".txt", ".md", ".nii", ".gz", ".jpg", ".j
 SEG_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
 #: a NIfTI affine is RAS, DICOM's patient coordinates LPS
 RAS_TO_LPS = np.diag([-1.0, -1.0, 1.0, 1.0])
+
+
+def headers_stay_here(read):
+    """``read(folder_or_file, ...)`` with any error other than our DataErrors (whose messages hold no header value)
+    turned into a DataError naming its first argument and the error's kind only: a pydicom or highdicom message
+    may quote a tag's value, and a hospital's error reaches the server."""
+
+    @functools.wraps(read)
+    def wrapped(where, *args, **kwargs):
+        try:
+            return read(where, *args, **kwargs)
+        except DataError:
+            raise
+        except Exception as error:
+            raise DataError(f"{where}: cannot be read as DICOM ({type(error).__name__}; the error's text is not "
+                            "passed on, as it may quote a header: read it at the hospital with pydicom)") from None
+
+    return wrapped
 
 
 def dicom_files(folder: Path) -> list[Path]:

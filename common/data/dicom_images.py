@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from .containers import DataError, LabelledImages, SegmentationImages, concat
-from .dicom_files import dicom_files, group_of, is_seg, read_header, read_instance, rgb_pixels
+from .dicom_files import dicom_files, group_of, headers_stay_here, is_seg, read_header, read_instance, rgb_pixels
 from .image_files import IMAGE_SUFFIXES, by_stem, cached_arrays, read_mask, regular_file
 from .image_mask import data_set_folders
 
@@ -101,6 +101,7 @@ def labelled_files(folder: Path) -> tuple[list[tuple[Path, str]], Path]:
     return [(by_uid[value], label) for value, label, _ in rows], labels_path
 
 
+@headers_stay_here
 def load_dicom_classification(folder: str | Path, image_size: int, classes: tuple[str, ...] = ()) -> LabelledImages:
     folder = Path(folder)
     files, labels_path = labelled_files(folder)
@@ -214,6 +215,7 @@ def load_dicom_segmentation_folder(folder: Path, image_size: int) -> Segmentatio
                               np.full(len(pairs), source), np.array([f"{source}/{g}" for g in arrays["groups"]]))
 
 
+@headers_stay_here
 def load_dicom_segmentation(folder: str | Path, image_size: int) -> SegmentationImages:
     """Every data set under ``folder`` (one source each)."""
     return concat([load_dicom_segmentation_folder(f, image_size) for f in data_set_folders(folder)])
