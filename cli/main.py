@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     segment.add_argument("--best", action="store_true", help="the INT8 model of the run's best round, as "
                          "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt2 or .onnx)")
     segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
-    segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
+    segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size), or "
+                         "DICOM SEGs for DICOM images (docs/data.md)")
 
     evaluation = sub.add_parser("evaluate", help="score a run's model on a labelled folder it never saw")
     evaluation.add_argument("--run", type=Path, required=True, help="run folder (or one of its checkpoint files)")

@@ -23,9 +23,9 @@ TaskName = Literal["classification", "polyp-segmentation", "brain-tumour-segment
 
 #: Which data set formats each task can read.
 TASK_DATASETS: dict[str, tuple[str, ...]] = {
-    "classification": ("synthetic", "ham10000", "npz"),
-    "polyp-segmentation": ("synthetic", "image-mask"),
-    "brain-tumour-segmentation": ("synthetic", "brats"),
+    "classification": ("synthetic", "ham10000", "npz", "dicom"),
+    "polyp-segmentation": ("synthetic", "image-mask", "dicom"),
+    "brain-tumour-segmentation": ("synthetic", "brats", "dicom"),
 }
 
 _hyphen = hyphenated
@@ -154,10 +154,11 @@ class CoreConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
 
     dataset: str = Field("synthetic", description=(
-        "A format we read (synthetic, ham10000, npz, image-mask, brats) or a loader of your own, "
+        "A format we read (synthetic, ham10000, npz, image-mask, brats, dicom) or a loader of your own, "
         "'package.module:loader' (common/data/loaders.py says what it is given and returns)."))
     dataset_args: str = Field("", description=(
-        "Keyword arguments for a loader of your own, a JSON object (a hospital's node config may add its own)."))
+        "Keyword arguments for a loader of your own, a JSON object (a hospital's node config may add its own); "
+        "dataset='dicom' classification takes its class names from '{\"classes\": [...]}'."))
     data_workers: int = Field(-1, ge=-1, description=(
         "Processes reading a torch Dataset of your own while a hospital trains (-1: 4 on a GPU, none on the "
         "CPU); batches go to a GPU from pinned memory."))
@@ -364,7 +365,8 @@ class CoreConfig(Section):
 
     def check_paths(self) -> None:
         """Paths the server itself reads must exist (checked before round 1)."""
-        if self.dataset in ("ham10000", "npz", "image-mask", "brats") and not self.data_dir and not self.test_dir:
+        folders = ("ham10000", "npz", "image-mask", "brats", "dicom")
+        if self.dataset in folders and not self.data_dir and not self.test_dir:
             raise ConfigError(f"data-dir: dataset={self.dataset!r} needs data-dir (simulation) or test-dir")
         checks = [("data-dir", self.data_dir, "exists"), ("test-dir", self.test_dir, "exists"),
                   ("brain.server-data-dir", self.brain.server_data_dir, "exists"),

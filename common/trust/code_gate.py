@@ -43,7 +43,7 @@ BUILT_IN_NETWORKS: dict[str, str] = {
     "rfnet": "common.models.rfnet:MultimodalSegNet",
 }
 #: the data formats we read, each a loader of the task's (``common.tasks.base.Task.builtin_data``)
-DATA_FORMATS = ("synthetic", "ham10000", "npz", "image-mask", "brats")
+DATA_FORMATS = ("synthetic", "ham10000", "npz", "image-mask", "brats", "dicom")
 
 
 def built_in(kind: str) -> tuple[str, ...]:
