@@ -335,8 +335,11 @@ class HospitalRules:
     min_hospitals_per_sum: int = 2
     memory: ReplayMemory = field(default_factory=lambda: ReplayMemory(None))
     min_norm_bound: float = 0.0  #: its policy's min-update-norm-bound: a plan's norm bound may not be below it
-    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without peer-keys)
+    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without pinned keys)
     unusable: str = ""
+    #: its policy's pinned peers (name -> key fingerprint, its own included): a key in peer-keys that is not pinned
+    #: is refused; None: its policy pins none
+    pins: dict[str, str] | None = None
 
     def sign(self, statement: bytes) -> bytes:
         """Its signature of ``statement`` (empty without an identity key)."""
@@ -352,7 +355,7 @@ class HospitalRules:
             return None
         from common.trust.identity import statement_problem
 
-        return statement_problem(self.peer_keys, name, statement, signature)
+        return statement_problem(self.peer_keys, name, statement, signature, pins=self.pins)
 
 
 @dataclass
