@@ -61,8 +61,11 @@ def test_three_hospitals_each_mount_only_their_own_data_state_and_key():
         assert all(m[0] == "./deploy/certs/ca.crt" for m in volume_list if m[1].startswith("/certs")), name
         peers = {(f"./deploy/keys/{other}.pub", f"/peer-keys/{other}.pub", "ro") for other in found}
         assert {m for m in volume_list if m[1].startswith("/peer-keys/")} == peers, f"{name}: every public key"
+        policy = [m for m in volume_list if m[1].startswith("/policy/")]
+        assert policy == [(f"./deploy/policies/{name}.toml", f"/policy/{name}.toml", "ro")], f"{name}: its own policy"
+        assert f"policy-file='/policy/{name}.toml'" in service["command"], name
         assert {m[1] for m in volume_list} == {"/data", "/state", f"/keys/{name}", "/certs/ca.crt",
-                                               *(m[1] for m in peers)}, name
+                                               f"/policy/{name}.toml", *(m[1] for m in peers)}, name
         data_sources.add(data[0][0])
         state_sources.add(state[0][0])
     assert len(data_sources) == 3 and len(state_sources) == 3  # nobody shares a folder

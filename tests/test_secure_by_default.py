@@ -45,8 +45,9 @@ AT_A_SITE = {**SMALL, "dataset": "my_site.data:load"}
 
 # --- the node configs the documented deployment writes -------------------------------------------------------------
 def consortium_keys(folder: Path) -> Path:
-    """deploy/make_hospital_keys.sh's key pairs for three hospitals, and the folder of their public keys (peer keys)
-    a hospital is handed."""
+    """deploy/make_hospital_keys.sh's key pairs for three hospitals, the folder of their public keys (peer keys)
+    a hospital is handed, and hospital-a's policy as deploy/make_hospital_policy.sh writes it from the template
+    (``policies/hospital-a.toml``: pinning the three keys its officer compared)."""
     keys = folder / "keys"
     subprocess.run(["bash", str(ROOT / "deploy" / "make_hospital_keys.sh"), str(keys), "hospital-a", "hospital-b",
                     "hospital-c"], check=True, capture_output=True)
@@ -54,6 +55,9 @@ def consortium_keys(folder: Path) -> Path:
     peers.mkdir()
     for public in keys.glob("*.pub"):
         (peers / public.name).write_bytes(public.read_bytes())
+    subprocess.run(["bash", str(ROOT / "deploy" / "make_hospital_policy.sh"), str(folder / "policies" /
+                    "hospital-a.toml"), *map(str, sorted(keys.glob("*.pub")))], check=True, capture_output=True,
+                   env={**os.environ, "FEDMED_PYTHON": sys.executable})
     return keys
 
 
@@ -69,7 +73,8 @@ def script_node_config(folder: Path) -> dict:
         """))
     recorder.chmod(0o755)
     (folder / "data").mkdir()
-    subprocess.run(["bash", str(ROOT / "deploy" / "start_supernode.sh"), "hospital-a", "superlink.example.org:9200",
+    subprocess.run(["bash", str(ROOT / "deploy" / "start_supernode.sh"), "--policy",
+                    str(folder / "policies" / "hospital-a.toml"), "hospital-a", "superlink.example.org:9200",
                     str(folder / "ca.crt"), str(keys / "hospital-a"), str(folder / "peer-keys"), str(folder / "data"),
                     str(folder / "state")], check=True, capture_output=True,
                    env={**os.environ, "FEDMED_PYTHON": str(recorder)})
@@ -90,7 +95,8 @@ def compose_node_config(folder: Path) -> dict:
     text = text.replace("${FEDMED_APPROVED_APPS:?run deploy/compose_env.sh > .env first}",
                         values["FEDMED_APPROVED_APPS"])
     places = {"'/data'": folder / "data", "'/state/hospital'": folder / "state",
-              "'/keys/hospital-a'": folder / "keys" / "hospital-a", "'/peer-keys'": folder / "peer-keys"}
+              "'/keys/hospital-a'": folder / "keys" / "hospital-a", "'/peer-keys'": folder / "peer-keys",
+              "'/policy/hospital-a.toml'": folder / "policies" / "hospital-a.toml"}
     for inside, outside in places.items():
         text = text.replace(inside, repr(str(outside)))
     return parse_config_args([text])
@@ -383,8 +389,10 @@ def test_paths_outside_the_hospitals_folders_are_refused_alike_whether_or_not_th
 @pytest.mark.parametrize("huge", [{"data-workers": 100000}, {"local-epochs": 10**9}, {"batch-size": 10**9},
                                   {"image-size": 1024, "synthetic-samples": 10**8}])
 def test_huge_job_keys_are_refused(site_code, deployed, shipped, huge):
+    """Asked with an evaluate message: the shipped policy refuses every plain training request before it looks at
+    the job (require-secure-aggregation)."""
     node = deployed(shipped)
-    reply = answer(node, huge, MessageType.TRAIN)
+    reply = answer(node, huge, MessageType.EVALUATE)
     key = list(huge)[-1]
     assert reply.has_error() and f"{key}=" in reply.error.reason and "more than this hospital allows" in \
         reply.error.reason
