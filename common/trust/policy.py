@@ -252,14 +252,24 @@ def parse_policy_text(path: Path, data: bytes) -> Any:
         raise ConfigError(f"policy-file {str(path)!r} is not valid {form}: {error}") from None
 
 
+#: policies as parsed: (suffix, SHA-256 of the file's bytes) -> the policy (a few per process)
+_PARSED: dict[tuple[str, str], Policy] = {}
+
+
 def read_policy(path: str | Path) -> tuple[Policy, str]:
     """The policy in ``path`` (TOML; JSON or YAML when it ends in .json, .yaml or .yml) and the SHA-256 of the
-    file's bytes; ConfigError names the file and the key at fault."""
+    file's bytes; ConfigError names the file and the key at fault. The file is read for every message and parsed
+    again whenever its bytes differ from any it had (a secure round reads it at each of its stages). Callers must
+    not change the policy returned."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as error:
         raise ConfigError(f"policy-file {str(path)!r} cannot be read: {error.strerror or error}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    known = _PARSED.get((path.suffix.lower(), digest))
+    if known is not None:
+        return known, digest
     raw = parse_policy_text(path, data)
     if not isinstance(raw, dict):
         raise ConfigError(f"policy-file {str(path)!r} must hold a table of keys, not {type(raw).__name__}")
@@ -269,6 +279,7 @@ def read_policy(path: str | Path) -> tuple[Policy, str]:
         from common.config import describe_validation_error
 
         raise ConfigError(describe_validation_error(error, what=f"policy-file {str(path)!r}")) from None
-    return policy, hashlib.sha256(data).hexdigest()
+    _PARSED[path.suffix.lower(), digest] = policy
+    return policy, digest
 
 
