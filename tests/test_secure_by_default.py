@@ -499,6 +499,7 @@ CLI_CASES = {
     "a node config cut short": (["policy", "check", "--node-config", "hospital='x"], "--node-config"),
     "an app folder in a link loop": (["app-hash", "{tmp}/loop-a"], "symbolic link loop"),
     "an app folder without an app": (["app-hash", "{tmp}"], "holds no pyproject.toml"),
+    "a key file that is no key": (["key-fingerprint", "pyproject.toml"], "is not an OpenSSH ECDSA public or private"),
 }
 
 
@@ -519,7 +520,7 @@ def test_help_lists_every_subcommand():
     done = subprocess.run([sys.executable, "-m", "cli.main", "--help"], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, timeout=60)
     for command in ("demo", "simulate", "partition", "export-int8", "segment", "evaluate", "audit", "app-hash",
-                    "policy", "runs"):
+                    "policy", "key-fingerprint", "runs"):
         assert f"    {command} " in done.stdout, command
 
 
@@ -654,3 +655,26 @@ def test_distributed_dp_counts_only_pinned_peers_as_honest(tmp_path, shipped_con
         assert enforcer.honest_shares == 1
         with pytest.raises(PolicyRefusal, match="0.5 from the 1 honest ones it counts on .*not pinned"):
             enforcer.distributed_release(payload, {})
+
+
+def test_key_fingerprint_prints_what_ssh_keygen_prints_and_the_policys_peers_table(tmp_path):
+    """The fingerprint officers compare is OpenSSH's (``ssh-keygen -l``); ``--peers`` prints a table a policy reads,
+    and a private key gives its public half's."""
+    import shutil
+
+    from common.trust.policy import read_policy
+
+    keys = consortium_keys(tmp_path)
+    publics = sorted(keys.glob("*.pub"))
+    done = run_fedmed("key-fingerprint", *map(str, publics), keys.joinpath("hospital-a"), home=tmp_path / "home")
+    printed = [line.split()[:2] for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and [name for _, name in printed] == ["hospital-a", "hospital-b", "hospital-c",
+                                                                     "hospital-a"]
+    assert printed[0][0] == printed[3][0]  # the private key's public half
+    if shutil.which("ssh-keygen"):
+        for public, (fingerprint, _) in zip(publics, printed):
+            assert subprocess.run(["ssh-keygen", "-l", "-f", str(public)], capture_output=True, text=True,
+                                  check=True).stdout.split()[1] == fingerprint
+    table = run_fedmed("key-fingerprint", "--peers", *map(str, publics), home=tmp_path / "home").stdout
+    (tmp_path / "peers.toml").write_text(table)
+    assert read_policy(tmp_path / "peers.toml")[0].peers == {name: fingerprint for fingerprint, name in printed[:3]}
