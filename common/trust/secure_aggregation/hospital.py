@@ -808,18 +808,20 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
 def signed_survivors(state: HospitalRound, rules: HospitalRules, survivors: list[int], names: Mapping[int, str],
                      table: Mapping[int, tuple[str, bytes]]) -> set[str]:
     """The survivors, by name, whose signature of this set and this plan verifies with their registered (pinned)
-    key: every neighbour's (the ones whose shares it reveals), then the others' until min-hospitals-per-sum of them
-    and every part of the sum hold enough (a survivor it does not check is not counted). Each signature is checked
-    once; SecureAggregationRefusal when one it checks does not verify, or two survivors have one name."""
+    key: itself (it knows what it signed), every neighbour's (the ones whose shares it reveals), then the others'
+    until min-hospitals-per-sum of them and every part of the sum hold enough (a survivor it does not check is not
+    counted). Each signature is checked once; SecureAggregationRefusal when one it checks does not verify, or two
+    survivors have one name."""
     statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
     least = rules.min_hospitals_per_sum
 
     def signed(nid: int) -> bool:
         return rules.signature_problem(names.get(nid, ""), statement, table[nid][1]) is None
 
-    neighbours = [nid for nid in survivors if nid in state.names]
+    own = state.flower.nid  # what it signed itself it knows: this set and this plan (checked above)
+    neighbours = [nid for nid in survivors if nid in state.names and nid != own]
     unsigned = [nid for nid in neighbours if not signed(nid)]
-    counted = {names[nid] for nid in neighbours if nid not in unsigned}
+    counted = {names[nid] for nid in [own, *neighbours] if nid not in unsigned}
     for nid in (nid for nid in survivors if nid not in state.names):
         if not unsigned and len(counted) >= least and parts_problem(state.parts, counted, least) is None:
             break
