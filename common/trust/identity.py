@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import secrets
 from pathlib import Path
 from typing import Mapping
@@ -68,8 +69,8 @@ def sign_identity(private_key_file: str | Path, run_name: str, nonce: str, name:
 
 #: a key file as last read: path -> ((inode, size, modification time), the key); a key file replaced is read again
 _KEYS: dict[tuple[Path, bool], tuple[tuple[int, int, int], object]] = {}
-#: a public key file as last read: path -> ((inode, size, modification time), its fingerprint)
-_FINGERPRINTS: dict[Path, tuple[tuple[int, int, int], str]] = {}
+#: a registered key file as last read: its path -> ((inode, size, modification time), the key, its fingerprint)
+_REGISTERED: dict[str, tuple[tuple[int, int, int], object, str]] = {}
 #: identity key path -> (its file's identity, (the derived Ed25519 key, its public key, the endorsement))
 _SIGNERS: dict[Path, tuple[tuple[int, int, int], tuple[Ed25519PrivateKey, bytes, bytes]]] = {}
 #: (registered key's fingerprint, Ed25519 public key) pairs whose endorsement verified -> the Ed25519 key
@@ -140,7 +141,14 @@ def own_fingerprint(private_key_file: str | Path) -> str:
     key = _read_key(Path(private_key_file).absolute(), private=True)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"node config key 'identity-key': {private_key_file} is not an ECDSA key")
-    return key_fingerprint(key.public_key())
+    if id(key) not in _OWN:  # the entry keeps the key alive, so its id is not reused
+        _OWN[id(key)] = (key, key_fingerprint(key.public_key()))
+    return _OWN[id(key)][1]
+
+
+#: identity keys asked for (one object per file version) and their public halves' fingerprints (asked for every
+#: message)
+_OWN: dict[int, tuple[object, str]] = {}
 
 
 def identity_problem(keys_folder: str | Path, run_name: str, nonce: str, name: str, signature: object) -> str | None:
@@ -159,16 +167,15 @@ def statement_problem(keys_folder: str | Path, name: str, statement: bytes, sign
     whatever folder holds it."""
     if not isinstance(signature, bytes) or not signature:
         return f"{name!r} sent no signature (node config 'identity-key' unset?)"
-    key_file = Path(keys_folder) / f"{name}.pub"
+    key_file = os.path.join(keys_folder, f"{name}.pub")
     try:
-        key = _read_key(key_file.absolute(), private=False)
+        key, fingerprint = _registered_key(key_file)
     except (FileNotFoundError, IsADirectoryError):
         return f"no key is registered for {name!r} (expected {key_file})"
     except (OSError, ValueError) as error:
         return f"the registered key {key_file} cannot be read ({error})"
     if not isinstance(key, ec.EllipticCurvePublicKey):
         return f"the registered key {key_file} is not an ECDSA key"
-    fingerprint = _fingerprint_of(key_file.absolute(), key)
     if pins is not None and pins.get(name) != fingerprint:
         pinned = pins.get(name)
         return (f"the key {key_file} ({fingerprint}) is not the one this hospital's policy pins for {name!r} "
@@ -193,11 +200,14 @@ def statement_problem(keys_folder: str | Path, name: str, statement: bytes, sign
     return None
 
 
-def _fingerprint_of(path: Path, key: ec.EllipticCurvePublicKey) -> str:
-    """The fingerprint of ``key``, just read from ``path`` by :func:`_read_key`, computed once while the file stays
-    the same."""
-    identity = _KEYS[path, False][0]
-    known = _FINGERPRINTS.get(path)
+def _registered_key(path: str) -> tuple[object, str]:
+    """The public key in ``path`` and its fingerprint, parsed once while the file stays the same (a secure round
+    checks hundreds of signatures against the same few files). OSError or ValueError as :func:`_read_key`."""
+    status = os.stat(path)
+    identity = (status.st_ino, status.st_size, status.st_mtime_ns)
+    known = _REGISTERED.get(path)
     if known is None or known[0] != identity:
-        known = _FINGERPRINTS[path] = (identity, key_fingerprint(key))
-    return known[1]
+        key = _read_key(Path(path).absolute(), private=False)
+        known = _REGISTERED[path] = (identity, key,
+                                     key_fingerprint(key) if isinstance(key, ec.EllipticCurvePublicKey) else "")
+    return known[1], known[2]
