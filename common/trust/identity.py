@@ -71,8 +71,9 @@ def sign_identity(private_key_file: str | Path, run_name: str, nonce: str, name:
 _KEYS: dict[tuple[Path, bool], tuple[tuple[int, int, int], object]] = {}
 #: a registered key file as last read: its path -> ((inode, size, modification time), the key, its fingerprint)
 _REGISTERED: dict[str, tuple[tuple[int, int, int], object, str]] = {}
-#: identity key path -> (its file's identity, (the derived Ed25519 key, its public key, the endorsement))
-_SIGNERS: dict[Path, tuple[tuple[int, int, int], tuple[Ed25519PrivateKey, bytes, bytes]]] = {}
+#: id of an identity key object -> (the key, kept alive so that its id is not reused; its Ed25519 protocol key, that
+#: key's public half, the identity key's endorsement of it, the identity key's fingerprint)
+_SIGNERS: dict[int, tuple[object, tuple[Ed25519PrivateKey, bytes, bytes, str]]] = {}
 #: (registered key's fingerprint, Ed25519 public key) pairs whose endorsement verified -> the Ed25519 key
 _ENDORSED: dict[tuple[str, bytes], Ed25519PublicKey] = {}
 
@@ -94,32 +95,29 @@ def _read_key(path: Path, private: bool) -> object:
     return key
 
 
-def _protocol_signer(path: Path) -> tuple[Ed25519PrivateKey, bytes, bytes]:
-    """The Ed25519 key derived from the identity key in ``path``, its public key and the identity key's endorsement
-    of it, made once per process while the file stays the same."""
-    status = path.stat()
-    identity = (status.st_ino, status.st_size, status.st_mtime_ns)
-    known = _SIGNERS.get(path)
-    if known is not None and known[0] == identity:
-        return known[1]
-    key = _read_key(path, private=True)
+def _signer(private_key_file: str | Path) -> tuple[Ed25519PrivateKey, bytes, bytes, str]:
+    """The identity key's Ed25519 protocol key (HKDF-SHA256 of its private scalar), that key's public half, the
+    identity key's endorsement of it and the identity key's fingerprint: made once per version of the file
+    (:func:`_read_key` keeps one key object per version). ValueError when it is no ECDSA private key."""
+    key = _read_key(Path(private_key_file).absolute(), private=True)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError("it is not an ECDSA key")
-    scalar = key.private_numbers().private_value.to_bytes((key.curve.key_size + 7) // 8, "big")
-    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=PROTOCOL_KEY_INFO).derive(scalar)
-    protocol = Ed25519PrivateKey.from_private_bytes(seed)
-    public = protocol.public_key().public_bytes_raw()
-    endorsement = key.sign(ENDORSEMENT_PREFIX + public, ec.ECDSA(hashes.SHA384()))
-    _SIGNERS[path] = (identity, (protocol, public, endorsement))
-    return _SIGNERS[path][1]
-
+    known = _SIGNERS.get(id(key))
+    if known is None:
+        scalar = key.private_numbers().private_value.to_bytes((key.curve.key_size + 7) // 8, "big")
+        seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=PROTOCOL_KEY_INFO).derive(scalar)
+        protocol = Ed25519PrivateKey.from_private_bytes(seed)
+        public = protocol.public_key().public_bytes_raw()
+        endorsement = key.sign(ENDORSEMENT_PREFIX + public, ec.ECDSA(hashes.SHA384()))
+        known = _SIGNERS[id(key)] = (key, (protocol, public, endorsement, key_fingerprint(key.public_key())))
+    return known[1]
 
 
 def sign_statement(private_key_file: str | Path, statement: bytes) -> bytes:
     """The hospital's signature of ``statement``: its Ed25519 protocol key's, with that key endorsed by its identity
     key (module docstring); ValueError naming the file when the identity key cannot be read or is no ECDSA key."""
     try:
-        protocol, public, endorsement = _protocol_signer(Path(private_key_file).absolute())
+        protocol, public, endorsement, _ = _signer(private_key_file)
     except (OSError, ValueError) as error:
         raise ValueError(f"node config key 'identity-key': cannot use {private_key_file} as the hospital's ECDSA "
                          f"private key ({error})") from None
@@ -138,17 +136,10 @@ def key_fingerprint(key: str | Path | ec.EllipticCurvePublicKey) -> str:
 def own_fingerprint(private_key_file: str | Path) -> str:
     """The fingerprint of the public half of the identity key in ``private_key_file`` (a hospital pins its own key
     by holding it)."""
-    key = _read_key(Path(private_key_file).absolute(), private=True)
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"node config key 'identity-key': {private_key_file} is not an ECDSA key")
-    if id(key) not in _OWN:  # the entry keeps the key alive, so its id is not reused
-        _OWN[id(key)] = (key, key_fingerprint(key.public_key()))
-    return _OWN[id(key)][1]
-
-
-#: identity keys asked for (one object per file version) and their public halves' fingerprints (asked for every
-#: message)
-_OWN: dict[int, tuple[object, str]] = {}
+    try:
+        return _signer(private_key_file)[3]
+    except ValueError as error:
+        raise ValueError(f"node config key 'identity-key': {private_key_file}: {error}") from None
 
 
 def identity_problem(keys_folder: str | Path, run_name: str, nonce: str, name: str, signature: object) -> str | None:
