@@ -63,7 +63,8 @@ def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
     Its decisions, and its ledger's entries, go to the hospital's audit log."""
     if not node.policy_file:
         return None
-    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), hospital_audit(node, cfg.state_dir))
+    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), hospital_audit(node, cfg.state_dir),
+                        peers_checked=bool(node.peer_keys))
 
 
 def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:

@@ -95,15 +95,29 @@ def hospital_rules(context: Context):
     audit_path = node.audit_path(run_state)
     audit = AuditLog(audit_path, f"hospital:{node.name}") if audit_path is not None else None
     unusable = ""
-    if policy is not None and policy.require_secure_aggregation and not node.virtual and not node.peer_keys:
-        unusable = ("require-secure-aggregation in a deployment needs the consortium's registered keys (node config "
-                    "peer-keys and identity-key): without them the server could invent the other hospitals of a sum")
+    if policy is not None and policy.require_secure_aggregation and not node.virtual and not (
+            node.peer_keys and policy.peers):
+        unusable = ("require-secure-aggregation in a deployment needs the consortium's keys pinned: node config "
+                    "peer-keys and identity-key, and the policy's peers (each hospital's key fingerprint, compared "
+                    "with its officers): without them the server could invent the other hospitals of a sum")
     rules = HospitalRules(node.name, node.identity_key, node.peer_keys,
                           policy.min_threshold_fraction if policy else MIN_THRESHOLD_FRACTION,
                           policy.min_hospitals_per_sum if policy else 2,
                           ReplayMemory(node.state_root(run_state), audit),
-                          policy.min_update_norm_bound if policy else 0.0, unusable)
+                          policy.min_update_norm_bound if policy else 0.0, unusable,
+                          pinned_peers(node, policy))
     return rules, policy
+
+
+def pinned_peers(node, policy) -> dict[str, str] | None:
+    """The keys the hospital accepts, by name (its policy's ``peers``, and its own key's fingerprint, from its
+    identity key); None where its policy pins none (every key in its peer-keys folder is then accepted)."""
+    if policy is None or not policy.peers:
+        return None
+    from common.trust.identity import own_fingerprint
+
+    own = {node.name: own_fingerprint(node.identity_key)} if node.identity_key else {}
+    return {**policy.peers, **own}
 
 
 def load_state(context: Context) -> HospitalRound:

@@ -64,7 +64,9 @@ def test_three_hospitals_each_mount_only_their_own_data_state_and_key():
     found = clientapps()  # the ClientApp reads the data and signs with the key; its SuperNode holds neither data
     assert set(found) == set(hospitals()) and len(found) == 3
     for name, service in hospitals().items():
-        assert {m[1] for m in mounts(service)} == {"/certs/ca.crt", f"/keys/{name}", "/state"}, name
+        assert {m[1] for m in mounts(service)} == {"/certs/ca.crt", f"/keys/{name}", "/state",
+                                                   f"/policy/{name}.toml"}, name
+        assert f"policy-file='/policy/{name}.toml'" in service["command"], name  # the apps it approves, too
         assert (f"{name}-state", "/state", "rw") in mounts(service)
     data_sources, state_sources = set(), set()
     for name, service in found.items():
@@ -77,7 +79,11 @@ def test_three_hospitals_each_mount_only_their_own_data_state_and_key():
         assert keys == [(f"./deploy/keys/{name}", f"/keys/{name}", "ro")], f"{name}: only its own private key"
         peers = {(f"./deploy/keys/{other}.pub", f"/peer-keys/{other}.pub", "ro") for other in found}
         assert {m for m in volume_list if m[1].startswith("/peer-keys/")} == peers, f"{name}: every public key"
-        assert {m[1] for m in volume_list} == {"/data", "/state", f"/keys/{name}", *(m[1] for m in peers)}, name
+        policy = [m for m in volume_list if m[1].startswith("/policy/")]
+        assert policy == [(f"./deploy/policies/{name}.toml", f"/policy/{name}.toml", "ro")], f"{name}: its own policy"
+        assert f"policy-file='/policy/{name}.toml'" in service["command"], name
+        assert {m[1] for m in volume_list} == {"/data", "/state", f"/keys/{name}", f"/policy/{name}.toml",
+                                               *(m[1] for m in peers)}, name
         data_sources.add(data[0][0])
         state_sources.add(state[0][0])
     assert len(data_sources) == 3 and len(state_sources) == 3  # nobody shares a folder

@@ -91,6 +91,9 @@ def consortium(tmp_path, image):
     sh("bash", str(ROOT / "deploy" / "make_certificates.sh"), "deploy/certs", "superlink", "localhost", "127.0.0.1",
        cwd=project)
     sh("bash", str(ROOT / "deploy" / "make_hospital_keys.sh"), "deploy/keys", *HOSPITALS, cwd=project)
+    for hospital in HOSPITALS:  # each hospital's officer pins the consortium's keys in its own policy
+        sh("bash", str(ROOT / "deploy" / "make_hospital_policy.sh"), f"deploy/policies/{hospital}.toml",
+           *(f"deploy/keys/{other}.pub" for other in HOSPITALS), cwd=project, env={"FEDMED_PYTHON": sys.executable})
     assert fedmed(["partition", "--hospitals", "3", "--out", str(project / "sites"), "--run-config",
                    "synthetic-samples=240 image-size=16 min-partition-size=5"]) == 0
     (project / "results").mkdir()
@@ -115,7 +118,8 @@ def consortium(tmp_path, image):
 def run_config(name: str, rounds: int, **extra) -> dict:
     return {"dataset": "npz", "test-dir": "/data/test", "model": "small-cnn", "image-size": 16,
             "batch-size": 16, "num-server-rounds": rounds, "min-available-hospitals": 3, "min-train-hospitals": 2,
-            "run-name": name, "hospital-keys": "/hospital-keys", **extra}
+            "run-name": name, "hospital-keys": "/hospital-keys", "secure-aggregation.enabled": True,
+            "secure-aggregation.update-norm-bound": 5.0, **extra}  # the hospitals' policies require it
 
 
 def wait_for(condition, timeout: float, what: str):

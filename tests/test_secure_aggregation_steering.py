@@ -257,7 +257,7 @@ def test_a_deployed_hospital_requiring_secure_aggregation_needs_the_consortiums_
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
     strategy.start(FakeGrid({n: secure_node(config, node, n) for n, node in nodes.items()}), num_rounds=1)
     lost = strategy.engine.history[0]["secure-aggregation"]["lost"]
-    assert "require-secure-aggregation in a deployment needs the consortium's registered keys" in lost["hospital-00"]
+    assert "require-secure-aggregation in a deployment needs the consortium's keys pinned" in lost["hospital-00"]
 
 
 def test_the_replay_memory_is_appended_to_and_a_line_cut_short_stops_it(tmp_path):

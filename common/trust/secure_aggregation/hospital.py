@@ -16,9 +16,11 @@ agreed secret (:mod:`.masks`). Besides Flower's checks a hospital refuses:
 - a second protocol run for a (run, round) it took part in, and training from, or revealing shares for a sum
   trained from, a model it already revealed shares for, checked at collect and again at unmask
   (:class:`ReplayMemory`, in its state folder and its audit log, kept across restarts);
-- with the consortium's keys (``peer-keys``): a neighbour whose public keys are not signed by that hospital's
-  registered key, and an unmask request unless every hospital in the survivor set signed that set and the same
-  round plan with its registered key (no invented or padded survivors, no plan told to some hospitals only);
+- with the consortium's keys (``peer-keys``, each pinned by its policy's ``peers``): a neighbour whose public keys
+  are not signed by that hospital's registered key, and an unmask request unless every neighbour in the survivor
+  set, and enough others for its ``min-hospitals-per-sum`` and every part of the sum, signed that set and the same
+  round plan with its registered key (no invented or padded survivors; a plan told to some hospitals only leaves
+  masks that do not cancel);
 - an unmask request that is not exactly what the survivor set it signed implies: every neighbour's mask-seed share
   if it survived, key share if it did not, never both, and only once (its secrets are erased when it answers).
 """
@@ -335,8 +337,11 @@ class HospitalRules:
     min_hospitals_per_sum: int = 2
     memory: ReplayMemory = field(default_factory=lambda: ReplayMemory(None))
     min_norm_bound: float = 0.0  #: its policy's min-update-norm-bound: a plan's norm bound may not be below it
-    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without peer-keys)
+    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without pinned keys)
     unusable: str = ""
+    #: its policy's pinned peers (name -> key fingerprint, its own included): a key in peer-keys that is not pinned
+    #: is refused; None: its policy pins none
+    pins: dict[str, str] | None = None
 
     def sign(self, statement: bytes) -> bytes:
         """Its signature of ``statement`` (empty without an identity key)."""
@@ -352,7 +357,7 @@ class HospitalRules:
             return None
         from common.trust.identity import statement_problem
 
-        return statement_problem(self.peer_keys, name, statement, signature)
+        return statement_problem(self.peer_keys, name, statement, signature, pins=self.pins)
 
 
 @dataclass
@@ -787,25 +792,49 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
     except ValueError as error:
         raise SecureAggregationRefusal(f"the unmask request: {error}") from None
     names = survivor_names(state, survivors, table)
-    if rules.peer_keys:  # every survivor a registered hospital that signed this set and this plan
-        statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
-        unsigned = [nid for nid in survivors
-                    if rules.signature_problem(names.get(nid, ""), statement, table[nid][1]) is not None]
-        if unsigned or len(set(names.values())) != len(survivors):
-            raise SecureAggregationRefusal(
-                f"{len(survivors) - len(unsigned)} of the {len(survivors)} survivors signed the survivor set and "
-                f"the round plan it signed with their registered keys (not: nodes {unsigned[:5]}), or two have one "
-                "name: a hospital the consortium did not register, or one told another set or plan, is in the sum")
-    if len(survivors) < rules.min_hospitals_per_sum:
-        raise SecureAggregationRefusal(f"the sum would hold {len(survivors)} hospitals, fewer than its policy's "
+    counted = signed_survivors(state, rules, survivors, names, table) if rules.peer_keys else set(names.values())
+    if len(counted) < rules.min_hospitals_per_sum:
+        raise SecureAggregationRefusal(f"the sum would hold {len(counted)} hospitals, fewer than its policy's "
                                        f"min-hospitals-per-sum={rules.min_hospitals_per_sum}")
-    few = parts_problem(state.parts, set(names.values()), rules.min_hospitals_per_sum)
+    few = parts_problem(state.parts, counted, rules.min_hospitals_per_sum)
     if few:
         raise SecureAggregationRefusal(f"among the survivors, {few}")
     if state.model:  # not revealed for this model meanwhile (another run), and remembered before anything leaves
         rules.memory.revealed(state.model, state.run, state.rnd)
     answer = _unmask(own, flower)
     return finished(), ours(answer)
+
+
+def signed_survivors(state: HospitalRound, rules: HospitalRules, survivors: list[int], names: Mapping[int, str],
+                     table: Mapping[int, tuple[str, bytes]]) -> set[str]:
+    """The survivors, by name, whose signature of this set and this plan verifies with their registered (pinned)
+    key: itself (it knows what it signed), every neighbour's (the ones whose shares it reveals), then the others'
+    until min-hospitals-per-sum of them and every part of the sum hold enough (a survivor it does not check is not
+    counted). Each signature is checked once; SecureAggregationRefusal when one it checks does not verify, or two
+    survivors have one name."""
+    statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
+    least = rules.min_hospitals_per_sum
+
+    def signed(nid: int) -> bool:
+        return rules.signature_problem(names.get(nid, ""), statement, table[nid][1]) is None
+
+    own = state.flower.nid  # what it signed itself it knows: this set and this plan (checked above)
+    neighbours = [nid for nid in survivors if nid in state.names and nid != own]
+    unsigned = [nid for nid in neighbours if not signed(nid)]
+    counted = {names[nid] for nid in [own, *neighbours] if nid not in unsigned}
+    for nid in (nid for nid in survivors if nid not in state.names):
+        if not unsigned and len(counted) >= least and parts_problem(state.parts, counted, least) is None:
+            break
+        if signed(nid):
+            counted.add(names[nid])
+        else:
+            unsigned.append(nid)
+    if unsigned or len(set(names.values())) != len(survivors):
+        raise SecureAggregationRefusal(
+            f"{len(survivors) - len(unsigned)} of the {len(survivors)} survivors signed the survivor set and the "
+            f"round plan it signed with their registered keys (not: nodes {sorted(unsigned)[:5]}), or two have one "
+            "name: a hospital the consortium did not register, or one told another set or plan, is in the sum")
+    return counted
 
 
 def survivor_names(state: HospitalRound, survivors: list[int], table: Mapping[int, tuple[str, bytes]]) -> dict[
