@@ -133,4 +133,5 @@ def qfedpolyp_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[s
 
 
 
-SECURE = SecureMethod(qfedpolyp_plan, qfedpolyp_contribution, qfedpolyp_apply, refuse=qfedpolyp_refuse)
+SECURE = SecureMethod(qfedpolyp_plan, qfedpolyp_contribution, qfedpolyp_apply, refuse=qfedpolyp_refuse,
+                      own_config=frozenset({"qfedpolyp.bit-width"}))  # messages.BIT_WIDTH_KEY (its import needs torch)

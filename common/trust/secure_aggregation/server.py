@@ -27,6 +27,7 @@ from .messages import (
     NEIGHBOURS_KEY,
     PLAN_KEY,
     PREFIX,
+    PROTOCOL_KEY,
     PUBLIC_KEYS_KEY,
     SESSION_KEY,
     SHARE_DIGESTS_KEY,
@@ -37,6 +38,7 @@ from .messages import (
     commitment_statement,
     keys_statement,
     ours,
+    plan_text as plan_json,
     survivors_statement,
 )
 from .settings import SecureAggregationSettings, share_plan
@@ -76,7 +78,7 @@ class ServerRound:
     total: np.ndarray | None = None
     lost: dict[int, str] = field(default_factory=dict)  #: node -> the stage it was lost in, and why
     hostile: dict[int, str] = field(default_factory=dict)  #: node -> the share it sent that did not fit, and why
-    plan_text: str = "{}"  #: the round plan every hospital gets alike in the collect stage (MethodPlan.text())
+    plan_text: str = "{}"  #: the round plan every hospital gets alike in the collect stage (MethodPlan.text(), closed by the round)
 
     @property
     def plan_digest(self) -> str:
@@ -90,6 +92,13 @@ class ServerRound:
 
     def name(self, node: int) -> str:
         return self.names.get(node, f"node {node}")
+
+    def protocol_plan(self) -> dict[str, Any]:
+        """What the setup stage sends, as the round plan holds it: each hospital requires its setup's values to be
+        these (``hospital.protocol_problem``), so a setup told to one hospital alone changes nothing it adds."""
+        return {"hospitals": len(self.nodes), "shares": int(self.num_shares), "threshold": int(self.threshold),
+                "clipping-range": float(self.clipping_range), "quantization-range": int(self.quantization_range),
+                "modulus": int(self.modulus)}
 
 
 def plan_round(nodes: list[int], settings: SecureAggregationSettings, seed: Any, size: int,
@@ -113,10 +122,12 @@ def plan_round(nodes: list[int], settings: SecureAggregationSettings, seed: Any,
     half = shares >> 1
     neighbours = {node: {order[(i + offset) % len(order)] for offset in range(-half, half + 1)}
                   for i, node in enumerate(order)}
-    return ServerRound(nodes, shares, threshold, settings.clipping_range,
-                       quantization_range or settings.quantization_range, modulus or settings.modulus_range, size,
-                       secrets.token_hex(16), run, rnd, neighbours,
-                       {n: (names or {}).get(n, f"node-{n}") for n in nodes})
+    planned = ServerRound(nodes, shares, threshold, settings.clipping_range,
+                          quantization_range or settings.quantization_range, modulus or settings.modulus_range, size,
+                          secrets.token_hex(16), run, rnd, neighbours,
+                          {n: (names or {}).get(n, f"node-{n}") for n in nodes})
+    planned.plan_text = plan_json({PROTOCOL_KEY: planned.protocol_plan()})  # a method's plan adds its own keys
+    return planned
 
 
 def setup_config(plan: ServerRound) -> dict[str, Any]:
