@@ -178,7 +178,7 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     if not isinstance(own, dict) or not set(own) <= method.own_config:
         raise SecureAggregationRefusal(f"the round plan sets {sorted(own or ['?'])[:5]} for this hospital alone; its "
                                        f"method sets only {sorted(method.own_config)} per hospital")
-    received = Payload(arrays, {**config_from_plan({**plan[TRAIN_CONFIG_KEY], **own}), PLAN_KEY: config[PLAN_KEY]})  # the plan's, nothing else
+    received = Payload(arrays, {**config_from_plan({**plan[TRAIN_CONFIG_KEY], **own}), PLAN_KEY: config[PLAN_KEY]})
     if train_payload is not None:  # on its own copy: what it received stays as received, to take the update from
         trained = train_payload(Payload({group: {name: np.array(value, copy=True) for name, value in arrays.items()}
                                          for group, arrays in received.arrays.items()}, dict(received.config)))

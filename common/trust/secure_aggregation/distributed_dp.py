@@ -217,7 +217,7 @@ def privatize(vector: np.ndarray, params: Parameters, rng: np.random.Generator, 
     else:
         raise ValueError("randomised rounding did not stay within the plan's bound")
     mu = params.local_variance
-    if not mu <= MAX_LOCAL_VARIANCE * (1 + 1e-9):  # the sampler's output would no longer be exact (multiples of a power of 2)
+    if not mu <= MAX_LOCAL_VARIANCE * (1 + 1e-9):  # past it, the sampler returns multiples of a power of 2
         raise ValueError(f"a Poisson mean of {mu / 2:.3g} is past what NumPy samples exactly")
     noise = rng.poisson(mu / 2, params.padded) - rng.poisson(mu / 2, params.padded)
     return np.mod(rounded.astype(np.int64) + noise, params.modulus)

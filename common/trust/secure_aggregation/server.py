@@ -38,8 +38,10 @@ from .messages import (
     commitment_statement,
     keys_statement,
     ours,
-    plan_text as plan_json,
     survivors_statement,
+)
+from .messages import (
+    plan_text as plan_json,
 )
 from .settings import SecureAggregationSettings, share_plan
 from .sharing import combine_shares
@@ -78,7 +80,7 @@ class ServerRound:
     total: np.ndarray | None = None
     lost: dict[int, str] = field(default_factory=dict)  #: node -> the stage it was lost in, and why
     hostile: dict[int, str] = field(default_factory=dict)  #: node -> the share it sent that did not fit, and why
-    plan_text: str = "{}"  #: the round plan every hospital gets alike in the collect stage (MethodPlan.text(), closed by the round)
+    plan_text: str = "{}"  #: the round plan every hospital gets alike in the collect stage (MethodPlan.text())
 
     @property
     def plan_digest(self) -> str:
