@@ -1,0 +1,339 @@
+"""The lying coordinator, enumerated (issue 64): a hospital's pre-mask contribution depends only on its own data,
+policy and state, the model it trains from and the one round plan it signs. A secure round runs in process with
+the real hospital handlers (FakeGrid, fedmed's ClientApp); every TRAIN message the server's own code sends at each
+stage is recorded, and Hypothesis then changes, for one hospital at a time, one of them: a config key found in
+the messages themselves (another number, another type, missing, one more key), an array record (another value,
+another dtype, another type, missing, one more record), or a value of the round plan. For a value outside the
+plan, every hospital's contribution (seen through ``hospital.contribution_masked``) is bit-identical to the honest
+run's, or that hospital refused; for a plan value, the hospital told it refused or no hospital reveals anything.
+The keys come from the messages, so a key added later is covered without touching this file. The fast tier draws a
+few examples per method (seeded: ``derandomize``); ``-m slow`` sweeps more."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client_app.secure_aggregation import stage_of
+from common.trust.secure_aggregation import distributed_dp as ddp
+from common.trust.secure_aggregation.messages import COLLECT, PLAN_KEY, UNMASK, plan_text
+from strategies import (
+    FedAvgStrategy,
+    FedBNStrategy,
+    FedMEPDStrategy,
+    FedProInStrategy,
+    FedProxStrategy,
+    MoonStrategy,
+    QFedPolypStrategy,
+)
+from strategies.secure_aggregation import with_secure_aggregation
+
+from .fake_grid import FakeGrid
+from .test_hostile_hospital import key_pair
+from .test_secure_aggregation import SMALL_BRAIN, SMALL_CLASSIFICATION, SMALL_POLYP, secure_node
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BRAIN = {**SMALL_BRAIN, "brain.hospital-modalities": "flair,t1ce;flair,t2;flair,t1ce;flair,t2"}
+#: every method with a secure sum: its strategy, its data, its run config
+METHODS = {
+    "fedavg": (FedAvgStrategy, SMALL_CLASSIFICATION, {}),
+    "fedavg-distributed-dp": (FedAvgStrategy, SMALL_CLASSIFICATION, {
+        "secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": 1.0}),
+    "fedprox": (FedProxStrategy, SMALL_CLASSIFICATION, {}),
+    "moon": (MoonStrategy, SMALL_CLASSIFICATION, {}),
+    "fedbn": (FedBNStrategy, SMALL_CLASSIFICATION, {}),
+    "fedproin": (FedProInStrategy, SMALL_CLASSIFICATION, {}),
+    "qfedpolyp": (QFedPolypStrategy, SMALL_POLYP, {"qfedpolyp.bit-widths": "4,8"}),
+    "fedmepd": (FedMEPDStrategy, BRAIN, {}),
+    "fedmepd-fedavg": (FedMEPDStrategy, BRAIN, {"strategy": "fedmepd-fedavg"}),
+    "fedmepd-federated-decoder": (FedMEPDStrategy, BRAIN, {"strategy": "fedmepd-federated-decoder"}),
+}
+HOSPITALS = 4
+#: a hand-made hardened policy (the issue's); FedMEPD's parts are each held by two of the four hospitals
+HARDENED = """require-secure-aggregation = true
+min-hospitals-per-sum = {least}
+min-threshold-fraction = 0.7
+min-update-norm-bound = 0.5
+max-sample-weight = 500
+"""
+
+
+class LyingGrid(FakeGrid):
+    """FakeGrid whose ``lie(stage, node, content)`` may give one message other content before it is delivered
+    (the server's own copy is left as it built it); ``sent_stages`` records what the server sent, by stage."""
+
+    def __init__(self, nodes, lie=None):
+        super().__init__(nodes)
+        self.lie = lie
+
+    def push_messages(self, messages):
+        delivered = []
+        for message in messages:
+            stage = stage_of(message)
+            if stage is not None and self.lie is not None:
+                content = self.lie(stage, message.metadata.dst_node_id, message.content)
+                if content is not None:
+                    message.content = content
+            delivered.append(message)
+        return super().push_messages(delivered)
+
+
+def copied(content: RecordDict) -> RecordDict:
+    """A message's content with its own records (a shared model record is not changed for the others)."""
+    records = {}
+    for name, record in content.items():
+        if isinstance(record, ArrayRecord):
+            records[name] = ArrayRecord({k: Array(np.array(v.numpy(), copy=True)) for k, v in record.items()})
+        else:
+            records[name] = type(record)(dict(record))
+    return RecordDict(records)
+
+
+class Round:
+    """One secure round of a method over four hospitals, as the deployment ships them (each its identity key and
+    the consortium's registered keys; the server ``hospital-keys``) with or without a hardened policy; every
+    hospital's pre-mask contribution recorded. Randomness the server may choose (distributed DP's rotation) and
+    the hospitals' own (stochastic rounding, noise) is fixed, so two honest runs are bit-identical."""
+
+    def __init__(self, method: str, hardened: bool, folder: Path):
+        self.method, self.hardened, self.folder = method, hardened, folder
+        strategy, base, extra = METHODS[method]
+        self.strategy_type = strategy
+        self.registered = folder / "registered"
+        self.registered.mkdir(parents=True, exist_ok=True)
+        for pid in range(HOSPITALS):
+            key_pair(self.registered, f"hospital-{pid:02d}")
+        self.policy = folder / "policy.toml"
+        self.policy.write_text(HARDENED.format(least=2 if method.startswith("fedmepd") else 4))
+        self.base = {**base, "run-name": "lying", "round-timeout": 3.0, "hospital-keys": str(self.registered),
+                     "secure-aggregation.update-norm-bound": 5.0, **extra}
+        self.runs = 0
+
+    def run(self, lie=None) -> tuple[dict[str, np.ndarray], LyingGrid]:
+        """The round (``lie``: LyingGrid's), each hospital's contribution by name, and the grid."""
+        self.runs += 1
+        where = self.folder / f"run-{self.runs}"
+        config = {**self.base, "state-dir": str(where / "state"), "results-dir": str(where / "results")}
+        nodes = {}
+        for pid in range(HOSPITALS):
+            node = {"partition-id": pid, "num-partitions": HOSPITALS,
+                    "identity-key": str(self.registered / f"hospital-{pid:02d}"), "peer-keys": str(self.registered)}
+            if self.hardened:
+                node["policy-file"] = str(self.policy)
+            nodes[101 + pid] = seeded(secure_node(config, node, 101 + pid), 101 + pid)
+        grid = LyingGrid(nodes, lie)
+        strategy = with_secure_aggregation(self.strategy_type)(min_train_nodes=2, run_config=config)
+        contributions.clear()
+        strategy.start(grid, num_rounds=1)
+        return dict(contributions), grid
+
+
+contributions: dict[str, np.ndarray] = {}
+
+
+def seeded(node, seed: int):
+    """A hospital whose randomness in the collect stage (Flower's stochastic rounding, distributed DP's noise) is
+    fixed: so a contribution can be compared bit for bit."""
+    def answer(message):
+        if stage_of(message) == COLLECT:
+            np.random.seed(seed)
+        return node(message)
+
+    return answer
+
+
+@pytest.fixture(autouse=True)
+def observed(monkeypatch):
+    """Every pre-mask contribution through the hospital's seam; fixed noise and rotation."""
+    import common.trust.local_dp as local_dp
+    from common.trust.secure_aggregation import hospital
+
+    monkeypatch.setattr(hospital, "contribution_masked",
+                        lambda name, vector: contributions.__setitem__(name, np.array(vector, copy=True)))
+    monkeypatch.setattr(local_dp, "noise_rng", lambda: np.random.default_rng(7))
+    planned = ddp.plan
+    monkeypatch.setattr(ddp, "plan", lambda *a: dataclasses.replace(planned(*a), rotation_seed="ab" * 32))
+
+
+# --- what a lying coordinator can change ------------------------------------------------------------------------
+OUTSIDE = ("other number", "other type", "missing", "extra")
+ARRAY_CHANGES = ("other number", "other dtype", "other type", "missing", "extra")
+
+
+def other_number(value: Any) -> Any:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 1.5 + 1.0
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, bytes):
+        return bytes([value[0] ^ 1]) + value[1:] if value else b"x"
+    if isinstance(value, list):
+        return value[:-1] if value else [0]
+    return value
+
+
+def other_type(value: Any) -> Any:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, float):
+        return str(value)
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def change_config(content: RecordDict, key: str, how: str) -> RecordDict:
+    content = copied(content)
+    record = next(r for r in content.values() if isinstance(r, ConfigRecord) and (key in r or how == "extra"))
+    if how == "missing":
+        del record[key]
+    elif how == "extra":
+        record[key + ".extra"] = record.get(key, 1)
+    else:
+        record[key] = (other_number if how == "other number" else other_type)(record[key])
+    return content
+
+
+def change_array(content: RecordDict, where: tuple[str, str], how: str) -> RecordDict:
+    content = copied(content)
+    record: ArrayRecord = content[where[0]]
+    value = record[where[1]].numpy()
+    if how == "missing":
+        del record[where[1]]
+    elif how == "extra":
+        record[where[1] + ".extra"] = Array(np.ones(1, np.float32))
+    elif how == "other number":
+        changed = np.array(value, copy=True).reshape(-1)
+        changed[len(changed) // 2] += 1
+        record[where[1]] = Array(changed.reshape(value.shape))
+    elif how == "other dtype":
+        record[where[1]] = Array(value.astype(np.float64 if value.dtype != np.float64 else np.float32))
+    else:
+        record[where[1]] = Array(value.astype(np.int16))
+    return content
+
+
+def plan_leaves(value: Any, path: tuple = ()) -> list[tuple]:
+    """The paths of every number, string and flag of a round plan (lists and objects walked)."""
+    if isinstance(value, dict):
+        return [leaf for key in sorted(value) for leaf in plan_leaves(value[key], (*path, key))]
+    if isinstance(value, list):
+        return [leaf for i, item in enumerate(value) for leaf in plan_leaves(item, (*path, i))] or [path]
+    return [path]
+
+
+def change_plan(text: str, path: tuple, how: str) -> str:
+    plan = json.loads(text)
+    holder = plan
+    for step in path[:-1]:
+        holder = holder[step]
+    leaf = holder[path[-1]]
+    holder[path[-1]] = other_number(leaf) if how == "other number" else other_type(leaf)
+    return plan_text(plan)
+
+
+# --- the honest round, recorded once per method -------------------------------------------------------------------
+HONEST: dict[tuple[str, bool], tuple[Round, dict[str, np.ndarray], list[tuple]]] = {}
+
+
+def honest(method: str, hardened: bool):
+    """The method's round, its honest contributions and what a lying coordinator can change (from the messages the
+    server sent: per stage, each config key and each array record; each leaf of the round plan)."""
+    if (method, hardened) not in HONEST:
+        folder = Path(tempfile.mkdtemp(prefix=f"lying-{method}-"))
+        round_ = Round(method, hardened, folder)
+        seen, grid = round_.run()
+        again, _ = round_.run()
+        assert sorted(seen) == [f"hospital-{pid:02d}" for pid in range(HOSPITALS)]
+        for name, vector in seen.items():  # the oracle: two honest runs agree bit for bit
+            np.testing.assert_array_equal(again[name], vector)
+        targets, plan = set(), None
+        for message in grid.sent:
+            stage = stage_of(message)
+            if stage is None:
+                continue
+            for name, record in message.content.items():
+                if isinstance(record, ConfigRecord):
+                    targets |= {("config", stage, key) for key in record}
+                    plan = record.get(PLAN_KEY, plan)
+                elif isinstance(record, ArrayRecord):
+                    targets |= {("array", stage, (name, key)) for key in record}
+        targets |= {("plan", COLLECT, path) for path in plan_leaves(json.loads(plan))}
+        HONEST[method, hardened] = round_, seen, sorted(targets, key=repr)
+    return HONEST[method, hardened]
+
+
+def check(method: str, hardened: bool, data) -> None:
+    round_, expected, targets = honest(method, hardened)
+    kind, stage, what = data.draw(st.sampled_from(targets), label="value")
+    target = 101 + data.draw(st.integers(0, HOSPITALS - 1), label="hospital")
+    how = data.draw(st.sampled_from(ARRAY_CHANGES if kind == "array" else OUTSIDE if kind == "config" else
+                                    ("other number", "other type")), label="change")
+
+    def lie(at: str, node: int, content: RecordDict):
+        if at != stage or node != target:
+            return None
+        if kind == "config":
+            return change_config(content, what, how)
+        if kind == "array":
+            return change_array(content, what, how)
+        changed = copied(content)
+        record = next(r for r in changed.values() if isinstance(r, ConfigRecord) and PLAN_KEY in r)
+        record[PLAN_KEY] = change_plan(record[PLAN_KEY], what, how)
+        return changed
+
+    seen, grid = round_.run(lie)
+    name = f"hospital-{target - 101:02d}"
+    for hospital, vector in seen.items():  # bit-identical, or not given (refused)
+        assert np.array_equal(vector, expected[hospital]), (hospital, kind, stage, what, how)
+    if kind == "plan" and name in seen:  # it masked under another plan: nobody may reveal anything
+        unmasked = [m for m in grid.replies if not m.has_error() and stage_of(m) == UNMASK]
+        assert not unmasked, (kind, what, how)
+
+
+FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SWEEP = settings(max_examples=120, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@FAST
+@given(data=st.data())
+def test_a_lying_coordinator_changes_no_contribution_hardened(method, data):
+    """Fast tier: the hardened policy, every method with a secure sum, a few values drawn from its messages."""
+    check(method, True, data)
+
+
+@FAST
+@given(data=st.data())
+def test_a_lying_coordinator_changes_no_contribution_as_shipped(data):
+    """Fast tier: the deployment's shipped configuration (keys, no policy), FedAvg."""
+    check("fedavg", False, data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hardened", [False, True], ids=["shipped", "hardened"])
+@pytest.mark.parametrize("method", list(METHODS))
+@SWEEP
+@given(data=st.data())
+def test_a_lying_coordinator_changes_no_contribution_sweep(method, hardened, data):
+    check(method, hardened, data)
