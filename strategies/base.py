@@ -1082,22 +1082,29 @@ class HospitalStrategy(Strategy):
 
     def announce_end(self, grid: Grid, timeout: float) -> None:
         """Tell every hospital of the run that it ended, with the head of the server's audit log as it stands then
-        (the hospital's log records it): every line the server wrote for the run before this message is anchored
-        at the hospitals, so a tail the server's operator cut off and rechained fails ``fedmed audit verify
-        --peer``. Hospitals that do not answer within a few seconds are not waited for."""
-        if self.audit_log() is None or not self.hospitals:
+        (the hospital's log records it). That head is the log's last line: a ``run-ended`` line naming the
+        hospitals told is written first, and neither the closing queries nor their replies are logged after it,
+        so every line the server wrote for the run is anchored at the hospitals, and a tail the server's operator
+        cut off and rechained fails ``fedmed audit verify --peer``. Hospitals that do not answer within a few
+        seconds are not waited for."""
+        audit = self.audit_log()
+        if audit is None or not self.hospitals:
             return
-        messages = []
-        for node, hospital in sorted(self.hospitals.items()):
-            if hospital.properties.get(FLOWER_ONLY):  # no audit log there, and no query handler to answer
-                continue
-            config = ConfigRecord({"query": RUN_ENDED_QUERY, **self.hospital_config(self.engine.next_round - 1)})
-            messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
-                                    dst_node_id=node))
-            self.audit_message("sent", messages[-1], self.engine.next_round - 1, hospital.name, node)
-        for reply in send_and_receive(grid, messages, min(timeout, 30.0), messages_in_flight(self.job, grid, True)):
-            hospital = self.hospitals.get(reply.metadata.src_node_id)
-            self.audit_message("received", reply, self.engine.next_round - 1, hospital.name if hospital else None)
+        told = {node: hospital for node, hospital in sorted(self.hospitals.items())
+                if not hospital.properties.get(FLOWER_ONLY)}  # no audit log there, and no query handler to answer
+        if not told:
+            return
+        rnd = self.engine.next_round - 1
+        audit.append("run-ended", run=self.job.run_name, round=rnd, method=self.job.strategy,
+                     hospitals=[hospital.name for hospital in told.values()])  # the server's last line
+        messages = [Message(RecordDict({self.records.config: ConfigRecord({"query": RUN_ENDED_QUERY,
+                                                                           **self.hospital_config(rnd)})}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in told]
+        answered = [told[reply.metadata.src_node_id].name
+                    for reply in send_and_receive(grid, messages, min(timeout, 30.0),
+                                                  messages_in_flight(self.job, grid, True))
+                    if not reply.has_error() and reply.metadata.src_node_id in told]
+        log.info("run %s ended: told %d hospital(s), %d recorded it", self.job.run_name, len(told), len(answered))
 
 
 def kept(server_round: int) -> str:
