@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -119,11 +120,13 @@ class Round:
                      "secure-aggregation.update-norm-bound": 5.0, **extra}
         self.runs = 0
 
-    def run(self, lie=None) -> tuple[dict[str, np.ndarray], LyingGrid]:
-        """The round (``lie``: LyingGrid's), each hospital's contribution by name, and the grid."""
+    def run(self, lie=None, run: str = "lying", state: str = "") -> tuple[dict[str, np.ndarray], LyingGrid]:
+        """The round (``lie``: LyingGrid's), each hospital's contribution by name, and the grid; ``state``: the
+        hospitals' state folder to keep between runs (default: a new one)."""
         self.runs += 1
         where = self.folder / f"run-{self.runs}"
-        config = {**self.base, "state-dir": str(where / "state"), "results-dir": str(where / "results")}
+        config = {**self.base, "run-name": run, "state-dir": str(self.folder / state if state else where / "state"),
+                  "results-dir": str(where / "results")}
         nodes = {}
         for pid in range(HOSPITALS):
             node = {"partition-id": pid, "num-partitions": HOSPITALS,
@@ -337,3 +340,110 @@ def test_a_lying_coordinator_changes_no_contribution_as_shipped(data):
 @given(data=st.data())
 def test_a_lying_coordinator_changes_no_contribution_sweep(method, hardened, data):
     check(method, hardened, data)
+
+
+# --- the issue's attacks, each in the shipped configuration and with a hand-made hardened policy -----------------
+CONFIGURATIONS = pytest.mark.parametrize("hardened", [False, True], ids=["shipped", "hardened"])
+TARGET = 104  #: hospital T
+
+
+def refusals(grid: LyingGrid) -> dict[int, str]:
+    return {m.metadata.src_node_id: str(m.error.reason) for m in grid.replies if m.has_error()}
+
+
+@CONFIGURATIONS
+def test_setup_values_outside_the_plan_sent_to_all_but_t_reveal_nothing(tmp_path, hardened):
+    """The issue's first attack: clipping range 2^100 and quantisation range 2 in the setup stage of every hospital
+    but T (each would add exactly 1 per coordinate, and the sum less 3 would be T's vector). Those values are not
+    the plan's, so every hospital told them refuses before masking, and nothing is unmasked."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    def lie(stage, node, content):
+        if stage != "setup" or node == TARGET:
+            return None
+        content = change_config(content, "secagg." + Key.CLIPPING_RANGE, "missing")
+        record = next(r for r in content.values() if isinstance(r, ConfigRecord))
+        record["secagg." + Key.CLIPPING_RANGE], record["secagg." + Key.TARGET_RANGE] = float(2**100), 2
+        return content
+
+    seen, grid = Round("fedavg", hardened, tmp_path).run(lie)
+    assert set(seen) <= {"hospital-03"}  # only T masked anything
+    refused = refusals(grid)
+    assert all("not the ones its setup stage sent" in refused[n] or "min-hospitals-per-sum" in refused[n]
+               for n in (101, 102, 103)), refused
+    assert not [m for m in grid.replies if not m.has_error() and stage_of(m) == UNMASK]
+
+
+@CONFIGURATIONS
+@pytest.mark.parametrize("variant", ["extra-record", "float64-tensor"])
+def test_the_same_model_with_an_extra_record_or_another_dtype_is_not_a_new_model(tmp_path, hardened, variant):
+    """The issue's second attack: the model of a sum already unmasked, sent again under a new run name with one
+    more 1-float array record, or one tensor as float64. The replay memory keys on the model as training reads it
+    (the plan's arrays, cast to the network's dtypes), so every hospital refuses to train from it again."""
+    round_ = Round("fedavg", hardened, tmp_path)
+    round_.base["message-arrays"] = "per-tensor"  # one Array per tensor, as the issue's probe sent them
+    first, _ = round_.run(run="first", state="hospitals")
+    assert len(first) == HOSPITALS
+
+    def lie(stage, node, content):
+        if stage != COLLECT:
+            return None
+        content = copied(content)
+        record = next(r for r in content.values() if isinstance(r, ArrayRecord))
+        name = next(iter(record))
+        if variant == "extra-record":
+            record["extra"] = Array(np.ones(1, np.float32))
+        else:
+            record[name] = Array(record[name].numpy().astype(np.float64))
+        return content
+
+    seen, grid = round_.run(lie, run="second", state="hospitals")
+    assert seen == {}
+    refused = refusals(grid)
+    assert sorted(refused) == [101, 102, 103, 104]
+    assert all("already helped unmask a sum trained from this model" in r for r in refused.values()), refused
+
+
+def test_a_poisson_mean_numpy_cannot_sample_exactly_is_refused():
+    """The issue's fourth attack, on its own: a plan whose Poisson mean is 2^58 per hospital (NumPy then returns
+    multiples of 32) is refused, as is any scale or rounding bound the hospital does not derive itself; at the
+    largest mean allowed the sampler's low bits still vary."""
+    honest = ddp.plan(1.0, 4, 0.5, 6388, 2**62, 4)
+    greedy = math.sqrt(2 * 2**58 * 4) / (1.0 * 0.5)  # mu / 2 = 2^58
+    lying = {**honest.to_plan(), "scale": greedy, "rounded_bound": ddp.rounded_bound(0.5 * greedy, honest.padded)}
+    with pytest.raises(ValueError, match="not what the hospital derives"):
+        ddp.Parameters.from_plan({ddp.PLAN_KEY: lying})
+    assert ddp.Parameters.from_plan({ddp.PLAN_KEY: honest.to_plan()}) == honest
+    assert honest.local_variance <= ddp.MAX_LOCAL_VARIANCE * (1 + 1e-9)
+    draws = np.random.default_rng(0).poisson(ddp.MAX_LOCAL_VARIANCE / 2, 4000)
+    assert len(set((draws % 32).tolist())) == 32  # exact: every residue, not multiples of 32
+    assert np.std(draws) == pytest.approx(math.sqrt(ddp.MAX_LOCAL_VARIANCE / 2), rel=0.05)
+
+
+@CONFIGURATIONS
+def test_noise_the_coordinator_shrinks_is_refused_before_training(tmp_path, hardened):
+    """The issue's fourth attack over the grid: the distributed-DP plan told to every hospital with a scale whose
+    Poisson mean is 2^58 (and a rounding bound to match). The hospitals derive both from the plan themselves, so
+    every hospital refuses before it trains."""
+    round_ = Round("fedavg-distributed-dp", hardened, tmp_path)
+    if hardened:
+        round_.policy.write_text(round_.policy.read_text() + "[distributed-dp]\nmin-noise-multiplier = 0.5\n"
+                                 "max-dropped-or-colluding = 1\n")
+
+    def lie(stage, node, content):
+        if stage != COLLECT:
+            return None
+        content = copied(content)
+        record = next(r for r in content.values() if isinstance(r, ConfigRecord) and PLAN_KEY in r)
+        plan = json.loads(record[PLAN_KEY])
+        dp = plan[ddp.PLAN_KEY]
+        dp["scale"] = math.sqrt(2 * 2**58 * dp["hospitals"]) / (dp["noise_multiplier"] * dp["norm_bound"])
+        dp["rounded_bound"] = ddp.rounded_bound(dp["norm_bound"] * dp["scale"], dp["padded"])
+        record[PLAN_KEY] = plan_text(plan)
+        return content
+
+    seen, grid = round_.run(lie)
+    assert seen == {}
+    refused = refusals(grid)
+    assert sorted(refused) == [101, 102, 103, 104]
+    assert all("not what the hospital derives" in r for r in refused.values()), refused
