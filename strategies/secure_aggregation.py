@@ -230,8 +230,9 @@ class SecureAggregation:
                 parsed[arrays] = model_description(from_recorddict(message.content).arrays)
             models[name] = parsed[arrays]
         first = next(iter(configs.values()), {})
-        own = {k for config in configs.values() for k in set(config) ^ set(first) | {
-            k for k in config if k in first and config[k] != first[k]}}
+        missing = object()
+        own = {k for config in configs.values() for k in set(config) | set(first)
+               if config.get(k, missing) != first.get(k, missing)}  # keys whose value differs between hospitals
         differ = sorted(own - self.method.own_config)
         if differ:
             raise ValueError(f"the training messages differ between hospitals in {', '.join(differ[:5])}: a secure "

@@ -60,8 +60,9 @@ TRAIN_CONFIG_KEY = PREFIX + "train-config"
 #: hospital -> the training config keys its method sets per hospital (``SecureMethod.own_config``: QFedPolyp's
 #: bit-width), each hospital's value in the plan every hospital signs
 HOSPITAL_CONFIG_KEY = PREFIX + "train-config-by-hospital"
-#: the model every hospital trains from: the arrays it reads ([group, name, dtype, shape], the server's network's
-#: dtypes) and the SHA-256 of those arrays so cast (``hospital.canonical_model``); one model for every hospital
+#: the models the hospitals train from: ``{"models": {sha256: {"arrays": [[group, name, dtype, shape], ...],
+#: "sha256": ...}}, "hospitals": {name: sha256}}``, the arrays each reads in the server's network's dtypes and the
+#: SHA-256 of those arrays so cast (``hospital.canonical_model``); one model for all but FedMEPD's
 MODEL_KEY = PREFIX + "model"
 OWN_WEIGHT_CAP_KEY = "own.weight-cap"  #: at the hospital only: its policy's max-sample-weight, never from a message
 OWN_NAME_KEY = "own.name"  #: at the hospital only: its own name (its row of a plan that names hospitals)
