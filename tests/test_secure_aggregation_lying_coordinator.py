@@ -225,8 +225,12 @@ def change_array(content: RecordDict, where: tuple[str, str], how: str) -> Recor
         record[where[1] + ".extra"] = Array(np.ones(1, np.float32))
     elif how == "other number":
         changed = np.array(value, copy=True).reshape(-1)
-        changed[len(changed) // 2] += 1
-        record[where[1]] = Array(changed.reshape(value.shape))
+        if changed.size:
+            changed[len(changed) // 2] += 1
+            changed = changed.reshape(value.shape)
+        else:  # an empty array's other value: one element
+            changed = np.ones(1, value.dtype)
+        record[where[1]] = Array(changed)
     elif how == "other dtype":
         record[where[1]] = Array(value.astype(np.float64 if value.dtype != np.float64 else np.float32))
     else:
