@@ -167,18 +167,18 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     keeps at the hospital, and what its policy withholds, are left out."""
     check_turn(state, COLLECT, config)
     _, plan = round_plan(config, rules)  # the same for every hospital, within its policy's bounds, before training
-    problem = protocol_problem(state.flower, plan) or train_config_problem(state, plan)
-    if problem:
+    problem = protocol_problem(state.flower, plan) or train_config_problem(state, plan)  # (masking checks it
+    if problem:  # again; here nothing trains first)
         raise SecureAggregationRefusal(f"the round plan: {problem}")
     arrays, digest = canonical_model(from_recorddict(message.content).arrays, own_model(plan, rules.name))
     rules.memory.check_model(digest)
-    own = plan.get(HOSPITAL_CONFIG_KEY) or {}
-    own = own.get(rules.name, {}) if isinstance(own, dict) else None
+    rows = plan.get(HOSPITAL_CONFIG_KEY) or {}
+    row = rows.get(rules.name, {}) if isinstance(rows, dict) else None  # its own values of its method's keys
     method = secure_method(str(plan[TRAIN_CONFIG_KEY]["strategy"]))
-    if not isinstance(own, dict) or not set(own) <= method.own_config:
-        raise SecureAggregationRefusal(f"the round plan sets {sorted(own or ['?'])[:5]} for this hospital alone; its "
+    if not isinstance(row, dict) or not set(row) <= method.own_config:
+        raise SecureAggregationRefusal(f"the round plan sets {sorted(row or ['?'])[:5]} for this hospital alone; its "
                                        f"method sets only {sorted(method.own_config)} per hospital")
-    received = Payload(arrays, {**config_from_plan({**plan[TRAIN_CONFIG_KEY], **own}), PLAN_KEY: config[PLAN_KEY]})
+    received = Payload(arrays, {**config_from_plan({**plan[TRAIN_CONFIG_KEY], **row}), PLAN_KEY: config[PLAN_KEY]})
     if train_payload is not None:  # on its own copy: what it received stays as received, to take the update from
         trained = train_payload(Payload({group: {name: np.array(value, copy=True) for name, value in arrays.items()}
                                          for group, arrays in received.arrays.items()}, dict(received.config)))
