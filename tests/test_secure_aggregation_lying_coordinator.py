@@ -116,7 +116,7 @@ class Round:
             key_pair(self.registered, f"hospital-{pid:02d}")
         self.policy = folder / "policy.toml"
         self.policy.write_text(HARDENED.format(least=2 if method.startswith("fedmepd") else 4))
-        self.base = {**base, "run-name": "lying", "round-timeout": 3.0, "hospital-keys": str(self.registered),
+        self.base = {**base, "run-name": "lying", "round-timeout": 1.0, "hospital-keys": str(self.registered),
                      "secure-aggregation.update-norm-bound": 5.0, **extra}
         self.runs = 0
 
