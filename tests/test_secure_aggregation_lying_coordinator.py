@@ -119,8 +119,11 @@ class Round:
         self.base = {**base, "run-name": "lying", "round-timeout": 1.0, "hospital-keys": str(self.registered),
                      "secure-aggregation.update-norm-bound": 5.0, **extra}
         self.runs = 0
+        #: FedAvg runs two rounds: the first round's unmask request carries the second's setup (secagg.ahead.*)
+        self.rounds = 2 if method == "fedavg" else 1
 
-    def run(self, lie=None, run: str = "lying", state: str = "") -> tuple[dict[str, np.ndarray], LyingGrid]:
+    def run(self, lie=None, run: str = "lying", state: str = "") -> tuple[dict[tuple[str, int], np.ndarray],
+                                                                            LyingGrid]:
         """The round (``lie``: LyingGrid's), each hospital's contribution by name, and the grid; ``state``: the
         hospitals' state folder to keep between runs (default: a new one)."""
         self.runs += 1
@@ -137,11 +140,11 @@ class Round:
         grid = LyingGrid(nodes, lie)
         strategy = with_secure_aggregation(self.strategy_type)(min_train_nodes=2, run_config=config)
         contributions.clear()
-        strategy.start(grid, num_rounds=1)
+        strategy.start(grid, num_rounds=self.rounds)
         return dict(contributions), grid
 
 
-contributions: dict[str, np.ndarray] = {}
+contributions: dict[tuple[str, int], np.ndarray] = {}  #: (hospital, round) -> its pre-mask contribution
 
 
 def seeded(node, seed: int):
@@ -162,7 +165,7 @@ def observed(monkeypatch):
     from common.trust.secure_aggregation import hospital
 
     monkeypatch.setattr(hospital, "contribution_masked",
-                        lambda name, vector: contributions.__setitem__(name, np.array(vector, copy=True)))
+                        lambda name, rnd, vector: contributions.__setitem__((name, rnd), np.array(vector, copy=True)))
     monkeypatch.setattr(local_dp, "noise_rng", lambda: np.random.default_rng(7))
     planned = ddp.plan
     monkeypatch.setattr(ddp, "plan", lambda *a: dataclasses.replace(planned(*a), rotation_seed="ab" * 32))
@@ -270,7 +273,8 @@ def honest(method: str, hardened: bool, twice: bool):
         folder = Path(tempfile.mkdtemp(prefix=f"lying-{method}-"))
         round_ = Round(method, hardened, folder)
         seen, grid = round_.run()
-        assert sorted(seen) == [f"hospital-{pid:02d}" for pid in range(HOSPITALS)]
+        assert sorted(seen) == [(f"hospital-{pid:02d}", rnd) for pid in range(HOSPITALS)
+                                for rnd in range(1, round_.rounds + 1)]
         if twice:
             again, _ = round_.run()
             for name, vector in seen.items():
@@ -301,24 +305,37 @@ def check(method: str, hardened: bool, data, twice: bool = False) -> None:
     def lie(at: str, node: int, content: RecordDict):
         if at != stage or node != target:
             return None
-        if kind == "config":
-            return change_config(content, what, how)
+        config = next((r for r in content.values() if isinstance(r, ConfigRecord)), {})
+        if kind == "config":  # (a key of one round's message only, e.g. the next round's setup, is left alone)
+            return change_config(content, what, how) if what in config or how == "extra" else None
         if kind == "array":
-            return change_array(content, what, how)
+            return change_array(content, what, how) if what[1] in content.get(what[0], {}) else None
         changed = copied(content)
         record = next(r for r in changed.values() if isinstance(r, ConfigRecord) and PLAN_KEY in r)
-        record[PLAN_KEY] = change_plan(record[PLAN_KEY], what, how)
+        try:
+            record[PLAN_KEY] = change_plan(record[PLAN_KEY], what, how)
+        except (KeyError, IndexError, TypeError):  # this round's plan has no such value (another model's digest)
+            return None
+        lied.add(record.get("server-round"))
         return changed
+
+    lied: set[int] = set()  # the rounds whose plan was changed for the target
 
     seen, grid = round_.run(lie)
     name = f"hospital-{target - 101:02d}"
-    for hospital, vector in seen.items():  # bit-identical, or not given (refused)
-        if kind == "plan" and hospital == name:
-            continue  # the plan it was told is its input: what matters is that nobody reveals it (below)
-        assert np.array_equal(vector, expected[hospital]), (hospital, kind, stage, what, how)
-    if kind == "plan" and name in seen:  # it masked under another plan: nobody may reveal anything
-        unmasked = [m for m in grid.replies if not m.has_error() and stage_of(m) == UNMASK]
-        assert not unmasked, (kind, what, how)
+    round_of = {m.metadata.message_id: next(r for r in m.content.values() if isinstance(r, ConfigRecord)).get(
+        "server-round") for m in grid.sent}
+    unmasked = {round_of.get(m.metadata.reply_to_message_id) for m in grid.replies
+                if not m.has_error() and stage_of(m) == UNMASK}
+    changed = [rnd for rnd in range(1, round_.rounds + 1)  # a round whose sum differs moves the next model
+               if {h for h, r in seen if r == rnd} != {h for h, r in expected if r == rnd} or rnd not in unmasked]
+    for (hospital, rnd), vector in seen.items():  # bit-identical, or not given (refused)
+        if changed and rnd > changed[0]:
+            continue  # trained from another model than the honest round's: nothing to compare with
+        if kind == "plan" and hospital == name and rnd in lied:  # its plan was its input: nobody may reveal the sum
+            assert rnd not in unmasked, (kind, what, how, rnd)
+            continue
+        assert np.array_equal(vector, expected[hospital, rnd]), (hospital, rnd, kind, stage, what, how)
 
 
 FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
@@ -376,7 +393,7 @@ def test_setup_values_outside_the_plan_sent_to_all_but_t_reveal_nothing(tmp_path
         return content
 
     seen, grid = Round("fedavg", hardened, tmp_path).run(lie)
-    assert set(seen) <= {"hospital-03"}  # only T masked anything
+    assert {name for name, _ in seen} <= {"hospital-03"}  # only T masked anything
     refused = refusals(grid)
     assert all("not the ones its setup stage sent" in refused[n] or "min-hospitals-per-sum" in refused[n]
                for n in (101, 102, 103)), refused

@@ -553,7 +553,7 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
             state.flower.current_stage, state.model, state.plan = COLLECT, model, digest
             state.parts = plan.get(PARTS_KEY) or {}
             masked = mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY), digest.encode())
-            contribution_masked(rules.name, vector)
+            contribution_masked(rules.name, state.rnd, vector)
             return state, {"masked": masked}
         if stage == CONSISTENCY:
             return consistency(state, rules, config)
@@ -566,8 +566,9 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
     return ahead or done, {**answer, **ahead_answer}
 
 
-def contribution_masked(hospital: str, vector: np.ndarray) -> None:
-    """Called with a hospital's pre-mask contribution (the integer vector its masks hide) once it is masked; does
+def contribution_masked(hospital: str, rnd: int, vector: np.ndarray) -> None:
+    """Called with a hospital's pre-mask contribution to round ``rnd`` (the integer vector its masks hide) once it
+    is masked; does
     nothing. The seam through which tests check that a contribution depends only on the hospital's own inputs, the
     model and the plan it signs (``tests/test_secure_aggregation_lying_coordinator.py``)."""
 
