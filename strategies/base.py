@@ -1140,23 +1140,37 @@ class HospitalStrategy(Strategy):
         return result
 
     def announce_end(self, grid: Grid, timeout: float) -> None:
-        """Tell every hospital of the run that it ended, with the head of the server's audit log as it stands then
-        (the hospital's log records it): every line the server wrote for the run before this message is anchored
-        at the hospitals, so a tail the server's operator cut off and rechained fails ``fedmed audit verify
-        --peer``. Hospitals that do not answer within a few seconds are not waited for."""
-        if self.audit_log() is None or not self.hospitals:
+        """Tell every hospital of the run that it ended, twice. The first closing query and its replies are logged
+        as every message is (so each hospital's log is anchored at the server up to its receipt); then the server
+        writes its final line (``run-ended``, naming the hospitals told) and sends the second, which carries that
+        line's head and is not logged, nor are its replies: the last line a hospital records is the server's final
+        line, so a tail the server's operator cut off and rechained fails ``fedmed audit verify --peer``.
+        Hospitals that do not answer within a few seconds are not waited for."""
+        audit = self.audit_log()
+        if audit is None or not self.hospitals:
             return
-        messages = []
-        for node, hospital in sorted(self.hospitals.items()):
-            if hospital.properties.get(FLOWER_ONLY):  # no audit log there, and no query handler to answer
-                continue
-            config = ConfigRecord({"query": RUN_ENDED_QUERY, **self.hospital_config(self.engine.next_round - 1)})
-            messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
-                                    dst_node_id=node))
-            self.audit_message("sent", messages[-1], self.engine.next_round - 1, hospital.name, node)
-        for reply in send_and_receive(grid, messages, min(timeout, 30.0), messages_in_flight(self.job, grid, True)):
+        told = {node: hospital for node, hospital in sorted(self.hospitals.items())
+                if not hospital.properties.get(FLOWER_ONLY)}  # no audit log there, and no query handler to answer
+        if not told:
+            return
+        rnd, wait = self.engine.next_round - 1, min(timeout, 30.0)
+
+        def closing() -> list[Message]:
+            return [Message(RecordDict({self.records.config: ConfigRecord({"query": RUN_ENDED_QUERY,
+                                                                           **self.hospital_config(rnd)})}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in told]
+
+        messages = closing()
+        for message in messages:
+            self.audit_message("sent", message, rnd, told[message.metadata.dst_node_id].name,
+                               message.metadata.dst_node_id)
+        for reply in send_and_receive(grid, messages, wait, messages_in_flight(self.job, grid, True)):
             hospital = self.hospitals.get(reply.metadata.src_node_id)
-            self.audit_message("received", reply, self.engine.next_round - 1, hospital.name if hospital else None)
+            self.audit_message("received", reply, rnd, hospital.name if hospital else None)
+        audit.append("run-ended", run=self.job.run_name, round=rnd, method=self.job.strategy,
+                     hospitals=[hospital.name for hospital in told.values()])  # the server's final line
+        for _ in send_and_receive(grid, closing(), wait, messages_in_flight(self.job, grid, True)):
+            pass  # each hospital's log records the final head; nothing more is written here
 
 
 def kept(server_round: int) -> str:

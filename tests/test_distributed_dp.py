@@ -118,7 +118,7 @@ def test_plan_parameters_travel_and_are_checked():
     params = ddp.plan(1.2, 5, 0.5, 777, 2**32, 6)
     assert ddp.Parameters.from_plan({ddp.PLAN_KEY: params.to_plan()}) == params
     assert ddp.Parameters.from_plan({}) is None
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="not what the hospital derives"):
         ddp.Parameters.from_plan({ddp.PLAN_KEY: {**params.to_plan(), "padded": 512}})
     with pytest.raises(ValueError, match="no room"):
         ddp.plan(1.0, 4, 1.0, 100, 16, 4)
