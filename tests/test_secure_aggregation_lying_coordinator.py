@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client_app.secure_aggregation import stage_of
+from common.trust.identity import key_fingerprint
 from common.trust.secure_aggregation import distributed_dp as ddp
 from common.trust.secure_aggregation.messages import COLLECT, PLAN_KEY, UNMASK, plan_text
 from strategies import (
@@ -60,6 +61,7 @@ METHODS = {
     "fedmepd-federated-decoder": (FedMEPDStrategy, BRAIN, {"strategy": "fedmepd-federated-decoder"}),
 }
 HOSPITALS = 4
+ROOT = Path(__file__).resolve().parents[1]
 #: a hand-made hardened policy (the issue's); FedMEPD's parts are each held by two of the four hospitals
 HARDENED = """require-secure-aggregation = true
 min-hospitals-per-sum = {least}
@@ -67,6 +69,21 @@ min-threshold-fraction = 0.7
 min-update-norm-bound = 0.5
 max-sample-weight = 500
 """
+
+
+def policy_text(method: str, hardened: bool, registered: Path) -> str:
+    """Every hospital's policy: the shipped template (deploy/hospital-policy.toml, as make_hospital_policy.sh writes
+    it) or the hand-made hardened one, each with a [peers] table pinning the four registered keys. FedMEPD's parts
+    are each held by two of the four hospitals, so its sums may hold two."""
+    fedmepd = method.startswith("fedmepd")
+    if hardened:
+        text = HARDENED.format(least=2 if fedmepd else 4)
+    else:
+        text = (ROOT / "deploy" / "hospital-policy.toml").read_text()
+        if fedmepd:
+            text = text.replace("min-hospitals-per-sum = 3", "min-hospitals-per-sum = 2")
+    pins = "".join(f'"{key.stem}" = "{key_fingerprint(key)}"\n' for key in sorted(registered.glob("*.pub")))
+    return f"{text}\n[peers]\n{pins}"
 
 
 class LyingGrid(FakeGrid):
@@ -102,7 +119,7 @@ def copied(content: RecordDict) -> RecordDict:
 
 class Round:
     """One secure round of a method over four hospitals, as the deployment ships them (each its identity key and
-    the consortium's registered keys; the server ``hospital-keys``) with or without a hardened policy; every
+    the consortium's registered keys; the server ``hospital-keys``) under the shipped policy or a hand-made hardened one, both pinning the four keys; every
     hospital's pre-mask contribution recorded. Randomness the server may choose (distributed DP's rotation) and
     the hospitals' own (stochastic rounding, noise) is fixed, so two honest runs are bit-identical."""
 
@@ -115,7 +132,7 @@ class Round:
         for pid in range(HOSPITALS):
             key_pair(self.registered, f"hospital-{pid:02d}")
         self.policy = folder / "policy.toml"
-        self.policy.write_text(HARDENED.format(least=2 if method.startswith("fedmepd") else 4))
+        self.policy.write_text(policy_text(method, hardened, self.registered))
         self.base = {**base, "run-name": "lying", "round-timeout": 1.0, "hospital-keys": str(self.registered),
                      "secure-aggregation.update-norm-bound": 5.0, **extra}
         self.runs = 0
@@ -134,8 +151,7 @@ class Round:
         for pid in range(HOSPITALS):
             node = {"partition-id": pid, "num-partitions": HOSPITALS,
                     "identity-key": str(self.registered / f"hospital-{pid:02d}"), "peer-keys": str(self.registered)}
-            if self.hardened:
-                node["policy-file"] = str(self.policy)
+            node["policy-file"] = str(self.policy)
             nodes[101 + pid] = seeded(secure_node(config, node, 101 + pid), 101 + pid)
         grid = LyingGrid(nodes, lie)
         strategy = with_secure_aggregation(self.strategy_type)(min_train_nodes=2, run_config=config)
@@ -355,7 +371,7 @@ def test_a_lying_coordinator_changes_no_contribution_hardened(method, data):
 @FAST
 @given(data=st.data())
 def test_a_lying_coordinator_changes_no_contribution_as_shipped(data):
-    """Fast tier: the deployment's shipped configuration (keys, no policy), FedAvg."""
+    """Fast tier: the deployment's shipped configuration (keys, the shipped policy with pinned peers), FedAvg."""
     check("fedavg", False, data)
 
 
