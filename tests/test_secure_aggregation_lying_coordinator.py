@@ -118,10 +118,11 @@ def copied(content: RecordDict) -> RecordDict:
 
 
 class Round:
-    """One secure round of a method over four hospitals, as the deployment ships them (each its identity key and
-    the consortium's registered keys; the server ``hospital-keys``) under the shipped policy or a hand-made hardened one, both pinning the four keys; every
-    hospital's pre-mask contribution recorded. Randomness the server may choose (distributed DP's rotation) and
-    the hospitals' own (stochastic rounding, noise) is fixed, so two honest runs are bit-identical."""
+    """One secure round of a method over four hospitals, as the deployment ships them (each its identity key, the
+    consortium's registered keys and a policy pinning them, shipped or hand-made hardened; the server
+    ``hospital-keys``); every hospital's pre-mask contribution recorded. Randomness the server may choose
+    (distributed DP's rotation) and the hospitals' own (stochastic rounding, noise) is fixed, so two honest runs are
+    bit-identical."""
 
     def __init__(self, method: str, hardened: bool, folder: Path):
         self.method, self.hardened, self.folder = method, hardened, folder
