@@ -360,7 +360,8 @@ FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 #: the long tier's sweep: 8 values per method and configuration keep it near ten minutes on CI's two cores (about 4 s
 #: a value); FEDMED_SWEEP_EXAMPLES=120 is the longer sweep (about 8 minutes for each of the 20 cases)
-SWEEP = settings(max_examples=int(os.environ.get("FEDMED_SWEEP_EXAMPLES", "8")), deadline=None, derandomize=True, database=None,
+SWEEP = settings(max_examples=int(os.environ.get("FEDMED_SWEEP_EXAMPLES", "8")), deadline=None, derandomize=True,
+                 database=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
