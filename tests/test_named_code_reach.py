@@ -323,6 +323,8 @@ def test_a_network_beyond_the_hospitals_size_is_refused_before_it_is_built(appro
 
 @pytest.mark.parametrize("shipped", CONFIGURATIONS)
 def test_a_job_that_sizes_its_network_past_the_limit_is_refused(site_code, deployed, shipped):  # noqa: F811
+    """Asked with an evaluate message: the shipped policy refuses every plain training request before it looks at
+    the job (require-secure-aggregation)."""
     from flwr.app import MessageType
 
     lists = ({"policy": 'models = ["monai.*"]\n[job-limits]\nmodel-parameters = 1000000\n'} if shipped == "policy"
@@ -330,5 +332,5 @@ def test_a_job_that_sizes_its_network_past_the_limit_is_refused(site_code, deplo
     node = deployed(shipped, **lists)
     reply = answer(node, {"model": "monai.networks.nets:DenseNet121",
                           "model-args": json.dumps({"spatial_dims": 2, "out_channels": 10**12}),
-                          "model.num-classes": 2, "model.in-channels": 3}, MessageType.TRAIN)
+                          "model.num-classes": 2, "model.in-channels": 3}, MessageType.EVALUATE)
     assert reply.has_error() and "parameters, more than this hospital allows" in reply.error.reason

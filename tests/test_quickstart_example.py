@@ -120,7 +120,7 @@ def test_the_same_hospitalclientapp_serves_moon_fedproto_and_trains_itself_for_f
     train = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
     assert all(("train_loss" in m.content["metrics"]) == (method == "fedavg") for m in train)  # whose loop ran
     queries = [m for m in grid.replies if m.metadata.message_type == MessageType.QUERY]
-    assert len(queries) == 4 and not [m for m in queries if m.has_error()]  # who it is, and the run's end: answered
+    assert len(queries) == 6 and not [m for m in queries if m.has_error()]  # who, the end, the final line
     task.Net().load_state_dict(result.arrays.to_torch_state_dict())  # MOON's and FedAvg's: Net's own tensors
     if method != "fedproto":
         assert 0.0 <= result.evaluate_metrics_serverapp[1]["accuracy"] <= 1.0  # the server's test set: fedmed_data
