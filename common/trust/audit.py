@@ -393,16 +393,27 @@ def records_of(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
 def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
     """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
     must each be the hash of a line of ``log``, and some line of ``other`` must be about ``name``: problems as
-    (line of ``other``, what)."""
-    hashes = {record["hash"] for _, record in records_of(log) if isinstance(record.get("hash"), str)}
+    (line of ``other``, what, naming the run). Only ``other``'s lines of the runs ``log`` names are checked: a
+    server's log holds one run, a hospital's every run it took part in, and one run's log vouches for no other's."""
+    hashes, runs = set(), set()
+    for _, record in records_of(log):
+        if isinstance(record.get("hash"), str):
+            hashes.add(record["hash"])
+        if isinstance(record.get("run"), str):
+            runs.add(record["run"])
     about = [(number, record) for number, record in records_of(other) if record.get("peer") == name]
     if not about:
         peers = sorted({r["peer"] for _, r in records_of(other) if isinstance(r.get("peer"), str)})
         return [(0, f"no line of {other} is about {name!r} (it names {', '.join(peers[:10]) or 'no peer'}): a "
                     "misspelt name proves nothing")]
-    return [(number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were removed from "
-                     "its end or it was rewritten")
-            for number, record in about
+    mine = [(n, r) for n, r in about if not runs or not isinstance(r.get("run"), str) or r["run"] in runs]
+    if not mine:
+        named = sorted({str(r.get("run")) for _, r in about})
+        return [(about[0][0], f"records {name} only in run(s) {', '.join(named[:10])}, which {log} never names: "
+                              "lines were removed from its end or it was rewritten")]
+    return [(number, f"run {record.get('run')!r}: records {name}'s audit head {recorded}, which is no line of {log}: "
+                     "lines were removed from its end or it was rewritten")
+            for number, record in mine
             if (recorded := record.get("peer-audit-head")) and recorded != GENESIS and recorded not in hashes]
 
 
