@@ -600,6 +600,8 @@ def describe_run(run_dir: Path, metric: str = "") -> dict[str, Any] | None:
     stamps = [p.stat().st_mtime for p in (run_dir / "metrics.jsonl", run_dir / STATUS_FILE, run_dir / "config.json")
               if p.exists()]
     state = run_state(run_dir, config, history)
+    missing = why_missing(history, path) if not values else "" if best else \
+        "no round aggregated an update: every score is of the model it started from"
     error = read_status(run_dir).get("error") if state == "failed" else None
     partitioner = config.get("partitioner", "")
     if partitioner == "dirichlet":
@@ -614,8 +616,7 @@ def describe_run(run_dir: Path, metric: str = "") -> dict[str, Any] | None:
             "metric": f"{direction}:{path}", "best": best[1] if best else None, "best-round": best[0] if best else None,
             "final": values[-1][1] if values else None, "final-round": values[-1][0] if values else None,
             "traffic-mb": sum(r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in history) / 1e6,
-            "updated": max(stamps) if stamps else 0.0, "missing": why_missing(history, path) if not values else "" if best else
-            "no round aggregated an update: every score is of the model it started from"}
+            "updated": max(stamps) if stamps else 0.0, "missing": missing}
 
 
 def number_paths(value: Any, prefix: str = "") -> set[str]:

@@ -291,6 +291,13 @@ def _check_chain(data: bytes, first: int, previous: dict[str, Any] | None, resul
     return records
 
 
+def check_chain(data: bytes, first: int, previous: dict[str, Any] | None, result: Verification) -> list[dict]:
+    """:func:`verify`'s check of the lines ``first``.. of a log (``previous``: the line before them), for a reader
+    that verifies a long log a piece at a time (``fedmed console``): problems and the count and head go into
+    ``result``; returns the lines that are sound on their own."""
+    return _check_chain(data, first, previous, result)
+
+
 class FollowedLog:
     """A log that a reader checks often (a hospital's replay memory and privacy ledger, at every secure stage and
     training): verified whole the first time, then only in the lines added since, each checked on its own and

@@ -95,6 +95,14 @@ class PrivacyLedger:
             self._check_against(audit_releases(self.audit.path), releases)
         return releases
 
+    def releases_against(self, logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The ledger's entries checked against ``logged``, the releases a reader already took from the verified
+        audit log (``fedmed console``, which reads the log once): PolicyRefusal when they differ."""
+        releases = self._file_releases()
+        if self.audit is not None:
+            self._check_against(logged, releases)
+        return releases
+
     def _file_releases(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
@@ -255,11 +263,16 @@ class EpsilonCounter:
 
     def add(self, entry: dict[str, Any]) -> float:
         """Count one more entry; the epsilon of every entry counted so far."""
-        local, distributed = self._rdp_of(entry)
-        self.count += 1
-        self._local = self._local + local
-        self._rdp = self._rdp + distributed
-        self._sums = self._sums or bool(entry.get("distributed-dp"))
+        return self.extend([entry])
+
+    def extend(self, entries: list[dict[str, Any]]) -> float:
+        """Count these entries; the epsilon of every entry counted so far (converted once, at the end)."""
+        for entry in entries:
+            local, distributed = self._rdp_of(entry)
+            self.count += 1
+            self._local = self._local + local
+            self._rdp = self._rdp + distributed
+            self._sums = self._sums or bool(entry.get("distributed-dp"))
         return self.epsilon()
 
     def epsilon(self) -> float:
