@@ -90,14 +90,14 @@ def checked(args: argparse.Namespace) -> str | None:
         return None
     if not 0 < args.port < 65536:
         return f"--port {args.port}: not a port (1-65535)"
-    if not is_loopback(args.host) and args.tls_cert is None:
-        return (f"--host {args.host} serves beyond this machine: give --tls-cert and --tls-key so that the token "
-                "does not cross the network in clear (or serve on 127.0.0.1 behind a TLS reverse proxy)")
     if not is_loopback(args.host) and not args.token:
         return (f"--host {args.host} serves beyond this machine: give --token (or set ${TOKEN_VARIABLE}) so that only "
                 "those who hold it can read these pages")
     if args.token is not None and len(args.token) < 16:
         return "--token: at least 16 characters (a guessable token protects nothing)"
+    if not is_loopback(args.host) and args.tls_cert is None:
+        return (f"--host {args.host} serves beyond this machine: give --tls-cert and --tls-key so that the token "
+                "does not cross the network in clear (or serve on 127.0.0.1 behind a TLS reverse proxy)")
     return cannot_listen(args.host, args.port)
 
 

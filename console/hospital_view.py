@@ -535,12 +535,22 @@ class LogReader:
         return self
 
     def _check(self, data: bytes) -> None:
-        records = check_chain(data, self.result.lines + 1, self.previous, self.result)
+        first, known = self.result.lines + 1, len(self.result.problems)
+        records = check_chain(data, first, self.previous, self.result)
         last = data[data.rstrip(b"\n").rfind(b"\n") + 1:]
         self.previous = json.loads(last) if line_problem(last.rstrip(b"\n")) is None else None
         self.offset, self.last = self.offset + len(data), last
         for record in records:
             self.site.feed(record["seq"], record)
+        if len(self.result.problems) > known:  # a line that does not verify is still shown, marked as such
+            texts = data.split(b"\n")
+            for number in sorted({n for n, _ in self.result.problems[known:]}):
+                text = texts[number - first]
+                if line_problem(text) is not None:
+                    with contextlib.suppress(ValueError, UnicodeDecodeError):
+                        record = json.loads(text)
+                        if isinstance(record, dict):
+                            self.site.feed(number, record)
 
 
 _READERS: dict[Path, LogReader] = {}
@@ -608,7 +618,7 @@ def read_privacy(folder: Path, site: SiteLog, policy_file: Path | None, chain_ok
     ledger = PrivacyLedger(folder, AuditLog(audit_path) if audit_path.is_file() else None)
     logged = site.releases
     try:
-        if not chain_ok:
+        if not chain_ok and audit_path.is_file():
             raise PolicyRefusal(f"its audit log {audit_path} does not verify, so its privacy ledger cannot be checked")
         releases = ledger.releases_against(logged)
         if ledger_path.is_file():
