@@ -36,8 +36,8 @@ DP_POLICY = ('methods = ["fedavg"]\nmax-rounds-per-run = 5\n'
 STRICT_POLICY = 'methods = ["fedavg"]\nmax-rounds-per-run = 1\nrelease-metrics = "validation"\n'
 
 
-def secure_dp_federation(root: Path, rounds: int = 3) -> Path:
-    """A run ``t`` of three hospitals under secure aggregation: hospital-00 and -01 under DP_POLICY (its budget
+def secure_dp_federation(root: Path, rounds: int = 3, run: str = "t") -> Path:
+    """A run ``run`` of three hospitals under secure aggregation: hospital-00 and -01 under DP_POLICY (its budget
     refuses round 3), hospital-02 under STRICT_POLICY (refuses from round 2). ``root``: state/, results/, policies."""
     from strategies import FedAvgStrategy
 
@@ -46,7 +46,7 @@ def secure_dp_federation(root: Path, rounds: int = 3) -> Path:
 
     (root / "dp.toml").write_text(DP_POLICY)
     (root / "strict.toml").write_text(STRICT_POLICY)
-    config = {**SMALL_CLASSIFICATION, "run-name": "t", "state-dir": str(root / "state"),
+    config = {**SMALL_CLASSIFICATION, "run-name": run, "state-dir": str(root / "state"),
               "results-dir": str(root / "results"), "strategy": "fedavg", "secure-aggregation.enabled": True}
     nodes = {}
     for pid in range(3):
