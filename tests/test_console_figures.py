@@ -7,7 +7,6 @@ Host names and cookie of a console served beyond loopback.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from common.trust.ledger import EpsilonCounter, releases_epsilon
 from console import app as console_app
 from console.app import Sources, create_app
 from console.coordinator_view import read_run, round_row
-from console.hospital_view import LogReader, SiteLog, read_hospital
+from console.hospital_view import LogReader, read_hospital
 from server_app.results import best_round, describe_run, read_history, render_runs, summary_table, write_status
 
 from .test_console import lines, secure_dp_federation, sources
