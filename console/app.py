@@ -37,6 +37,7 @@ TOKEN_COOKIE = "fedmed-console-token"
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; form-action 'none'; frame-ancestors 'none'"
 REFRESH_SECONDS = 5
 MESSAGES_PER_PAGE = 500  #: a run's messages on one page
+RUNS_PER_PAGE = 100  #: a hospital's runs on one page, the latest first
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,11 @@ def create_app(sources: Sources, token: str | None = None, refresh_seconds: int 
         if folder is None:
             return not_found(request, f"no hospital named {request.path_params['name']!r} in {sources.state}")
         view = views.hospital(request.path_params["name"], folder)
-        return page(request, "hospital.html", live=view.live, view=view, chart=Markup(epsilon_chart(view)))
+        numbered = list(enumerate(view.runs, start=1))[::-1]  # the latest first, each with its number
+        number, pages_count = page_number(request, len(numbered), RUNS_PER_PAGE)
+        shown = numbered[(number - 1) * RUNS_PER_PAGE:number * RUNS_PER_PAGE]
+        return page(request, "hospital.html", live=view.live, view=view, chart=Markup(epsilon_chart(view)),
+                    shown_runs=shown, page=number, pages=pages_count)
 
     async def hospital_run(request: Request) -> Response:
         name, index = request.path_params["name"], request.path_params["index"]
@@ -245,11 +250,7 @@ def create_app(sources: Sources, token: str | None = None, refresh_seconds: int 
         if not 1 <= index <= len(view.runs):
             return not_found(request, f"hospital {name} has no run number {index}")
         run = view.runs[index - 1]
-        pages_count = max(1, math.ceil(len(run.messages) / MESSAGES_PER_PAGE))
-        try:
-            number = min(max(1, int(request.query_params.get("page", "1"))), pages_count)
-        except ValueError:
-            number = 1
+        number, pages_count = page_number(request, len(run.messages), MESSAGES_PER_PAGE)
         first = (number - 1) * MESSAGES_PER_PAGE
         return page(request, "hospital_run.html", live=view.live, view=view, run=run, page=number,
                     pages=pages_count, first=first, shown=run.messages[first:first + MESSAGES_PER_PAGE])
@@ -281,6 +282,15 @@ def create_app(sources: Sources, token: str | None = None, refresh_seconds: int 
                              Route("/hospital/{name}/run/{index:int}", hospital_run), Route("/runs", runs),
                              Route("/runs/{name}", run)],
                      middleware=middleware, exception_handlers={OSError: failure})
+
+
+def page_number(request: Request, items: int, per_page: int) -> tuple[int, int]:
+    """(the page asked for by ``?page=``, within range; how many pages)."""
+    count = max(1, math.ceil(items / per_page))
+    try:
+        return min(max(1, int(request.query_params.get("page", "1"))), count), count
+    except ValueError:
+        return 1, count
 
 
 def epsilon_chart(view) -> str:

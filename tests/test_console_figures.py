@@ -231,6 +231,10 @@ def test_a_runs_messages_are_paged_one_click_away(two_runs, monkeypatch):
     shown = [int(part.split("<")[0]) for part in page.split('<tr><td class="num">')[1:]]
     assert shown == [m.line for m in messages[5:10]]
     assert client.get("/hospital/hospital-00/run/9").status_code == 404
+    monkeypatch.setattr(console_app, "RUNS_PER_PAGE", 1)  # the runs themselves, the latest first
+    assert '<tr data-run="t2"' in client.get("/hospital/hospital-00").text
+    second = client.get("/hospital/hospital-00?page=2").text
+    assert '<tr data-run="t"' in second and '<tr data-run="t2"' not in second
 
 
 # --- the report to file -----------------------------------------------------------------------------------------------

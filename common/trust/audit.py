@@ -200,22 +200,28 @@ def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
 
 def line_problem(text: bytes) -> str | None:
     """What is wrong with one line on its own (not JSON, not canonical, hash mismatch), or None."""
+    return _parsed(text)[0]
+
+
+def _parsed(text: bytes) -> tuple[str | None, dict[str, Any] | None]:
+    """(what is wrong with the line on its own, or None; the line read, when nothing is): one parse for both."""
     try:
         record = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return "is not a JSON object (edited, or cut short)"
+        return "is not a JSON object (edited, or cut short)", None
     if not isinstance(record, dict) or not all(key in record for key in RESERVED):
-        return f"is not an audit line (it lacks one of {', '.join(RESERVED)})"
+        return f"is not an audit line (it lacks one of {', '.join(RESERVED)})", None
     if not isinstance(record["seq"], int) or not isinstance(record["hash"], str):
-        return "has a seq that is not a number or a hash that is not text"
+        return "has a seq that is not a number or a hash that is not text", None
     if record["hash"] != line_hash(record):
-        return "does not match its hash: its content was edited"
+        return "does not match its hash: its content was edited", None
     try:
         if canonical(record).encode() != text:
-            return "is not written as the log writes lines (its text was edited; the hash still matches its content)"
+            return ("is not written as the log writes lines (its text was edited; the hash still matches its "
+                    "content)", None)
     except ValueError:
-        return "holds a value the log never writes (NaN or Infinity)"
-    return None
+        return "holds a value the log never writes (NaN or Infinity)", None
+    return None, record
 
 
 @dataclass
@@ -270,12 +276,11 @@ def _check_chain(data: bytes, first: int, previous: dict[str, Any] | None, resul
             result.problems.append((number, "is cut short: the file does not end with a newline (a write was "
                                             "interrupted, or the end of the file was removed)"))
             break
-        problem = line_problem(text)
+        problem, record = _parsed(text)
         if problem:
             result.problems.append((number, problem))
             previous = None
             continue
-        record = json.loads(text)
         records.append(record)
         expected_seq = 1 if number == 1 else previous["seq"] + 1 if previous else None
         if expected_seq is not None and record["seq"] != expected_seq:
