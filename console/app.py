@@ -38,6 +38,7 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; form-action
 REFRESH_SECONDS = 5
 MESSAGES_PER_PAGE = 500  #: a run's messages on one page
 RUNS_PER_PAGE = 100  #: a hospital's runs on one page, the latest first
+REFUSALS_SHOWN = 100  #: the latest refusals on a hospital's page (every one is on its run's page)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ def create_app(sources: Sources, token: str | None = None, refresh_seconds: int 
         number, pages_count = page_number(request, len(numbered), RUNS_PER_PAGE)
         shown = numbered[(number - 1) * RUNS_PER_PAGE:number * RUNS_PER_PAGE]
         return page(request, "hospital.html", live=view.live, view=view, chart=Markup(epsilon_chart(view)),
-                    shown_runs=shown, page=number, pages=pages_count)
+                    shown_runs=shown, page=number, pages=pages_count, refusals_shown=REFUSALS_SHOWN)
 
     async def hospital_run(request: Request) -> Response:
         name, index = request.path_params["name"], request.path_params["index"]
