@@ -60,6 +60,22 @@ def test_an_untouched_deployment_of_two_runs_reads_intact_both_ways(two_runs, ca
     assert "BROKEN" not in page and "Chain intact" in page
 
 
+def test_each_run_names_the_policy_in_force_and_whom_it_answered(two_runs):
+    import hashlib
+
+    view = read_hospital(two_runs / "state" / "hospital-02", policy_file=two_runs / "strict.toml")
+    digest = hashlib.sha256((two_runs / "strict.toml").read_bytes()).hexdigest()
+    log = lines(two_runs / "state" / "hospital-02" / "audit.jsonl")
+    for run in view.runs:
+        recorded = {r["policy-sha256"] for r in log if r.get("run") == run.name and "policy-sha256" in r}
+        assert run.policies == ([digest] if recorded else []) and recorded <= {digest}
+        ids = {r["flower-run"] for r in log if r.get("run") == run.name and r.get("flower-run") is not None}
+        assert run.peers.startswith(f"the server (Flower run {', '.join(map(str, sorted(ids)))}")
+    assert [bool(run.policies) for run in view.runs] == [True, False]  # t2: refused before its policy was asked
+    page = TestClient(create_app(sources(two_runs))).get("/hospital/hospital-02").text
+    assert f"{digest[:16]}… (strict.toml)" in page and "not recorded" in page
+
+
 def test_a_server_log_cut_within_a_run_is_named_with_its_run_and_line(copy, capsys):
     log = copy / "results" / "t2" / "audit.jsonl"
     kept = log.read_text().splitlines(keepends=True)
