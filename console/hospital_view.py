@@ -577,15 +577,6 @@ def peer_words(message: Message) -> str:
     return f"the server ({', '.join(parts)})" if parts else "the server"
 
 
-def read_runs(records: list[tuple[int, dict[str, Any]]], bad_lines: set[int] | frozenset[int] = frozenset(),
-              policy: PolicyView | None = None) -> tuple[list[RunAtSite], list[Refusal]]:
-    """The runs that reached the site and every refusal, from a log's lines (:class:`SiteLog`)."""
-    site = SiteLog()
-    for line, record in records:
-        site.feed(line, record)
-    return site.site_runs(bad_lines, policy_limit(policy)), site.refusals
-
-
 def policy_limit(policy: PolicyView | None) -> int:
     if policy is None:
         return 0

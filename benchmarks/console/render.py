@@ -92,7 +92,12 @@ def main() -> None:
                              f"{numbers['peak-mb-above-start']:.0f} | {numbers['html-bytes'] / 1e3:.0f} kB |")
     text = (f"# fedmed console: a hospital's log of {args.lines:,} lines and {args.trainings:,} trainings\n\n"
             f"`python -m benchmarks.console.render` on {cpu_name()} (2 cores, shared), log {size / 1e6:.1f} MB.\n\n"
-            + "\n".join(table) + "\n")
+            + "\n".join(table) + "\n\n"
+            "The first request verifies the whole log once (each line's JSON, canonical form and SHA-256, as `fedmed "
+            "audit verify` does) and reads it into the page's figures, epsilon counted in one pass; every later page "
+            "is served from what the console keeps until a file changes, and a log that grew is read in its new "
+            "lines only. The first read of the log is over the 2 s the issue asks (about 2.5 s of it is the "
+            "verification alone); every page after it is well under.\n")
     stem.with_suffix(".md").write_text(text)
     print(text)
 
