@@ -56,8 +56,10 @@ def test_an_untouched_deployment_of_two_runs_reads_intact_both_ways(two_runs, ca
     for run, log in server_logs(two_runs).items():  # verify --peer, each way, for each run's server log
         assert fedmed(["audit", "verify", str(hospital), "--peer", str(log), "--name", "hospital-00"]) == 0
         assert fedmed(["audit", "verify", str(log), "--peer", str(hospital), "--name", "server"]) == 0
-    page = TestClient(create_app(sources(two_runs))).get("/hospital/hospital-00").text
+    client = TestClient(create_app(sources(two_runs)))
+    page = client.get("/hospital/hospital-00").text
     assert "BROKEN" not in page and "Chain intact" in page
+    assert client.get("/").text.count("consistent, 2 run(s)") == 3
 
 
 def test_each_run_names_the_policy_in_force_and_whom_it_answered(two_runs):
@@ -81,10 +83,11 @@ def test_a_server_log_cut_within_a_run_is_named_with_its_run_and_line(copy, caps
     kept = log.read_text().splitlines(keepends=True)
     log.write_text("".join(kept[:len(kept) // 2]))  # the second half of run t2 removed from the server's log
     view = read_hospital(copy / "state" / "hospital-02", server_logs=server_logs(copy))
-    by_run = {(c.what.split(":")[0], c.what.split("the ")[-1][:6]): c for c in view.peer_checks}
-    assert all(c.ok for key, c in by_run.items() if key[0] == "run t")
+    assert all(c.ok for c in view.peer_checks if c.what.startswith("run t: "))
     broken = [c for c in view.peer_checks if not c.ok]
     assert broken and all(c.what.startswith("run t2: ") for c in broken)
+    overview = TestClient(create_app(sources(copy))).get("/").text  # the overview says so too
+    assert overview.count("<div>run t2: BROKEN at") >= 3 and "<div>run t: " not in overview
     hospital_log = copy / "state" / "hospital-02" / "audit.jsonl"
     records = lines(hospital_log)
     first = next(n for n, r in enumerate(records, 1) if r.get("run") == "t2" and r.get("peer-audit-head")
