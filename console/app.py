@@ -30,7 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import charts
 from .coordinator_view import SHOWN_KEYS, list_run_rows, read_run, run_folders
-from .hospital_view import HOSPITAL_FILES, hospital_folders, peer_words, read_hospital, stage_words
+from .hospital_view import (HOSPITAL_FILES, hospital_folders, peer_words, read_hospital, stage_words,
+                            trainings_since)
 
 TOKEN_COOKIE = "fedmed-console-token"
 #: nothing may be loaded from anywhere: styles and charts are inline, there is no script
@@ -184,8 +185,8 @@ def stamps(paths: list[Path | None]) -> tuple:
 
 class Views:
     """Each hospital's view, read once per change of its files (its audit log read in the lines added since:
-    ``hospital_view.LogReader``), its policy file and the server logs it is checked against; and again once a
-    minute (what "the last 24 hours" holds moves with the clock)."""
+    ``hospital_view.LogReader``), its policy file and the server logs it is checked against; only what moves with
+    the clock (the trainings of the last 24 hours) is counted at every page."""
 
     def __init__(self, sources: Sources):
         self.sources = sources
@@ -194,14 +195,15 @@ class Views:
     def hospital(self, name: str, folder: Path):
         sources = self.sources
         logs = sources.server_logs()
-        key = (stamps([folder / f for f in HOSPITAL_FILES] + [sources.policy(name)] + list(logs.values())),
-               int(time.time() // 60))
+        key = stamps([folder / f for f in HOSPITAL_FILES] + [sources.policy(name)] + list(logs.values()))
         known = self.known.get(name)
         if known is None or known[0] != key:
             view = read_hospital(folder, policy_file=sources.policy(name), node_config=sources.node_config,
                                  server_logs=logs)
             known = self.known[name] = (key, view)
-        return known[1]
+        view = known[1]
+        view.privacy.last_24h = trainings_since(view.privacy.trainings, time.time() - 24 * 3600)
+        return view
 
 
 def create_app(sources: Sources, token: str | None = None, refresh_seconds: int = REFRESH_SECONDS,

@@ -666,13 +666,17 @@ def read_privacy(folder: Path, site: SiteLog, policy_file: Path | None, chain_ok
                                   after, entry))
     days = [Day(day, len(mine), group_epsilon(mine, delta) if counter is not None else None, mine[-1].epsilon_after)
             for day, mine in _grouped(trainings, lambda t: t.time[:10])]
-    since = now - 24 * 3600
-    last_24h = sum(1 for t in trainings if _seconds(t.time) >= since)
+    last_24h = trainings_since(trainings, now - 24 * 3600)
     next_epsilon = counter.after(trainings[-1].released) if counter is not None and trainings else None
     return Privacy(ledger_path=ledger_path, ledger_state=state, ledger_ok=ok, source=source, trainings=trainings,
                    days=days, delta=delta, max_epsilon=max_epsilon or None, budget_from=budget_from,
                    epsilon=trainings[-1].epsilon_after if trainings else (0.0 if delta else None),
                    last_24h=last_24h, max_per_day=max_per_day, accountant=accountant, next_epsilon=next_epsilon)
+
+
+def trainings_since(trainings: list[Training], since: float) -> int:
+    """Trainings at or after ``since`` (seconds), as the hospital counts them against max-trainings-per-day."""
+    return sum(1 for t in trainings if _seconds(t.time) >= since)
 
 
 def _grouped(trainings: list[Training], key) -> list[tuple[str, list[Training]]]:
