@@ -30,8 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import charts
 from .coordinator_view import SHOWN_KEYS, list_run_rows, read_run, run_folders
-from .hospital_view import (HOSPITAL_FILES, hospital_folders, peer_words, read_hospital, stage_words,
-                            trainings_since)
+from .hospital_view import HOSPITAL_FILES, hospital_folders, peer_words, read_hospital, stage_words, trainings_since
 
 TOKEN_COOKIE = "fedmed-console-token"
 #: nothing may be loaded from anywhere: styles and charts are inline, there is no script
