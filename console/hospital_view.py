@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import functools
 import json
 import math
 import os
@@ -310,7 +311,7 @@ def read_hospital(folder: Path, *, policy_file: Path | None = None, node_config:
     stamps = [p.stat().st_mtime for p in (folder / f for f in HOSPITAL_FILES) if p.is_file()]
     return HospitalView(name=name, folder=folder, audit_path=audit_path, chain=chain, peer_checks=peer_checks,
                         runs=runs, refusals=refusals, privacy=privacy, policy=policy,
-                        memory=read_memory(folder, {(r.run, r.round) for r in refusals}),
+                        memory=read_memory(folder, refusals),
                         updated=max(stamps) if stamps else 0.0, problems=problems)
 
 
@@ -699,8 +700,10 @@ def _has_accountant() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)
 def _seconds(stamp: str) -> float:
-    """An audit/ledger time (UTC) in seconds; one that cannot be read counts as now (as the hospital counts it)."""
+    """An audit/ledger time (UTC) in seconds; one that cannot be read counts as now (as the hospital counts it).
+    Remembered: a log's lines share their seconds, a page asks again."""
     try:
         return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
     except ValueError:
@@ -708,9 +711,9 @@ def _seconds(stamp: str) -> float:
 
 
 # --- the secure-aggregation memory and the policy --------------------------------------------------------------------
-def read_memory(folder: Path, refused: set[tuple[str, int | None]] | frozenset = frozenset()) -> SecureMemory:
+def read_memory(folder: Path, refusals: list[Refusal] = ()) -> SecureMemory:
     """The (run, round)s the hospital took part in under secure aggregation and the models it revealed shares for;
-    a round it set up and then refused (``refused``: (run, round) of its refusals) was not taken part in."""
+    a round it set up and then refused (one of ``refusals``) was not taken part in."""
     path = folder / MEMORY_FILE
     if not path.is_file():
         return SecureMemory(path, "none: this hospital has not taken part in a secure round", [], [])
@@ -722,6 +725,7 @@ def read_memory(folder: Path, refused: set[tuple[str, int | None]] | frozenset =
                                   "operator repairs it", [], [])
     revealed = [r for r in revealed if isinstance(r, dict)]
     shown = {(r.get("run"), r.get("round")) for r in revealed}
+    refused = {(r.run, r.round) for r in refusals}
     rounds = [{**r, "revealed": (r.get("run"), r.get("round")) in shown,
                "refused": (r.get("run"), r.get("round")) in refused} for r in rounds if isinstance(r, dict)]
     taken = sum(1 for r in rounds if not r["refused"])

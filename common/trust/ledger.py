@@ -235,6 +235,8 @@ class EpsilonCounter:
     pass: RDP adds up, so an entry costs one addition (its RDP is computed once per kind of noise) and one
     conversion, never a recount of the ones before it: a hospital's year of trainings is read in linear time."""
 
+    _known: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  #: each kind of noise's RDP, for every counter
+
     def __init__(self, delta: float):
         from common.trust.local_dp import accountant_module
         from common.trust.secure_aggregation import distributed_dp as ddp
@@ -245,10 +247,10 @@ class EpsilonCounter:
         self._local = np.zeros(len(self._orders))  #: its RDP of the Gaussian releases (inf: one without noise)
         self._sums = False  #: a secure sum under distributed DP among the entries: every one composed by ddp
         self._rdp = np.zeros(len(ddp.ORDERS))  #: the ddp composition of every entry
-        self._known: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def _rdp_of(self, entry: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        key = json.dumps([entry.get("noise-multiplier"), entry.get("distributed-dp")], sort_keys=True)
+        ddp = entry.get("distributed-dp")
+        key = (entry.get("noise-multiplier"), json.dumps(ddp, sort_keys=True) if ddp else None)
         if key not in self._known:
             z = entry.get("noise-multiplier")
             local = np.full(len(self._orders), math.inf) if z is None else \
