@@ -167,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shown = f"[{args.host}]" if ":" in args.host else args.host
     scheme = "https" if args.tls_cert else "http"
-    print(f"fedmed console: {scheme}://{shown}:{args.port}/ (read-only; Ctrl-C stops it)", flush=True)
     app = create_app(sources, token=args.token, allowed_hosts=allowed_hosts(args),
                      secure_cookie=not is_loopback(args.host) or args.tls_cert is not None)
+    app.state.views.warm()  # every hospital's log verified and read before the first page is asked for
+    print(f"fedmed console: {scheme}://{shown}:{args.port}/ (read-only; Ctrl-C stops it)", flush=True)
     tls = {"ssl_certfile": str(args.tls_cert), "ssl_keyfile": str(args.tls_key)} if args.tls_cert else {}
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **tls)

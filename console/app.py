@@ -204,6 +204,12 @@ class Views:
         view.privacy.last_24h = trainings_since(view.privacy.trainings, time.time() - 24 * 3600)
         return view
 
+    def warm(self) -> None:
+        """Read every hospital's files now (before the console serves its first page, which then comes from what
+        is kept): a year of audit log is verified line by line once, at start-up."""
+        for name, folder in self.sources.hospitals().items():
+            self.hospital(name, folder)
+
 
 def create_app(sources: Sources, token: str | None = None, refresh_seconds: int = REFRESH_SECONDS,
                allowed_hosts: list[str] | None = None, secure_cookie: bool = False) -> Starlette:
@@ -280,10 +286,12 @@ def create_app(sources: Sources, token: str | None = None, refresh_seconds: int 
         middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
     if token:
         middleware.append(Middleware(TokenGate, token=token, secure=secure_cookie))
-    return Starlette(routes=[Route("/", index), Route("/hospital/{name}", hospital),
-                             Route("/hospital/{name}/run/{index:int}", hospital_run), Route("/runs", runs),
-                             Route("/runs/{name}", run)],
-                     middleware=middleware, exception_handlers={OSError: failure})
+    app = Starlette(routes=[Route("/", index), Route("/hospital/{name}", hospital),
+                            Route("/hospital/{name}/run/{index:int}", hospital_run), Route("/runs", runs),
+                            Route("/runs/{name}", run)],
+                    middleware=middleware, exception_handlers={OSError: failure})
+    app.state.views = views
+    return app
 
 
 def page_number(request: Request, items: int, per_page: int) -> tuple[int, int]:
