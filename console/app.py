@@ -190,6 +190,7 @@ class Views:
     def __init__(self, sources: Sources):
         self.sources = sources
         self.known: dict[str, tuple[tuple, Any]] = {}
+        self.seconds = 0.0  #: the longest read of a hospital's files lately (a live page refreshes slower)
 
     def hospital(self, name: str, folder: Path):
         sources = self.sources
@@ -197,9 +198,11 @@ class Views:
         key = stamps([folder / f for f in HOSPITAL_FILES] + [sources.policy(name)] + list(logs.values()))
         known = self.known.get(name)
         if known is None or known[0] != key:
+            started = time.perf_counter()
             view = read_hospital(folder, policy_file=sources.policy(name), node_config=sources.node_config,
                                  server_logs=logs)
             known = self.known[name] = (key, view)
+            self.seconds = max(0.8 * self.seconds, time.perf_counter() - started)
         view = known[1]
         view.privacy.last_24h = trainings_since(view.privacy.trainings, time.time() - 24 * 3600)
         return view
@@ -221,7 +224,8 @@ def create_app(sources: Sources, token: str | None = None, refresh_seconds: int 
     rendering = {"seconds": 0.0}  #: the slowest page lately: a live page refreshes no faster than 3 times that
 
     def page(request: Request, name: str, live: bool = False, status_code: int = 200, **context: Any) -> Response:
-        refresh = max(refresh_seconds, math.ceil(3 * rendering["seconds"])) if live else 0
+        slowest = max(rendering["seconds"], views.seconds)  # a page's reading and rendering
+        refresh = max(refresh_seconds, math.ceil(3 * slowest)) if live else 0
         context.update(sources=sources, live=live, refresh=refresh, hospitals=list(sources.hospitals()),
                        run_names=list(sources.runs()))
         started = time.perf_counter()

@@ -243,6 +243,14 @@ def test_the_view_is_read_once_per_change_of_its_files(copy, monkeypatch):
     assert len(calls) == 4
 
 
+def test_a_live_page_refreshes_no_faster_than_it_is_read_and_rendered(copy):
+    app = create_app(sources(copy))
+    client = TestClient(app)
+    assert 'content="5"' in client.get("/hospital/hospital-02").text  # the log was written just now: live
+    app.state.views.seconds = 4.2  # a hospital whose files take 4.2 s to read
+    assert 'http-equiv="refresh" content="13"' in client.get("/hospital/hospital-02").text
+
+
 def test_a_runs_messages_are_paged_one_click_away(two_runs, monkeypatch):
     monkeypatch.setattr(console_app, "MESSAGES_PER_PAGE", 5)
     client = TestClient(create_app(sources(two_runs)))
