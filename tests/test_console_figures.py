@@ -312,3 +312,79 @@ def test_off_loopback_needs_tls(two_runs, tmp_path, capsys):
     assert fedmed(args) == 2 and "--tls-cert" in capsys.readouterr().err
     assert fedmed(args + ["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(tmp_path / "k")]) == 2
     assert "not a file" in capsys.readouterr().err
+
+
+def test_the_console_serves_https_with_its_certificate_and_a_secure_cookie(two_runs, tmp_path):
+    import datetime
+    import socket
+    import ssl
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token = "s3cret-token-of-the-dpo"
+    console = subprocess.Popen([sys.executable, "-m", "cli.main", "console", "--state", str(two_runs / "state"),
+                                "--port", str(port), "--token", token, "--tls-cert", str(tmp_path / "cert.pem"),
+                                "--tls-key", str(tmp_path / "key.pem")], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    context = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    context.check_hostname = False
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context), NoRedirect)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                opener.open(f"https://127.0.0.1:{port}/", timeout=2)
+            except urllib.error.HTTPError as error:
+                error.close()
+                assert error.code == 401  # over TLS, and the token is still needed
+                break
+            except OSError:
+                assert console.poll() is None and time.time() < deadline
+                time.sleep(0.3)
+        with pytest.raises(urllib.error.HTTPError) as redirect:
+            opener.open(f"https://127.0.0.1:{port}/?token={token}", timeout=10)
+        redirect.value.close()
+        cookie = redirect.value.headers["set-cookie"].lower()
+        assert redirect.value.code == 303 and "secure" in cookie and "httponly" in cookie
+        rebound = urllib.request.Request(f"https://127.0.0.1:{port}/", headers={"Host": "rebound.example",
+                                                                               "Authorization": f"Bearer {token}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            opener.open(rebound, timeout=10)
+        refused.value.close()
+        assert refused.value.code == 400
+        ok = urllib.request.Request(f"https://127.0.0.1:{port}/", headers={"Authorization": f"Bearer {token}"})
+        with opener.open(ok, timeout=10) as page:
+            assert page.status == 200 and "hospital-00" in page.read().decode()
+    finally:
+        console.terminate()
+        try:
+            console.wait(10)
+        except subprocess.TimeoutExpired:
+            console.kill()
+            console.wait(10)
