@@ -77,6 +77,14 @@ def checked(args: argparse.Namespace) -> str | None:
                 path.open("rb").close()
             except OSError as error:
                 return f"{option} {path}: cannot be read ({error.strerror or error})"
+    for _, path in policies(args.policy):  # a policy the page could not show is refused now, not on the page
+        from common.settings import ConfigError
+        from common.trust.policy import read_policy
+
+        try:
+            read_policy(path)
+        except ConfigError as error:
+            return f"--policy: {str(error).splitlines()[0]}"
     for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None and not path.is_file():
             return f"{option} {path}: not a file"
