@@ -106,7 +106,8 @@ class Hospital:
                             reply_to=message)
         if audit is not None:
             try:
-                audit.append("message", direction="sent", **about, **reply_about(reply), **message_digest(reply))
+                audit.append("message", direction="sent", **about, **reply_about(reply), **message_digest(reply),
+                             **(policy_in_force(self.context) if kind == "query" else {}))
             except Exception as error:  # the reply is not sent unlogged
                 reason = f"hospital {self.name}: {type(error).__name__}: {error}"
                 log.error("%s", reason)
@@ -242,6 +243,20 @@ def reply_about(reply: Message) -> dict[str, Any]:
     names = sorted({key for record in records if isinstance(record, MetricRecord) for key in record})
     stages = {record.get(STAGE_KEY) for record in records if isinstance(record, ConfigRecord)}
     return {"metrics": names, "masked": COLLECT in stages}
+
+
+def policy_in_force(context: Context) -> dict[str, Any]:
+    """The SHA-256 of the hospital's policy file as the run starts (its identity query), for the line of its reply:
+    its log says under which policy each run was answered, even one it refused before any policy decision."""
+    import hashlib
+
+    from .node_config import load_node_config
+
+    try:
+        policy_file = load_node_config(context.node_config).policy_file
+        return {"policy-sha256": hashlib.sha256(Path(policy_file).read_bytes()).hexdigest()} if policy_file else {}
+    except Exception:  # a node config or policy that cannot be read: the query's answer already says why
+        return {}
 
 
 def uses_worker(context: Context) -> bool:

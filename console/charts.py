@@ -49,9 +49,11 @@ def number(value: float) -> str:
 
 def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str, limit: float | None = None,
                limit_label: str = "", width: int = 640, height: int = 260, integer_x: bool = True,
-               from_zero: bool = False) -> str:
+               from_zero: bool = False, max_marks: int = 300) -> str:
     """An SVG line chart of ``series``; ``limit``: a dashed horizontal line (a budget) labelled ``limit_label``;
-    ``from_zero``: the y axis starts at 0. Returns the SVG text (escaped: labels and values may come from files)."""
+    ``from_zero``: the y axis starts at 0; ``max_marks``: points marked (with their numbers) per line, evenly
+    spread, the first and last always (the line goes through every point; a table beside the chart holds them
+    all). Returns the SVG text (escaped: labels and values may come from files)."""
     left, right, top, bottom = 62, 16, 30, 44
     legend_rows = 1 if len(series) > 1 else 0
     plot_w, plot_h = width - left - right, height - top - bottom - 18 * legend_rows
@@ -110,8 +112,10 @@ def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str, 
             if len(run) > 1:
                 path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
                 parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
-        for x, y in line.points:
-            if _finite(y):
+        finite = [(x, y) for x, y in line.points if _finite(y)]
+        step = max(1, math.ceil(len(finite) / max_marks))
+        for index_, (x, y) in enumerate(finite):
+            if index_ % step == 0 or index_ == len(finite) - 1:
                 parts.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.2" fill="{colour}" class="point" '
                              f'data-series="{escape(line.label)}" data-x="{x!r}" data-y="{float(y)!r}">'
                              f'<title>{escape(line.label)}: {number(x)} → {number(float(y))}</title></circle>')

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server_app.results import HEADLINE, best_round, describe_run, headline_metrics, parse_selection
+from server_app.results import HEADLINE, aggregated_in, best_round, describe_run, headline_metrics, parse_selection
 
 from .hospital_view import Check, audit_chain
 
@@ -52,7 +52,8 @@ class RoundRow:
     answered: list[str]
     missing: list[str]
     refused: dict[str, str]
-    aggregated: list[str]
+    aggregated: list[str]  #: whose updates made the round's model (none in a skipped round)
+    discarded: list[str]  #: accepted, then given up with the round
     bytes_up: int
     bytes_down: int
     seconds: float | None
@@ -115,6 +116,24 @@ class RunView:
     @property
     def secure(self) -> bool:
         return bool(self.config.get("secure-aggregation.enabled"))
+
+    @property
+    def error(self) -> str:
+        """Why the run failed (status.json's error), empty unless it did."""
+        return str(self.row.get("error") or "")
+
+    def table(self) -> tuple[list[str], list[tuple[int, list[float | None]]]]:
+        """The numbers behind the curves, one row per round: each test metric, each validation mean (of the model
+        after the round before), MB each way."""
+        columns = [f"test {k}" for k in self.curves] + [f"hospitals' {k}" for k in self.validation] + \
+            ["MB to the server", "MB to the hospitals"]
+        by_round: dict[int, list[float | None]] = {}
+        series = list(self.curves.values()) + list(self.validation.values()) + \
+            [[(r.round, r.bytes_up / 1e6) for r in self.rounds], [(r.round, r.bytes_down / 1e6) for r in self.rounds]]
+        for index, points in enumerate(series):
+            for x, y in points:
+                by_round.setdefault(int(x), [None] * len(series))[index] = y
+        return columns, sorted(by_round.items())
 
 
 def read_run(folder: Path) -> RunView:
@@ -192,7 +211,9 @@ def round_row(record: dict[str, Any]) -> RoundRow:
 
     return RoundRow(round=record["round"], asked=asked, answered=[h for h in asked if h not in missing],
                     missing=missing, refused={str(k): refusal_words(str(v)) for k, v in refused.items()},
-                    aggregated=[str(h) for h in record.get("aggregated", [])],
+                    aggregated=aggregated_in(record),
+                    discarded=[str(h) for h in (record.get("discarded") or
+                                                (record.get("aggregated") if record.get("skipped") else None) or [])],
                     bytes_up=int(record.get("bytes_up") or 0), bytes_down=int(record.get("bytes_down") or 0),
                     seconds=_number(record.get("seconds")), skipped=str(record.get("skipped") or ""),
                     traffic={str(h): {k: int(v or 0) for k, v in t.items()} for h, t in
@@ -215,7 +236,9 @@ def best_of(folder: Path, config: dict[str, Any], history: list[dict[str, Any]])
                         "kept by select-by")
     found = best_round(history, f"{direction}:{path}")
     if found is None:
-        return Best(f"{direction}:{path}", None, None, None, "no round recorded it yet") if history else None
+        why = "no round aggregated an update, so no model was trained" if history and \
+            not any(aggregated_in(r) for r in history) else "no round recorded it yet"
+        return Best(f"{direction}:{path}", None, None, None, why) if history else None
     checkpoint = checkpoint_dir(folder) / f"round-{found[0]:05d}.npz"
     return Best(f"{direction}:{path}", found[0], found[1], checkpoint if checkpoint.is_file() else None,
                 "the round's checkpoint" if checkpoint.is_file() else

@@ -2,7 +2,7 @@
 ``audit.jsonl``, the privacy ledger ``privacy-ledger.json``, the secure-aggregation memory
 ``secure-aggregation.jsonl``), its policy file and, where given, the server's audit log of a run.
 
-Everything is read with the project's own readers (``common.trust.audit.verify``/``cross_check``/``records_of``,
+Everything is read with the project's own readers (``common.trust.audit.check_chain``/``verify``/``cross_check``,
 ``common.trust.ledger``'s check and accountant, ``client_app.policy_rules``), so the page says what
 ``fedmed audit verify`` and ``fedmed policy check`` say and counts epsilon as the hospital counts it. Nothing is
 written. A file that is missing or cannot be read is a problem named on the page, never an exception.
@@ -11,16 +11,19 @@ written. A file that is missing or cannot be read is a problem named on the page
 from __future__ import annotations
 
 import calendar
+import contextlib
 import functools
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.trust.audit import AUDIT_HEAD_MARK, cross_check, records_of, verify
-from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS
+from common.trust.audit import AUDIT_HEAD_MARK, Verification, check_chain, cross_check, line_problem, verify
+from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS, EpsilonCounter
 from common.trust.policy import PolicyRefusal
 from common.trust.secure_aggregation.messages import COLLECT, MEMORY_FILE, parse_memory
 
@@ -87,9 +90,9 @@ class Check:
         return self.problems[0][0] if self.problems else None
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
-    """A line of the audit log about one message, in the words of the page."""
+    """A line of the audit log about one message, in the words of the page (a year of them is held: slots)."""
 
     line: int
     time: str
@@ -103,6 +106,8 @@ class Message:
     metrics: list[str] | None  # names of the metrics that left (None: the log does not say)
     masked: bool | None
     error: str
+    flower_run: int | None = None  #: the Flower run id it belonged to
+    peer_node: int | None = None  #: the node id of the other end (the SuperLink's, as Flower names it)
     verified: bool = True
 
 
@@ -133,6 +138,8 @@ class RoundAtSite:
     refused: str = ""
     epsilon: float | None = None
     clipped: bool | None = None
+    unmasked: bool = False  #: the server's unmask stage reached it (a secure round that completed)
+    never_unmasked: bool = False  #: epsilon charged for a masked update the round never unmasked (it was given up)
 
 
 @dataclass
@@ -147,6 +154,9 @@ class RunAtSite:
     limit: int = 0  # max-rounds-per-run (0: none or unknown)
     epsilon: float | None = None  # of this run's trainings alone
     epsilon_after: float | None = None  # in total after its last training
+    policies: list[str] = field(default_factory=list)  #: SHA-256 of each policy it recorded in force in this run
+    peers: str = ""  #: whom it exchanged messages with, as the log names them (Flower run ids, node ids)
+    unverified: int = 0  #: its messages on lines that do not verify
 
     @property
     def bytes_in(self) -> int:
@@ -200,12 +210,21 @@ class Privacy:
     last_24h: int
     max_per_day: int | None  # 0: no limit; None: unknown (no policy file given)
     accountant: bool
+    next_epsilon: float | None = None  #: the total after one more training like the last (as the hospital checks)
 
     @property
     def left(self) -> float | None:
         if self.max_epsilon and self.epsilon is not None and math.isfinite(self.epsilon):
             return max(0.0, self.max_epsilon - self.epsilon)
         return None
+
+    @property
+    def spent(self) -> bool:
+        """Whether the hospital refuses to train on: one more training would pass the budget (or already does)."""
+        if not self.max_epsilon or self.epsilon is None:
+            return False
+        return self.epsilon > self.max_epsilon or (self.next_epsilon is not None and
+                                                   self.next_epsilon > self.max_epsilon)
 
 
 @dataclass
@@ -214,6 +233,7 @@ class SecureMemory:
     state: str
     rounds: list[dict[str, Any]]
     revealed: list[dict[str, Any]]
+    taken_part: int = 0  #: rounds it took part in: set up and not refused
 
 
 @dataclass
@@ -261,45 +281,47 @@ def read_hospital(folder: Path, *, policy_file: Path | None = None, node_config:
     name = hospital_name(folder)
     audit_path = folder / AUDIT_FILE
     problems: list[str] = []
-    records = _records(audit_path, problems)
-    chain = audit_chain(audit_path)
+    site, verification = SiteLog(), None
+    if not audit_path.is_file():
+        problems.append(f"{audit_path}: there is no audit log here, so no message, refusal or decision can be shown")
+    else:
+        try:
+            reader = read_log(audit_path)
+            site, verification = reader.site, reader.verification
+        except OSError as error:
+            problems.append(f"{audit_path} cannot be read: {error.strerror or error}")
+    chain = audit_chain(audit_path, verification=verification)
     bad_lines = {line for line, _ in chain.problems}
-    policy = read_policy_view(policy_file, node_config, records, name)
+    policy = read_policy_view(policy_file, node_config, site.policy_sha256, name)
     if policy.problem:
         problems.append(policy.problem)
-    privacy = read_privacy(folder, records, policy_file if not policy.problem else None, chain.ok, now)
-    runs, refusals = read_runs(records, bad_lines, policy)
+    privacy = read_privacy(folder, site, policy_file if not policy.problem else None, chain.ok, now)
+    runs, refusals = site.site_runs(bad_lines, policy_limit(policy)), site.refusals
+    by_run: dict[str, list[Training]] = {}
+    for training in privacy.trainings:
+        by_run.setdefault(training.run, []).append(training)
     for run in runs:
-        mine = [t for t in privacy.trainings if t.run == run.name]
+        mine = by_run.get(run.name, [])
         run.trainings = len(mine)
         run.epsilon_after = mine[-1].epsilon_after if mine else None
         if mine and privacy.accountant and privacy.delta:
-            run.epsilon = _epsilon([t.released for t in mine], privacy.delta)
+            run.epsilon = group_epsilon(mine, privacy.delta)
     peer_checks = peer_audit_checks(audit_path, name, server_logs or {}, [r.name for r in runs]) \
         if audit_path.is_file() else []
     stamps = [p.stat().st_mtime for p in (folder / f for f in HOSPITAL_FILES) if p.is_file()]
     return HospitalView(name=name, folder=folder, audit_path=audit_path, chain=chain, peer_checks=peer_checks,
-                        runs=runs, refusals=refusals, privacy=privacy, memory=read_memory(folder), policy=policy,
+                        runs=runs, refusals=refusals, privacy=privacy, policy=policy,
+                        memory=read_memory(folder, refusals),
                         updated=max(stamps) if stamps else 0.0, problems=problems)
 
 
-def _records(path: Path, problems: list[str]) -> list[tuple[int, dict[str, Any]]]:
-    if not path.is_file():
-        problems.append(f"{path}: there is no audit log here, so no message, refusal or decision can be shown")
-        return []
-    try:
-        return list(records_of(path))
-    except OSError as error:
-        problems.append(f"{path} cannot be read: {error.strerror or error}")
-        return []
-
-
-def audit_chain(path: Path, head: str | None = None) -> Check:
-    """``fedmed audit verify`` in words: intact, or broken at its first bad line (every bad line listed)."""
+def audit_chain(path: Path, head: str | None = None, verification: Verification | None = None) -> Check:
+    """``fedmed audit verify`` in words: intact, or broken at its first bad line (every bad line listed);
+    ``verification``: what a reader of the log found already."""
     if not path.is_file():
         return Check(f"audit log {path}", False, "Missing", "there is no audit log to check")
     try:
-        result = verify(path, head)
+        result = verification or verify(path, head)
     except OSError as error:
         return Check(f"audit log {path}", False, "Cannot be read", str(error.strerror or error))
     if result.ok:
@@ -349,62 +371,44 @@ def clean_reason(reason: str) -> str:
     return reason[:mark].rstrip() if mark >= 0 else reason
 
 
-def read_runs(records: list[tuple[int, dict[str, Any]]], bad_lines: set[int] | frozenset[int] = frozenset(),
-              policy: PolicyView | None = None) -> tuple[list[RunAtSite], list[Refusal]]:
-    """The runs that reached the site, in the order they first did: their messages, and per round what came in,
-    what left (bytes, metric names, masked or not), what the policy decided; and every refusal."""
-    runs: dict[str, dict[str, Any]] = {}
-    refusals: list[Refusal] = []
-    limit = 0
-    if policy is not None:
-        limit = next((int(v) for k, v in policy.rows if k == "max-rounds-per-run" and v.isdigit()), 0)
+class SiteLog:
+    """A hospital's audit log read once, line by line, into what the page shows: the runs that reached the site
+    (their messages, and per round what came in, what left, what the policy decided), every refusal, the trainings
+    and epsilon it logged, the policies it recorded in force. Fed the lines a log gains, it grows with them: a
+    log is read once per change, in the lines added (:class:`LogReader`)."""
 
-    def run_of(name: str) -> dict[str, Any]:
-        return runs.setdefault(name, {"messages": [], "rounds": {}, "methods": []})
+    def __init__(self) -> None:
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.refusals: list[Refusal] = []
+        self.releases: list[dict[str, Any]] = []  #: its privacy-release lines (the ledger's entries), with time
+        self.logged_epsilon: list[Any] = []  #: the epsilon it wrote after each training
+        self.last_epsilon: dict[str, Any] | None = None  #: its last epsilon decision (delta, max-epsilon, seq)
+        self.policy_sha256 = ""  #: the policy it last recorded in force
 
-    def round_of(run: dict[str, Any], number: int) -> RoundAtSite:
-        return run["rounds"].setdefault(number, RoundAtSite(number))
+    def _run(self, name: str) -> dict[str, Any]:
+        run = self.runs.get(name)
+        if run is None:
+            run = self.runs[name] = {"messages": [], "rounds": {}, "methods": [], "policies": []}
+        return run
 
-    for line, record in records:
+    @staticmethod
+    def _round(run: dict[str, Any], number: int) -> RoundAtSite:
+        at = run["rounds"].get(number)
+        if at is None:
+            at = run["rounds"][number] = RoundAtSite(number)
+        return at
+
+    def feed(self, line: int, record: dict[str, Any]) -> None:
         run_name, number = _text(record.get("run")), _int(record.get("round"))
         event = record.get("event")
+        if isinstance(record.get("policy-sha256"), str):
+            self.policy_sha256 = record["policy-sha256"]
+            if run_name and record["policy-sha256"] not in self._run(run_name)["policies"]:
+                self._run(run_name)["policies"].append(record["policy-sha256"])
         if event == "message":
-            direction = "in" if record.get("direction") == "received" else "out"
-            metrics = record.get("metrics")
-            message = Message(line=line, time=_text(record.get("time")), direction=direction,
-                              kind=_text(record.get("kind")), run=run_name, round=number,
-                              method=_text(record.get("method")), stage=_text(record.get("stage")),
-                              bytes=_int(record.get("bytes")) or 0,
-                              metrics=[str(m) for m in metrics] if isinstance(metrics, list) else None,
-                              masked=record.get("masked") if isinstance(record.get("masked"), bool) else None,
-                              error=clean_reason(_text(record.get("error"))), verified=line not in bad_lines)
-            run = run_of(run_name)
-            run["messages"].append(message)
-            if message.method and message.method not in run["methods"]:
-                run["methods"].append(message.method)
-            if number is None:
-                continue
-            at = round_of(run, number)
-            if direction == "in":
-                at.received += 1
-                at.received_bytes += message.bytes
-            else:
-                at.sent += 1
-                at.sent_bytes += message.bytes
-                if message.masked:
-                    at.masked = True
-                elif message.masked is False and message.kind == "train" and not message.stage and \
-                        not message.error:
-                    at.masked = at.masked or False  # a plain training reply: its update left unmasked
-                if message.metrics and not message.error:
-                    at.released = sorted(set(at.released) | set(message.metrics))
-                if message.error:
-                    by_policy = "refused by its policy" in message.error
-                    refusals.append(Refusal(line, message.time, run_name, number, message.kind,
-                                            refusal_words(message.error), by_policy))
-                    at.refused = at.refused or refusal_words(message.error)
+            self._message(line, record, run_name, number)
         elif event == "policy" and number is not None:
-            at = round_of(run_of(run_name), number)
+            at = self._round(self._run(run_name), number)
             decision = record.get("decision")
             if decision == "metrics-withheld" and isinstance(record.get("metrics"), list):
                 at.withheld = sorted(set(at.withheld) | {str(m) for m in record["metrics"]})
@@ -412,22 +416,172 @@ def read_runs(records: list[tuple[int, dict[str, Any]]], bad_lines: set[int] | f
                 at.trained = True
                 epsilon = record.get("epsilon")
                 at.epsilon = float(epsilon) if isinstance(epsilon, (int, float)) else None
+                self.logged_epsilon.append(epsilon)
+                self.last_epsilon = {k: record.get(k) for k in ("delta", "max-epsilon", "seq")}
             elif decision == "trained":
                 at.trained = True
             elif decision == "local-dp":
                 at.clipped = bool(record.get("clipped"))
-        elif event == RELEASE_EVENT and number is not None:
-            round_of(run_of(run_name), number).trained = True
-    result = []
-    for name, run in runs.items():
-        messages = run["messages"]
-        if not messages:
-            continue
-        times = [m.time for m in messages if m.time]
-        result.append(RunAtSite(name=name or "(no run name)", methods=run["methods"], first=min(times, default=""),
-                                last=max(times, default=""), messages=messages,
-                                rounds=[run["rounds"][k] for k in sorted(run["rounds"])], limit=limit))
-    return result, refusals
+        elif event == RELEASE_EVENT:
+            self.releases.append({**{f: record.get(f) for f in RELEASE_FIELDS}, "time": record.get("time")})
+            if number is not None:
+                self._round(self._run(run_name), number).trained = True
+
+    def _message(self, line: int, record: dict[str, Any], run_name: str, number: int | None) -> None:
+        direction = "in" if record.get("direction") == "received" else "out"
+        metrics = record.get("metrics")
+        message = Message(line=line, time=_text(record.get("time")), direction=direction,
+                          kind=sys.intern(_text(record.get("kind"))), run=sys.intern(run_name), round=number,
+                          method=sys.intern(_text(record.get("method"))), stage=sys.intern(_text(record.get("stage"))),
+                          bytes=_int(record.get("bytes")) or 0,
+                          metrics=[sys.intern(str(m)) for m in metrics] if isinstance(metrics, list) else None,
+                          masked=record.get("masked") if isinstance(record.get("masked"), bool) else None,
+                          error=clean_reason(_text(record.get("error"))), flower_run=_int(record.get("flower-run")),
+                          peer_node=_int(record.get("peer-node")))
+        run = self._run(run_name)
+        run["messages"].append(message)
+        if message.method and message.method not in run["methods"]:
+            run["methods"].append(message.method)
+        if number is None:
+            return
+        at = self._round(run, number)
+        if direction == "in":
+            at.received += 1
+            at.received_bytes += message.bytes
+            at.unmasked = at.unmasked or message.stage == "unmask"
+            return
+        at.sent += 1
+        at.sent_bytes += message.bytes
+        if message.masked:
+            at.masked = True
+        elif message.masked is False and message.kind == "train" and not message.stage and not message.error:
+            at.masked = at.masked or False  # a plain training reply: its update left unmasked
+        if message.metrics and not message.error:
+            at.released = sorted(set(at.released) | set(message.metrics))
+        if message.error:
+            words = refusal_words(message.error)
+            self.refusals.append(Refusal(line, message.time, run_name, number, message.kind, words,
+                                         "refused by its policy" in message.error))
+            at.refused = at.refused or words
+
+    def site_runs(self, bad_lines: set[int] | frozenset[int] = frozenset(), limit: int = 0) -> list[RunAtSite]:
+        """The runs, in the order they first reached the site (a run without messages left out)."""
+        result = []
+        for name, run in self.runs.items():
+            messages = run["messages"]
+            if not messages:
+                continue
+            rounds = [run["rounds"][k] for k in sorted(run["rounds"])]
+            for message in messages if bad_lines else ():
+                message.verified = message.line not in bad_lines
+            last_round = rounds[-1].round if rounds else 0
+            for at in rounds:  # a secure round it trained for whose masked update was never unmasked
+                at.never_unmasked = bool(at.trained and at.masked and not at.unmasked and at.round < last_round)
+            result.append(RunAtSite(name=name or "(no run name)", methods=run["methods"], first=messages[0].time,
+                                    last=messages[-1].time, messages=messages, rounds=rounds, limit=limit,
+                                    policies=run["policies"], peers=peers_of(messages),
+                                    unverified=sum(1 for m in messages if not m.verified)))
+        return result
+
+
+class LogReader:
+    """A hospital's audit log verified and read once per change, a piece at a time (its memory is the page's, not
+    the log's): a log that only grew costs its new lines, each checked on its own and chained to the last one read;
+    one replaced, cut back or changed in its last line read is read whole again. An edit further back is for
+    ``fedmed audit verify`` (and for every new console, and ``--report``, which read it whole)."""
+
+    CHUNK = 1 << 22  #: bytes verified at a time
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.reset()
+
+    def reset(self) -> None:
+        self.inode: tuple[int, int] | None = None
+        self.offset, self.last, self.previous = 0, b"", None
+        self.result = Verification(self.path)
+        self.cut: tuple[int, str] | None = None  #: a last line without its newline (a write under way, or cut)
+        self.site = SiteLog()
+
+    @property
+    def verification(self) -> Verification:
+        problems = self.result.problems + ([self.cut] if self.cut else [])
+        return Verification(self.path, self.result.lines + (1 if self.cut else 0), self.result.head, problems)
+
+    def read(self) -> "LogReader":
+        with self.path.open("rb") as handle:
+            with contextlib.suppress(ImportError):
+                import fcntl
+
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH)  # no line half written while it reads
+            status = os.fstat(handle.fileno())
+            inode = (status.st_dev, status.st_ino)
+            grew = (inode == self.inode and status.st_size >= self.offset and self.last
+                    and os.pread(handle.fileno(), len(self.last), self.offset - len(self.last)) == self.last)
+            if not grew:
+                self.reset()
+                self.inode = inode
+            self.cut = None
+            handle.seek(self.offset)
+            pending = b""
+            while block := handle.read(self.CHUNK):
+                data = pending + block
+                end = data.rfind(b"\n") + 1
+                if end:
+                    self._check(data[:end])
+                pending = data[end:]
+        if pending:
+            self.cut = (self.result.lines + 1, "is cut short: the file does not end with a newline (a write was "
+                                               "interrupted, or the end of the file was removed)")
+        return self
+
+    def _check(self, data: bytes) -> None:
+        first, known = self.result.lines + 1, len(self.result.problems)
+        records = check_chain(data, first, self.previous, self.result)
+        last = data[data.rstrip(b"\n").rfind(b"\n") + 1:]
+        self.previous = json.loads(last) if line_problem(last.rstrip(b"\n")) is None else None
+        self.offset, self.last = self.offset + len(data), last
+        for record in records:
+            self.site.feed(record["seq"], record)
+        if len(self.result.problems) > known:  # a line that does not verify is still shown, marked as such
+            texts = data.split(b"\n")
+            for number in sorted({n for n, _ in self.result.problems[known:]}):
+                text = texts[number - first]
+                if line_problem(text) is not None:
+                    with contextlib.suppress(ValueError, UnicodeDecodeError):
+                        record = json.loads(text)
+                        if isinstance(record, dict):
+                            self.site.feed(number, record)
+
+
+_READERS: dict[Path, LogReader] = {}
+
+
+def read_log(path: Path) -> LogReader:
+    """The reader of the audit log at ``path``, brought up to date (one per log for the process)."""
+    reader = _READERS.get(path) or _READERS.setdefault(path, LogReader(path))
+    return reader.read()
+
+
+def peers_of(messages: list[Message]) -> str:
+    """The other end of a run's messages in words: the server, by the Flower run and node ids the log holds."""
+    runs = sorted({m.flower_run for m in messages if m.flower_run is not None})
+    nodes = sorted({m.peer_node for m in messages if m.peer_node is not None})
+    parts = ([f"Flower run {', '.join(map(str, runs))}"] if runs else []) + \
+        ([f"node {', '.join(map(str, nodes))}"] if nodes else [])
+    return f"the server ({'; '.join(parts)})" if parts else "the server (no run or node id recorded)"
+
+
+def peer_words(message: Message) -> str:
+    parts = ([f"Flower run {message.flower_run}"] if message.flower_run is not None else []) + \
+        ([f"node {message.peer_node}"] if message.peer_node is not None else [])
+    return f"the server ({', '.join(parts)})" if parts else "the server"
+
+
+def policy_limit(policy: PolicyView | None) -> int:
+    if policy is None:
+        return 0
+    return next((int(v) for k, v in policy.rows if k == "max-rounds-per-run" and v.isdigit()), 0)
 
 
 def refusal_words(error: str) -> str:
@@ -445,8 +599,7 @@ def refusal_words(error: str) -> str:
 
 
 # --- the privacy ledger and epsilon ----------------------------------------------------------------------------------
-def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy_file: Path | None, chain_ok: bool,
-                 now: float) -> Privacy:
+def read_privacy(folder: Path, site: SiteLog, policy_file: Path | None, chain_ok: bool, now: float) -> Privacy:
     """The ledger checked against the audit log as the hospital checks it before every training, each training's
     epsilon after it (Google's RDP accountant, as the hospital counts), per day, against the budget."""
     from common.trust.audit import AuditLog
@@ -455,10 +608,11 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
     ledger_path = folder / LEDGER_FILE
     audit_path = folder / AUDIT_FILE
     ledger = PrivacyLedger(folder, AuditLog(audit_path) if audit_path.is_file() else None)
-    logged = [{**{f: r.get(f) for f in RELEASE_FIELDS}, "time": r.get("time")} for _, r in records
-              if r.get("event") == RELEASE_EVENT]
+    logged = site.releases
     try:
-        releases = ledger.releases()
+        if not chain_ok and audit_path.is_file():
+            raise PolicyRefusal(f"its audit log {audit_path} does not verify, so its privacy ledger cannot be checked")
+        releases = ledger.releases_against(logged)
         if ledger_path.is_file():
             state, ok, source = ("matches the audit log, training for training" if audit_path.is_file() else
                                  "read (there is no audit log to check it against)"), True, "privacy ledger"
@@ -486,43 +640,56 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
         except Exception:  # named on the page by the policy section
             pass
     if delta is None:
-        last = next((r for _, r in reversed(records) if r.get("event") == "policy" and r.get("decision") == "epsilon"),
-                    None)
+        last = site.last_epsilon
         if last is not None and isinstance(last.get("delta"), (int, float)):
             delta = float(last["delta"])
             max_epsilon = float(last["max-epsilon"]) if isinstance(last.get("max-epsilon"), (int, float)) else None
             budget_from = f"the audit log (line {last.get('seq')}: the policy in force at the last training)"
     accountant = _has_accountant()
+    counter = EpsilonCounter(delta) if delta and accountant else None
     trainings: list[Training] = []
-    noises: list[float | None] = []
-    entries: list[dict[str, Any]] = []  #: what each training released: local DP's noise, a noised secure sum's
-    logged_epsilon = [r.get("epsilon") for _, r in records
-                      if r.get("event") == "policy" and r.get("decision") == "epsilon"]
+    logged_epsilon = site.logged_epsilon
+    without_noise = False
     for number, release in enumerate(releases, start=1):
         noise = release.get("noise-multiplier")
-        noises.append(float(noise) if isinstance(noise, (int, float)) else None)
-        entries.append({"noise-multiplier": noises[-1], "distributed-dp": release.get("distributed-dp")})
-        if delta and accountant:
-            after = _epsilon(entries, delta)
-        elif None in noises and not entries[-1]["distributed-dp"]:
+        entry = {"noise-multiplier": float(noise) if isinstance(noise, (int, float)) else None,
+                 "distributed-dp": release.get("distributed-dp")}
+        without_noise = without_noise or (entry["noise-multiplier"] is None and not entry["distributed-dp"])
+        if counter is not None:
+            after = counter.add(entry)
+        elif without_noise:
             after = math.inf
         else:  # no accountant here: what the hospital wrote after the training
             value = logged_epsilon[number - 1] if number - 1 < len(logged_epsilon) else None
             after = float(value) if isinstance(value, (int, float)) else None
         trainings.append(Training(number, _text(release.get("run")), release.get("round"),
-                                  _text(release.get("method")), _text(release.get("time")), noises[-1], after,
-                                  entries[-1]))
-    days: list[Day] = []
-    for day in sorted({t.time[:10] for t in trainings}):
-        mine = [t for t in trainings if t.time[:10] == day]
-        alone = _epsilon([t.released for t in mine], delta) if delta and accountant else None
-        days.append(Day(day, len(mine), alone, mine[-1].epsilon_after))
-    since = now - 24 * 3600
-    last_24h = sum(1 for t in trainings if _seconds(t.time) >= since)
+                                  _text(release.get("method")), _text(release.get("time")), entry["noise-multiplier"],
+                                  after, entry))
+    days = [Day(day, len(mine), group_epsilon(mine, delta) if counter is not None else None, mine[-1].epsilon_after)
+            for day, mine in _grouped(trainings, lambda t: t.time[:10])]
+    last_24h = trainings_since(trainings, now - 24 * 3600)
+    next_epsilon = counter.after(trainings[-1].released) if counter is not None and trainings else None
     return Privacy(ledger_path=ledger_path, ledger_state=state, ledger_ok=ok, source=source, trainings=trainings,
                    days=days, delta=delta, max_epsilon=max_epsilon or None, budget_from=budget_from,
                    epsilon=trainings[-1].epsilon_after if trainings else (0.0 if delta else None),
-                   last_24h=last_24h, max_per_day=max_per_day, accountant=accountant)
+                   last_24h=last_24h, max_per_day=max_per_day, accountant=accountant, next_epsilon=next_epsilon)
+
+
+def trainings_since(trainings: list[Training], since: float) -> int:
+    """Trainings at or after ``since`` (seconds), as the hospital counts them against max-trainings-per-day."""
+    return sum(1 for t in trainings if _seconds(t.time) >= since)
+
+
+def _grouped(trainings: list[Training], key) -> list[tuple[str, list[Training]]]:
+    groups: dict[str, list[Training]] = {}
+    for training in trainings:
+        groups.setdefault(key(training), []).append(training)
+    return sorted(groups.items())
+
+
+def group_epsilon(trainings: list[Training], delta: float) -> float:
+    """Epsilon of some trainings alone (a day's, a run's), in one pass."""
+    return EpsilonCounter(delta).extend([training.released for training in trainings])
 
 
 def _has_accountant() -> bool:
@@ -533,21 +700,10 @@ def _has_accountant() -> bool:
     return True
 
 
-def _epsilon(entries: list[dict[str, Any]], delta: float) -> float:
-    return _epsilon_of(tuple(json.dumps(e, sort_keys=True) for e in entries), delta)
-
-
-@functools.lru_cache(maxsize=8192)
-def _epsilon_of(entries: tuple[str, ...], delta: float) -> float:
-    """``common.trust.ledger.releases_epsilon``, remembered: a page that refreshes recounts only the trainings added
-    since."""
-    from common.trust.ledger import releases_epsilon
-
-    return releases_epsilon([json.loads(e) for e in entries], delta)
-
-
+@functools.lru_cache(maxsize=4096)
 def _seconds(stamp: str) -> float:
-    """An audit/ledger time (UTC) in seconds; one that cannot be read counts as now (as the hospital counts it)."""
+    """An audit/ledger time (UTC) in seconds; one that cannot be read counts as now (as the hospital counts it).
+    Remembered: a log's lines share their seconds, a page asks again."""
     try:
         return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
     except ValueError:
@@ -555,8 +711,9 @@ def _seconds(stamp: str) -> float:
 
 
 # --- the secure-aggregation memory and the policy --------------------------------------------------------------------
-def read_memory(folder: Path) -> SecureMemory:
-    """The (run, round)s the hospital took part in under secure aggregation and the models it revealed shares for."""
+def read_memory(folder: Path, refusals: list[Refusal] = ()) -> SecureMemory:
+    """The (run, round)s the hospital took part in under secure aggregation and the models it revealed shares for;
+    a round it set up and then refused (one of ``refusals``) was not taken part in."""
     path = folder / MEMORY_FILE
     if not path.is_file():
         return SecureMemory(path, "none: this hospital has not taken part in a secure round", [], [])
@@ -568,17 +725,19 @@ def read_memory(folder: Path) -> SecureMemory:
                                   "operator repairs it", [], [])
     revealed = [r for r in revealed if isinstance(r, dict)]
     shown = {(r.get("run"), r.get("round")) for r in revealed}
-    rounds = [{**r, "revealed": (r.get("run"), r.get("round")) in shown} for r in rounds if isinstance(r, dict)]
-    return SecureMemory(path, f"{len(rounds)} secure round(s) taken part in, shares revealed for {len(revealed)} "
-                              "model(s)", rounds, revealed)
+    refused = {(r.run, r.round) for r in refusals}
+    rounds = [{**r, "revealed": (r.get("run"), r.get("round")) in shown,
+               "refused": (r.get("run"), r.get("round")) in refused} for r in rounds if isinstance(r, dict)]
+    taken = sum(1 for r in rounds if not r["refused"])
+    state = f"{taken} secure round(s) taken part in"
+    if taken < len(rounds):
+        state += f" ({len(rounds) - taken} more set up, then refused)"
+    return SecureMemory(path, f"{state}, shares revealed for {len(revealed)} model(s)", rounds, revealed, taken)
 
 
-def read_policy_view(policy_file: Path | None, node_config: str, records: list[tuple[int, dict[str, Any]]],
-                     name: str) -> PolicyView:
+def read_policy_view(policy_file: Path | None, node_config: str, logged: str, name: str) -> PolicyView:
     """What ``fedmed policy check`` prints for this site, and whether the file given is the one the log last
-    recorded in force (its SHA-256)."""
-    logged = next((r.get("policy-sha256") for _, r in reversed(records) if isinstance(r.get("policy-sha256"), str)),
-                  "")
+    recorded in force (``logged``: its SHA-256)."""
     if policy_file is None and not node_config:
         return PolicyView(None, [], "", logged, "")
     import hashlib

@@ -91,7 +91,7 @@ def summary_table(history: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for record in history:
         test = record.get("test", {})
-        hospitals = f"{len(record['aggregated'])}/{len(record['chosen'])}"
+        hospitals = f"{len(aggregated_in(record))}/{len(record['chosen'])}"
         row = [str(record["round"]), hospitals, *[_fmt(test[m]) if m in test else "" for m in metrics],
                f"{record['bytes_up'] / 1e6:.2f}", f"{record['bytes_down'] / 1e6:.2f}", f"{record['seconds']:.1f}"]
         lines.append("| " + " | ".join(row) + " |")
@@ -470,16 +470,24 @@ def better(value: float, than: float | None, direction: str) -> bool:
     return than is None or (value > than if direction == "max" else value < than)
 
 
+def aggregated_in(record: dict[str, Any]) -> list[str]:
+    """The hospitals whose updates made round ``record``'s model: none in a skipped round (whatever its
+    ``aggregated`` says it accepted before the round was given up: those updates were discarded)."""
+    return [] if record.get("skipped") else [str(h) for h in record.get("aggregated") or []]
+
+
 def best_round(history: list[dict[str, Any]], selection: str) -> tuple[int, float] | None:
     """(round, value) of the best model by ``selection`` (``max:``/``min:`` optional): the round whose global model
-    scored best (for hospitals' ``val-*``, the round before the one that recorded it; the initial model is not a
-    candidate), None when no round has it."""
+    scored best (for hospitals' ``val-*``, the round before the one that recorded it); only a model some round
+    aggregated is a candidate (not the initial model, nor a skipped round's, which is the one before it), None when
+    no such round has it."""
     direction, path = parse_selection(selection)
+    trained = {record["round"] for record in history if aggregated_in(record)}
     best: tuple[int, float] | None = None
     for record in history:
         value = record_value(record, path)
         scored = model_round(record["round"], path)
-        if value is not None and scored >= 1 and better(value, best[1] if best else None, direction):
+        if value is not None and scored in trained and better(value, best[1] if best else None, direction):
             best = (scored, value)
     return best
 
@@ -591,10 +599,16 @@ def describe_run(run_dir: Path, metric: str = "") -> dict[str, Any] | None:
     best = best_round(history, f"{direction}:{path}")
     stamps = [p.stat().st_mtime for p in (run_dir / "metrics.jsonl", run_dir / STATUS_FILE, run_dir / "config.json")
               if p.exists()]
+    state = run_state(run_dir, config, history)
+    missing = why_missing(history, path) if not values else "" if best else \
+        "no round aggregated an update: every score is of the model it started from"
+    error = read_status(run_dir).get("error") if state == "failed" else None
     partitioner = config.get("partitioner", "")
     if partitioner == "dirichlet":
         partitioner += f"({config.get('dirichlet-alpha')})"
-    return {"run": run_dir.name, "path": str(run_dir), "status": run_state(run_dir, config, history),
+    return {"run": run_dir.name, "path": str(run_dir), "status": state,
+            "error": str(error or "status.json records no reason") if state == "failed" else "",
+            "trained-rounds": sum(1 for r in history if aggregated_in(r)),
             "method": config.get("strategy", "?"), "task": config.get("task", "?"),
             "data": " ".join(str(part) for part in (config.get("dataset", "?"), partitioner) if part),
             "hospitals": len({h for r in history for h in r.get("chosen", [])}),
@@ -602,7 +616,7 @@ def describe_run(run_dir: Path, metric: str = "") -> dict[str, Any] | None:
             "metric": f"{direction}:{path}", "best": best[1] if best else None, "best-round": best[0] if best else None,
             "final": values[-1][1] if values else None, "final-round": values[-1][0] if values else None,
             "traffic-mb": sum(r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in history) / 1e6,
-            "updated": max(stamps) if stamps else 0.0, "missing": "" if values else why_missing(history, path)}
+            "updated": max(stamps) if stamps else 0.0, "missing": missing}
 
 
 def number_paths(value: Any, prefix: str = "") -> set[str]:
@@ -649,5 +663,6 @@ def render_runs(rows: list[dict[str, Any]]) -> str:
                  f"{row['rounds']}/{row['num-server-rounds']}", row["metric"], best, _fmt(row["final"]),
                  f"{row['traffic-mb']:.1f}", updated]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = [f"- {row['run']}: n/a: {row['missing']}" for row in rows if row.get("missing")]
+    notes = [f"- {row['run']}: failed: {row['error']}" for row in rows if row.get("error")]
+    notes += [f"- {row['run']}: n/a: {row['missing']}" for row in rows if row.get("missing")]
     return "\n".join(lines + ([""] + notes if notes else []))

@@ -36,8 +36,8 @@ DP_POLICY = ('methods = ["fedavg"]\nmax-rounds-per-run = 5\n'
 STRICT_POLICY = 'methods = ["fedavg"]\nmax-rounds-per-run = 1\nrelease-metrics = "validation"\n'
 
 
-def secure_dp_federation(root: Path, rounds: int = 3) -> Path:
-    """A run ``t`` of three hospitals under secure aggregation: hospital-00 and -01 under DP_POLICY (its budget
+def secure_dp_federation(root: Path, rounds: int = 3, run: str = "t") -> Path:
+    """A run ``run`` of three hospitals under secure aggregation: hospital-00 and -01 under DP_POLICY (its budget
     refuses round 3), hospital-02 under STRICT_POLICY (refuses from round 2). ``root``: state/, results/, policies."""
     from strategies import FedAvgStrategy
 
@@ -46,7 +46,7 @@ def secure_dp_federation(root: Path, rounds: int = 3) -> Path:
 
     (root / "dp.toml").write_text(DP_POLICY)
     (root / "strict.toml").write_text(STRICT_POLICY)
-    config = {**SMALL_CLASSIFICATION, "run-name": "t", "state-dir": str(root / "state"),
+    config = {**SMALL_CLASSIFICATION, "run-name": run, "state-dir": str(root / "state"),
               "results-dir": str(root / "results"), "strategy": "fedavg", "secure-aggregation.enabled": True}
     nodes = {}
     for pid in range(3):
@@ -289,7 +289,11 @@ def test_the_pages_show_the_files_numbers_and_write_nothing(federation):
     logged = [r["epsilon"] for r in lines(federation / "state" / "hospital-00" / "audit.jsonl")
               if r.get("decision") == "epsilon"]
     assert f">{logged[-1]:.2f}<" in page.text and "Chain intact" in page.text
-    assert "privacy budget spent" in page.text and "yes (secure aggregation)" in page.text
+    assert "privacy budget spent" in page.text and "/hospital/hospital-00/run/1" in page.text
+    detail = client.get("/hospital/hospital-00/run/1").text  # the run's rounds and messages, one click away
+    assert "yes (secure aggregation)" in detail and "privacy budget spent" in detail
+    sent = [r for r in lines(federation / "state" / "hospital-00" / "audit.jsonl") if r.get("direction") == "sent"]
+    assert f"Flower run {sent[0]['flower-run']}" in detail and f"node {sent[0]['peer-node']}" in detail
     assert f'data-y="{logged[0]!r}"' in page.text or f'data-y="{float(logged[0])!r}"' in page.text
     assert 'class="limit" data-limit="20.0"' in page.text
     run = client.get("/runs/t")
@@ -298,7 +302,7 @@ def test_the_pages_show_the_files_numbers_and_write_nothing(federation):
         assert f'data-round="{record["round"]}" data-bytes-up="{record["bytes_up"]}"' in run.text
     assert "hospital-02</b> refused: refused by its policy (strict.toml)" in run.text
     assert client.get("/runs").status_code == 200
-    for text in (index.text, page.text, run.text):  # nothing to fetch: no script, no source, no link out
+    for text in (index.text, page.text, run.text, detail):  # nothing to fetch: no script, no source, no link out
         assert "<script" not in text and " src=" not in text and "<link" not in text
     assert tree(federation) == before  # nothing written, nothing touched
 

@@ -1,12 +1,15 @@
 """``fedmed console`` in a real browser, after a real deployment on loopback (long tier).
 
 One SuperLink and three hospital SuperNodes (``fedmed-supernode``), each with its own data folder and its own policy
-file, run three rounds of FedAvg under secure aggregation: hospital-00 and hospital-01 with local DP (hospital-01's
-budget refuses its third round), hospital-02 allowed one training per run; each approves the app's hash in its
-policy's ``apps``. Then ``fedmed console`` serves both views, headless Chromium (Debian's package, driven by
-Playwright's Python package, no browser download) opens them, and the numbers on the page must be the files' numbers:
-epsilon, trainings, refusals, rounds, bytes. An audit log tampered with afterwards must show as broken at its line.
-Screenshots go to the test's folder (docs/console-*.png are copies of them).
+file, run three runs: ``console``, three rounds of FedAvg under secure aggregation (hospital-00 and hospital-01 with
+local DP, hospital-01's budget refusing its third round, hospital-02 allowed one training per run); ``spent``, the
+same from another seed, which hospital-01 refuses whole (its budget is spent); and ``failed``, a method no policy
+allows, which every hospital refuses, so the run fails with its reason. Each policy approves the app's hash in its
+``apps``. Then ``fedmed console`` serves both views, headless Chromium (Debian's package, driven by Playwright's Python
+package, no browser download) opens them, and the numbers on the page must be the files' numbers: epsilon, the
+budget left or spent, trainings, refusals, rounds, bytes, who aggregated, the cross-check per run, the failed run's
+reason. An audit log tampered with afterwards must show as broken at its line. Screenshots go to the test's folder
+(docs/console-*.png are copies of them).
 
 Skips, saying why, where Playwright or Chromium is missing (``.ci/run`` installs Chromium where it can).
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.launch import FlowerHome, free_port, start_superlink, start_supernode
+from cli.launch import FlowerHome, free_port, start_superlink, start_supernode, submit_run, wait_for_run
 from cli.main import main as fedmed
 from cli.site import app_hash
 from server_app.results import read_history
@@ -81,6 +84,10 @@ def deployment(tmp_path: Path) -> dict:
            "secure-aggregation.enabled": True, "results-dir": str(tmp_path / "results")}
     with stopped_at_exit(superlink, *nodes):
         run_to_completion(home, job, connection="site", timeout=900)
+        run_to_completion(home, {**job, "run-name": "spent", "seed": 7}, connection="site", timeout=900)
+        failed = submit_run(home, "site", {**job, "run-name": "failed", "strategy": "fedprox", "seed": 8,
+                                           "num-server-rounds": 1})
+        assert wait_for_run(home, "site", failed, 600) != "finished:completed"
     return {"results": tmp_path / "results", "state": tmp_path / "state", "run": tmp_path / "results" / "console",
             "policies": {name: tmp_path / f"{name}.toml" for name in policies}}
 
@@ -120,27 +127,39 @@ def test_both_views_in_a_browser_show_the_files_numbers_and_a_tampered_log(tmp_p
             page = browser.new_page(viewport={"width": 1240, "height": 900})
             base = f"http://127.0.0.1:{port}"
 
-            # --- the hospital whose budget refused a round ---------------------------------------------------
+            # --- the hospital whose budget refused a round, then a whole run ---------------------------------
             folder = folders["state"] / "hospital-01"
             log = lines(folder / "audit.jsonl")
             ledger = json.loads((folder / "privacy-ledger.json").read_text())["releases"]
             epsilons = [r["epsilon"] for r in log if r.get("decision") == "epsilon"]
             refusals = [r for r in log if r.get("direction") == "sent" and r.get("error")]
-            assert len(ledger) == len(epsilons) == 2 and len(refusals) == 1  # the third round: budget spent
+            assert len(ledger) == len(epsilons) == 2  # the third round of console, and then every round: refused
+            assert {r["run"] for r in refusals} == {"console", "spent", "failed"}
             page.goto(f"{base}/hospital/hospital-01")
             page.wait_for_selector("#chain")
             assert page.get_attribute("#chain", "data-ok") == "true"
             assert "Chain intact" in page.inner_text("#chain")
             assert page.inner_text("#epsilon-total") == f"{epsilons[-1]:.2f}"
             assert page.inner_text("#epsilon-budget") == "20"
+            assert page.get_attribute("#epsilon-left", "data-spent") == "true"  # as the hospital decides it
+            said = next(r["error"] for r in refusals if "privacy budget spent" in r["error"])
+            figures = page.inner_text(".figures")  # the page's next-round figure is the hospital's own
+            shown = float(figures.split("would make it ")[1].split(",")[0])
+            assert shown == pytest.approx(float(said.split("would make it ")[1].split(",")[0]), rel=1e-2)
             assert page.inner_text("#trainings-total") == str(len(ledger))
             assert page.locator("#refusals tr").count() - 1 == len(refusals)
             assert "privacy budget spent" in page.inner_text("#refusals")
-            assert page.locator("#peer-checks tr").count() - 1 == 2 and "BROKEN" not in page.inner_text("#peer-checks")
+            checks = page.inner_text("#peer-checks")  # both ways, per run: every run's server log is untouched
+            assert page.locator("#peer-checks tr").count() - 1 == 6 and "BROKEN" not in checks
+            assert all(f"run {run}:" in checks for run in ("console", "spent", "failed"))
             chart = [float(y) for y in page.locator("svg.chart circle.point").evaluate_all(
                 "points => points.map(p => p.getAttribute('data-y'))")]
             assert chart == pytest.approx(epsilons)
-            sent = [r for r in log if r.get("event") == "message" and r["direction"] == "sent"]
+            assert page.locator("#site-runs tr[data-run]").count() == 3
+            page.screenshot(path=str(shots / "console-hospital.png"), full_page=True)
+            page.goto(f"{base}/hospital/hospital-01/run/1")  # the run console's rounds and messages
+            sent = [r for r in log if r.get("event") == "message" and r["direction"] == "sent"
+                    and r["run"] == "console"]
             rows = page.locator("table.rounds tr[data-round]")
             assert rows.count() == len({r["round"] for r in sent})  # 0: who it is, then every round
             for index in range(rows.count()):
@@ -148,7 +167,18 @@ def test_both_views_in_a_browser_show_the_files_numbers_and_a_tampered_log(tmp_p
                 cell = rows.nth(index).locator("[data-sent-bytes]").get_attribute("data-sent-bytes")
                 assert int(cell) == sum(r["bytes"] for r in sent if r.get("round") == number)
             assert "yes (secure aggregation)" in page.inner_text("table.rounds")
-            page.screenshot(path=str(shots / "console-hospital.png"), full_page=True)
+            received = next(r for r in log if r.get("direction") == "received" and r["run"] == "console")
+            assert f"Flower run {received['flower-run']}" in page.inner_text("#messages")
+            assert page.locator("#messages tr").count() - 1 == len([r for r in log if r.get("event") == "message"
+                                                                     and r["run"] == "console"])
+            page.screenshot(path=str(shots / "console-hospital-run.png"), full_page=True)
+
+            # --- secure rounds: those refused are not counted -----------------------------------------------------
+            memory = [e for e in lines(folder / "secure-aggregation.jsonl") if e["memory"] == "rounds"]
+            refused = {(r["run"], r["round"]) for r in refusals}
+            taken = sum(1 for e in memory if (e["run"], e["round"]) not in refused)
+            page.goto(f"{base}/hospital/hospital-01")
+            assert page.inner_text("#secure-state").startswith(f"{taken} secure round(s) taken part in")
 
             # --- the coordinator -------------------------------------------------------------------------------
             page.goto(f"{base}/runs/console")
@@ -161,12 +191,21 @@ def test_both_views_in_a_browser_show_the_files_numbers_and_a_tampered_log(tmp_p
                 assert int(row.get_attribute("data-bytes-up")) == record["bytes_up"]
                 assert int(row.get_attribute("data-bytes-down")) == record["bytes_down"]
                 cells = row.locator("td").all_inner_texts()
-                assert cells[:5] == [str(record["round"]), str(len(record["chosen"])),
+                aggregated = [] if record.get("skipped") else record["aggregated"]
+                assert cells[:6] == [str(record["round"]), str(len(record["chosen"])),
                                      str(len(record["chosen"]) - len(record["missing"])), str(len(record["refused"])),
-                                     str(len(record["aggregated"]))]
+                                     str(len(aggregated)), ", ".join(aggregated) or "none"]
             assert history[1]["refused"] and "hospital-02" in history[1]["refused"]
             assert "refused by its policy (hospital-02.toml)" in page.inner_text("#rounds")
+            assert page.locator("#curve-numbers tr[data-round]").count() >= ROUNDS
             page.screenshot(path=str(shots / "console-coordinator.png"), full_page=True)
+            status = json.loads((folders["results"] / "failed" / "status.json").read_text())
+            page.goto(f"{base}/runs/failed")
+            assert page.inner_text("#run-status") == "failed" and status["status"] == "failed"
+            assert status["error"][:60] in page.inner_text("#run-error")
+            assert "n/a" in page.inner_text("#best") or "no model was trained" in page.inner_text("#best")
+            page.goto(f"{base}/runs")
+            assert status["error"][:60] in page.inner_text("#runs")
 
             # --- a tampered log ----------------------------------------------------------------------------------
             path = folders["state"] / "hospital-00" / "audit.jsonl"

@@ -200,22 +200,28 @@ def last_line(fd: int, path: Path | str = "audit log") -> dict[str, Any] | None:
 
 def line_problem(text: bytes) -> str | None:
     """What is wrong with one line on its own (not JSON, not canonical, hash mismatch), or None."""
+    return _parsed(text)[0]
+
+
+def _parsed(text: bytes) -> tuple[str | None, dict[str, Any] | None]:
+    """(what is wrong with the line on its own, or None; the line read, when nothing is): one parse for both."""
     try:
         record = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return "is not a JSON object (edited, or cut short)"
+        return "is not a JSON object (edited, or cut short)", None
     if not isinstance(record, dict) or not all(key in record for key in RESERVED):
-        return f"is not an audit line (it lacks one of {', '.join(RESERVED)})"
+        return f"is not an audit line (it lacks one of {', '.join(RESERVED)})", None
     if not isinstance(record["seq"], int) or not isinstance(record["hash"], str):
-        return "has a seq that is not a number or a hash that is not text"
+        return "has a seq that is not a number or a hash that is not text", None
     if record["hash"] != line_hash(record):
-        return "does not match its hash: its content was edited"
+        return "does not match its hash: its content was edited", None
     try:
         if canonical(record).encode() != text:
-            return "is not written as the log writes lines (its text was edited; the hash still matches its content)"
+            return ("is not written as the log writes lines (its text was edited; the hash still matches its "
+                    "content)", None)
     except ValueError:
-        return "holds a value the log never writes (NaN or Infinity)"
-    return None
+        return "holds a value the log never writes (NaN or Infinity)", None
+    return None, record
 
 
 @dataclass
@@ -270,12 +276,11 @@ def _check_chain(data: bytes, first: int, previous: dict[str, Any] | None, resul
             result.problems.append((number, "is cut short: the file does not end with a newline (a write was "
                                             "interrupted, or the end of the file was removed)"))
             break
-        problem = line_problem(text)
+        problem, record = _parsed(text)
         if problem:
             result.problems.append((number, problem))
             previous = None
             continue
-        record = json.loads(text)
         records.append(record)
         expected_seq = 1 if number == 1 else previous["seq"] + 1 if previous else None
         if expected_seq is not None and record["seq"] != expected_seq:
@@ -289,6 +294,13 @@ def _check_chain(data: bytes, first: int, previous: dict[str, Any] | None, resul
         previous = record
         result.head = record["hash"]
     return records
+
+
+def check_chain(data: bytes, first: int, previous: dict[str, Any] | None, result: Verification) -> list[dict]:
+    """:func:`verify`'s check of the lines ``first``.. of a log (``previous``: the line before them), for a reader
+    that verifies a long log a piece at a time (``fedmed console``): problems and the count and head go into
+    ``result``; returns the lines that are sound on their own."""
+    return _check_chain(data, first, previous, result)
 
 
 class FollowedLog:
@@ -393,16 +405,27 @@ def records_of(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
 def cross_check(log: str | Path, other: str | Path, name: str) -> list[tuple[int, str]]:
     """The heads of ``log`` that ``other`` recorded (``peer-audit-head`` on the lines whose ``peer`` is ``name``)
     must each be the hash of a line of ``log``, and some line of ``other`` must be about ``name``: problems as
-    (line of ``other``, what)."""
-    hashes = {record["hash"] for _, record in records_of(log) if isinstance(record.get("hash"), str)}
+    (line of ``other``, what, naming the run). Only ``other``'s lines of the runs ``log`` names are checked: a
+    server's log holds one run, a hospital's every run it took part in, and one run's log vouches for no other's."""
+    hashes, runs = set(), set()
+    for _, record in records_of(log):
+        if isinstance(record.get("hash"), str):
+            hashes.add(record["hash"])
+        if isinstance(record.get("run"), str):
+            runs.add(record["run"])
     about = [(number, record) for number, record in records_of(other) if record.get("peer") == name]
     if not about:
         peers = sorted({r["peer"] for _, r in records_of(other) if isinstance(r.get("peer"), str)})
         return [(0, f"no line of {other} is about {name!r} (it names {', '.join(peers[:10]) or 'no peer'}): a "
                     "misspelt name proves nothing")]
-    return [(number, f"records {name}'s audit head {recorded}, which is no line of {log}: lines were removed from "
-                     "its end or it was rewritten")
-            for number, record in about
+    mine = [(n, r) for n, r in about if not runs or not isinstance(r.get("run"), str) or r["run"] in runs]
+    if not mine:
+        named = sorted({str(r.get("run")) for _, r in about})
+        return [(about[0][0], f"records {name} only in run(s) {', '.join(named[:10])}, which {log} never names: "
+                              "lines were removed from its end or it was rewritten")]
+    return [(number, f"run {record.get('run')!r}: records {name}'s audit head {recorded}, which is no line of {log}: "
+                     "lines were removed from its end or it was rewritten")
+            for number, record in mine
             if (recorded := record.get("peer-audit-head")) and recorded != GENESIS and recorded not in hashes]
 
 
