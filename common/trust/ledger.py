@@ -37,7 +37,7 @@ RELEASE_EVENT = "privacy-release"  #: the audit line of one training, the ledger
 
 
 #: what the ledger and the audit log must agree on (distributed-dp: the secure sum's noise it counted, or None)
-RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier", "distributed-dp")
+RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier", "distributed-dp", "patient-dp")
 
 
 #: How far a ledger entry's time may be from its audit line's (entries written before both shared one time were
@@ -130,11 +130,12 @@ class PrivacyLedger:
                             f"{self.audit.path} {self.folder}")
 
     def record(self, run: str, rnd: int, method: str, noise_multiplier: float | None,
-               distributed: dict[str, Any] | None = None) -> None:
+               distributed: dict[str, Any] | None = None, patient: dict[str, Any] | None = None) -> None:
         """One training, in the audit log first (so that a crash between the two errs towards counting it);
-        ``distributed``: the secure sum's noise it counted (``distributed_dp.release``)."""
+        ``distributed``: the secure sum's noise it counted (``distributed_dp.release``); ``patient``: its DP-SGD
+        (``patient_dp.Release.entry``)."""
         entry = {"run": run, "round": rnd, "method": method, "noise-multiplier": noise_multiplier,
-                 "distributed-dp": distributed,
+                 "distributed-dp": distributed, "patient-dp": patient,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if self.path is None:
             self._memory.append(entry)
@@ -175,15 +176,16 @@ class PrivacyLedger:
 
 def releases_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
     """Epsilon at ``delta`` of ledger entries: local DP's Gaussian releases by Google's RDP accountant; with any
-    secure sum under distributed DP among them, every entry composed by :mod:`common.trust.secure_aggregation.
-    distributed_dp` (Skellam sums and Gaussian releases alike). A training without noise makes it infinite."""
-    if not any(r.get("distributed-dp") for r in releases):
+    secure sum under distributed DP or patient-level DP-SGD among them, every entry's RDP composed by
+    :mod:`common.trust.secure_aggregation.distributed_dp` (Skellam sums, Poisson-subsampled and plain Gaussian releases
+    alike, all add/remove one patient: docs/privacy.md). A training without noise makes it infinite."""
+    if not any(r.get("distributed-dp") or r.get("patient-dp") for r in releases):
         return epsilon_of([r.get("noise-multiplier") for r in releases], delta)
     from common.trust.secure_aggregation import distributed_dp as ddp
 
     mechanisms = []
     for release in releases:
-        parts = [release["distributed-dp"]] if release.get("distributed-dp") else []
+        parts = [release[kind] for kind in ("distributed-dp", "patient-dp") if release.get(kind)]
         if release.get("noise-multiplier"):
             parts.append({"mechanism": "gaussian", "noise-multiplier": release["noise-multiplier"]})
         mechanisms += parts or [{"noise-multiplier": None}]

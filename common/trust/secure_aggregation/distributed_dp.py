@@ -217,6 +217,10 @@ def rdp(releases: list[dict[str, Any]], orders: tuple[int, ...] = ORDERS) -> np.
         if entry.get("mechanism") == MECHANISM:
             total += [skellam_rdp(a, float(entry["variance"]), float(entry["l1"]), float(entry["l2"]))
                       for a in orders]
+        elif entry.get("mechanism") == "poisson-gaussian":  # patient-level DP-SGD (common/trust/patient_dp.py)
+            from common.trust.patient_dp import rdp as dp_sgd_rdp
+
+            total += dp_sgd_rdp(entry, orders)
         elif entry.get("mechanism") == "gaussian" and entry.get("noise-multiplier"):
             total += np.asarray(orders, dtype=np.float64) / (2 * float(entry["noise-multiplier"]) ** 2)
         else:
