@@ -137,7 +137,8 @@ def check_network(model) -> None:
     opacus()
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
-        raise PolicyRefusal(f"patient-dp: the network cannot give per-patient gradients ({errors[0]}); run it with "
+        first = str(errors[0]).split(". ")[0]  # Opacus explains at length; the first sentence names the layer
+        raise PolicyRefusal(f"patient-dp: the network cannot give per-patient gradients ({first}); run it with "
                             "patient-dp.group-norm = true (GroupNorm in place of BatchNorm)")
 
 
