@@ -3,8 +3,9 @@ every patient's gradient (the sum of its images' per-sample gradients, Opacus's 
 sums, and adds Gaussian noise of std sigma C. Epsilon per patient comes from the RDP of the Poisson-subsampled
 Gaussian (Opacus's accountant), in the same ledger as every other release (docs/privacy.md).
 
-The consortium's plan is the run config's ``patient-dp`` table (:class:`PatientDPPlan`); the hospital's policy table
-``[patient-dp]`` (``common.trust.policy.PatientDP``) says the clip, the noise or the epsilon, delta and the unit."""
+The consortium's plan is the run config's ``patient-dp`` table (``patient_dp_plan.PatientDPPlan``); the hospital's
+policy table ``[patient-dp]`` (``common.trust.policy.PatientDP``) says the clip, the noise or the epsilon, delta and
+the unit."""
 
 from __future__ import annotations
 
@@ -15,31 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import Field
 
-from common.settings import ConfigError, Section
+from common.settings import ConfigError
 from common.trust.policy import PatientDP, PolicyRefusal
-
-MECHANISM = "poisson-gaussian"  #: a ledger entry's patient-level DP-SGD release
-
-
-class PatientDPPlan(Section):
-    """The consortium's DP-SGD plan (run config ``patient-dp.*``); the hospital's policy holds the privacy numbers."""
-
-    batch_size: int = Field(256, ge=1, description=(
-        "Patients expected in one step's logical batch: each is drawn with probability batch-size / its patients."))
-    steps: int = Field(0, ge=0, description="Steps per round (0: local-epochs expected passes over the patients).")
-    physical_batch: int = Field(256, ge=1, description=(
-        "Images per backward pass (whole patients each): memory, never the privacy."))
-    augmentations: int = Field(1, ge=1, description=(
-        "Augmentation multiplicity: each image's gradient is the mean over this many random flips of it, before "
-        "its patient's gradient is clipped (De et al. 2022)."))
-    averaging: float = Field(0.0, ge=0.0, lt=1.0, description=(
-        "Parameter averaging: the reply is the exponential moving average of the round's steps with this decay "
-        "(0: the last step's)."))
-    group_norm: bool = Field(False, description=(
-        "Build the network with GroupNorm in place of BatchNorm (Opacus's ModuleValidator.fix), at the server and "
-        "every hospital: DP-SGD needs per-sample gradients, which BatchNorm does not have."))
+from common.trust.secure_aggregation import distributed_dp as ddp
 
 
 def opacus():
@@ -59,21 +39,9 @@ def group_norm_network(network):
     return ModuleValidator.fix(network)
 
 
-def rdp(entry: dict[str, Any], orders) -> np.ndarray:
-    """The Renyi DP at ``orders`` of one ledger entry of DP-SGD (Opacus's RDP analysis of the Poisson-subsampled
-    Gaussian, composed over its steps; add/remove one unit)."""
-    from opacus.accountants.analysis.rdp import compute_rdp
-
-    return np.asarray(compute_rdp(q=float(entry["sample-rate"]), noise_multiplier=float(entry["noise-multiplier"]),
-                                  steps=int(entry["steps"]), orders=list(orders)), dtype=np.float64)
-
-
 def plan_epsilon(sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
     """Epsilon at ``delta`` of ``steps`` DP-SGD steps, counted exactly as the ledger counts them."""
-    from common.trust.secure_aggregation import distributed_dp as ddp
-
-    return ddp.epsilon([{"mechanism": MECHANISM, "sample-rate": sample_rate, "noise-multiplier": noise_multiplier,
-                         "steps": steps}], delta)
+    return ddp.epsilon([Release(noise_multiplier, sample_rate, steps, "", 0).entry()], delta)
 
 
 def noise_for(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
@@ -102,8 +70,8 @@ class Release:
     units: int  #: patients (or images) in the training data
 
     def entry(self) -> dict[str, Any]:
-        return {"mechanism": MECHANISM, "noise-multiplier": self.noise_multiplier, "sample-rate": self.sample_rate,
-                "steps": self.steps, "unit": self.unit, "adjacency": "add-remove"}
+        return {"mechanism": ddp.POISSON_GAUSSIAN, "noise-multiplier": self.noise_multiplier,
+                "sample-rate": self.sample_rate, "steps": self.steps, "unit": self.unit, "adjacency": "add-remove"}
 
 
 def unit_ids(data, unit: str) -> np.ndarray:

@@ -1,0 +1,27 @@
+"""The consortium's DP-SGD plan: the run config's ``patient-dp`` table, read by the server and every hospital (the
+hospital's own policy, ``[patient-dp]``, holds the privacy numbers: common/trust/patient_dp.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from common.settings import Section
+
+
+class PatientDPPlan(Section):
+    """The consortium's DP-SGD plan (run config ``patient-dp.*``); the hospital's policy holds the privacy numbers."""
+
+    batch_size: int = Field(256, ge=1, description=(
+        "Patients expected in one step's logical batch: each is drawn with probability batch-size / its patients."))
+    steps: int = Field(0, ge=0, description="Steps per round (0: local-epochs expected passes over the patients).")
+    physical_batch: int = Field(256, ge=1, description=(
+        "Images per backward pass (whole patients each): memory, never the privacy."))
+    augmentations: int = Field(1, ge=1, description=(
+        "Augmentation multiplicity: each image's gradient is the mean over this many random flips of it, before "
+        "its patient's gradient is clipped (De et al. 2022)."))
+    averaging: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Parameter averaging: the reply is the exponential moving average of the round's steps with this decay "
+        "(0: the last step's)."))
+    group_norm: bool = Field(False, description=(
+        "Build the network with GroupNorm in place of BatchNorm (Opacus's ModuleValidator.fix), at the server and "
+        "every hospital: DP-SGD needs per-sample gradients, which BatchNorm does not have."))
