@@ -202,6 +202,12 @@ class Privacy:
     accountant: bool
 
     @property
+    def unit(self) -> str:
+        """What one epsilon protects: 'image' when any DP-SGD training protected images only, else a patient."""
+        units = {(t.released.get("patient-dp") or {}).get("unit") for t in self.trainings}
+        return "image" if "image" in units else "patient"
+
+    @property
     def left(self) -> float | None:
         if self.max_epsilon and self.epsilon is not None and math.isfinite(self.epsilon):
             return max(0.0, self.max_epsilon - self.epsilon)
@@ -479,7 +485,7 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
 
             policy, _ = read_policy(policy_file)
             max_per_day = policy.max_trainings_per_day
-            table = policy.local_dp or policy.distributed_dp
+            table = policy.patient_dp or policy.local_dp or policy.distributed_dp
             if table is not None:
                 delta, max_epsilon = table.delta, table.max_epsilon
                 budget_from = f"the policy file {policy_file}"
@@ -501,10 +507,11 @@ def read_privacy(folder: Path, records: list[tuple[int, dict[str, Any]]], policy
     for number, release in enumerate(releases, start=1):
         noise = release.get("noise-multiplier")
         noises.append(float(noise) if isinstance(noise, (int, float)) else None)
-        entries.append({"noise-multiplier": noises[-1], "distributed-dp": release.get("distributed-dp")})
+        entries.append({"noise-multiplier": noises[-1], "distributed-dp": release.get("distributed-dp"),
+                        "patient-dp": release.get("patient-dp")})
         if delta and accountant:
             after = _epsilon(entries, delta)
-        elif None in noises and not entries[-1]["distributed-dp"]:
+        elif None in noises and not (entries[-1]["distributed-dp"] or entries[-1]["patient-dp"]):
             after = math.inf
         else:  # no accountant here: what the hospital wrote after the training
             value = logged_epsilon[number - 1] if number - 1 < len(logged_epsilon) else None

@@ -184,3 +184,27 @@ def test_the_policy_table_needs_exactly_one_noise(tmp_path):
         read_policy(policy_file(tmp_path, "[patient-dp]\nmax-grad-norm = 1.0\n"))
     policy, _ = read_policy(policy_file(tmp_path, "[patient-dp]\ntarget-epsilon = 8\nmax-grad-norm = 1.0\n"))
     assert policy.patient_dp.unit == "patient" and policy.metrics_released == "none"
+
+
+def test_dp_sgd_under_secure_aggregation_and_the_console_shows_the_budget_per_patient(tmp_path):
+    """The two protect different things (the patient against everyone, the update against the server): a secure
+    round of DP-SGD hospitals aggregates, each ledger counts it per patient, and the hospital's page says so."""
+    from console.hospital_view import read_hospital
+    from strategies import FedAvgStrategy
+
+    from .fake_grid import FakeGrid, hospital_node
+
+    (tmp_path / "dp.toml").write_text(PATIENT_DP + "max-epsilon = 50\n")
+    config = {**SMALL_CLASSIFICATION, **GROUP_NORM, "run-name": "t", "state-dir": str(tmp_path / "state"),
+              "results-dir": str(tmp_path / "results"), "strategy": "fedavg", "secure-aggregation.enabled": True}
+    nodes = {100 + pid: hospital_node(config, {"partition-id": pid, "num-partitions": 3,
+                                               "policy-file": str(tmp_path / "dp.toml")}, 100 + pid)
+             for pid in range(3)}
+    strategy = FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config=config)
+    strategy.start(FakeGrid(nodes), num_rounds=1)
+    assert sorted(strategy.engine.history[0]["aggregated"]) == ["hospital-00", "hospital-01", "hospital-02"]
+    folder = tmp_path / "state" / "hospital-00"
+    spent = PrivacyLedger(folder).epsilon(1e-5)
+    view = read_hospital(folder, policy_file=tmp_path / "dp.toml")
+    assert view.privacy.unit == "patient" and view.privacy.max_epsilon == 50
+    assert view.privacy.epsilon == pytest.approx(spent) and 0 < spent < 50
