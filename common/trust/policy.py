@@ -14,6 +14,10 @@ at the hospital, whatever the server asks (docs/privacy.md).
     delta = 1e-5
     max-epsilon = 8.0                   # refuse to train once the next round would pass it (0: no limit)
 
+    [patient-dp]                        # or: DP-SGD while it trains, epsilon per patient (patient_dp.py)
+    target-epsilon = 8.0
+    max-grad-norm = 1.0
+
 What the rules do to each method's reply, and what epsilon means, is docs/privacy.md. Nothing in a message changes a
 policy: the hospital reads the file (again for every message) and the server only sees what it leads to (a smaller
 reply, a refusal with its reason). This module reads the file; ``enforcer.py`` applies it to every job and reply, as
