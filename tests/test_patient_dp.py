@@ -118,7 +118,10 @@ def test_a_hospital_trains_with_dp_sgd_and_counts_it_per_patient(tmp_path):
         plan_epsilon(entry["sample-rate"], 1.0, 2, 1e-5))
     audit = [json.loads(line) for line in (tmp_path / "state" / "hospital-00" / "audit.jsonl").read_text().splitlines()]
     assert any(line.get("mechanism") == "dp-sgd" and line.get("unit") == "patient" for line in audit)
-    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in strategy.engine.method.evaluation_model().modules())
+    modules = list(strategy.engine.method.evaluation_model().modules())
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in modules)
+    norms = [m for m in modules if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(m.num_channels // m.num_groups == min(16, m.num_channels) for m in norms)  # not 1 a group
 
 
 def test_the_budget_stops_a_round_before_it_would_pass_it_and_survives_restart_and_deletion(tmp_path):

@@ -31,12 +31,27 @@ def opacus():
     return opacus
 
 
-def group_norm_network(network):
-    """``network`` with every BatchNorm replaced by GroupNorm, as Opacus's ModuleValidator.fix does."""
-    from opacus.validators import ModuleValidator
+#: channels per group when BatchNorm is replaced (De et al. 2022 use groups of 16 channels). Opacus's own fix takes
+#: min(32, C) groups, which on narrow networks is one channel a group: each image's colour is normalised away, and
+#: the blood cells' no-DP accuracy fell from 0.73 to 0.19 with it.
+CHANNELS_PER_GROUP = 16
 
-    opacus()
-    return ModuleValidator.fix(network)
+
+def group_norm_network(network):
+    """``network`` with every BatchNorm replaced by GroupNorm of groups of CHANNELS_PER_GROUP channels (as Opacus's
+    ModuleValidator.fix replaces it, with wider groups)."""
+    import torch
+
+    for name, child in list(network.named_children()):
+        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+            groups = max(1, child.num_features // CHANNELS_PER_GROUP)
+            while child.num_features % groups:
+                groups -= 1
+            setattr(network, name, torch.nn.GroupNorm(groups, child.num_features, eps=child.eps,
+                                                      affine=child.affine))
+        else:
+            group_norm_network(child)
+    return network
 
 
 def plan_epsilon(sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:

@@ -23,5 +23,5 @@ class PatientDPPlan(Section):
         "Parameter averaging: the reply is the exponential moving average of the round's steps with this decay "
         "(0: the last step's)."))
     group_norm: bool = Field(False, description=(
-        "Build the network with GroupNorm in place of BatchNorm (Opacus's ModuleValidator.fix), at the server and "
-        "every hospital: DP-SGD needs per-sample gradients, which BatchNorm does not have."))
+        "Build the network with GroupNorm (groups of 16 channels) in place of BatchNorm, at the server and every "
+        "hospital: DP-SGD needs per-sample gradients, which BatchNorm does not have."))
