@@ -10,6 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.config import load_job_config
 from common.data.containers import LabelledImages
@@ -57,54 +59,53 @@ def test_target_epsilon_sets_the_noise_the_whole_plan_stays_within():
     assert plan_epsilon(release.sample_rate, release.noise_multiplier * 0.99, 30, 1e-5) > 3.0
 
 
-def test_a_patients_images_are_clipped_together():
-    """One patient's gradient is the sum of its images' gradients, clipped as one; each image alone under 'image'."""
+@settings(max_examples=20, deadline=None)
+@given(owners=st.lists(st.integers(0, 3), min_size=1, max_size=8), clip=st.sampled_from([0.01, 0.3, 100.0]),
+       physical=st.integers(1, 8), unit=st.sampled_from(["patient", "image"]))
+def test_a_patients_images_are_clipped_together(owners, clip, physical, unit):
+    """One patient's gradient is the sum of its images' gradients, clipped as one (each image alone under 'image'),
+    whatever the grouping and however the physical batches split the patients."""
+    from opacus import GradSampleModule
+
+    from common.tasks.base import images_to_tensor
+    from common.trust.patient_dp import _whole_units
+
     cfg = load_job_config({**SMALL_CLASSIFICATION, "num-classes": 2})
-    rng = np.random.default_rng(0)
-    data = LabelledImages(rng.integers(0, 255, (5, 2, 2, 1), dtype=np.uint8), np.array([0, 1, 0, 1, 1]), ("a", "b"),
-                          groups=np.array(["p1", "p2", "p1", "p1", "p3"]))
+    rng = np.random.default_rng(len(owners))
+    n = len(owners)
+    data = LabelledImages(rng.integers(0, 255, (n, 2, 2, 1), dtype=np.uint8), rng.integers(0, 2, n), ("a", "b"),
+                          groups=np.array([f"p{o}" for o in owners]))
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
     task = type("Task", (), {"cfg": cfg, "loss": staticmethod(torch.nn.functional.cross_entropy)})()
 
-    def manual(groups, clip):
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        from common.tasks.base import images_to_tensor
+    want = [torch.zeros_like(p) for p in model.parameters()]
+    patients = sorted(set(owners)) if unit == "patient" else list(range(n))
+    for patient in patients:
+        members = [i for i in range(n) if (owners[i] if unit == "patient" else i) == patient]
+        model.zero_grad()
+        x = images_to_tensor(data.images[members], torch.device("cpu"))
+        torch.nn.functional.cross_entropy(model(x), torch.from_numpy(data.labels[members]), reduction="sum").backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        for total, g in zip(want, grads):
+            total += g * min(1.0, clip / norm)
 
-        for members in groups:
-            model.zero_grad()
-            x = images_to_tensor(data.images[members], torch.device("cpu"))
-            torch.nn.functional.cross_entropy(model(x), torch.from_numpy(data.labels[members]),
-                                              reduction="sum").backward()
-            grads = [p.grad.clone() for p in model.parameters()]
-            norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-            for t, g in zip(total, grads):
-                t += g * min(1.0, clip / float(norm))
-        return total
-
-    def dp_sum(unit, clip):
-        from opacus import GradSampleModule
-
-        units = unit_ids(data, unit)
-        members = np.argsort(units, kind="stable")
-        starts = np.searchsorted(units[members], np.arange(units.max() + 2))
-        sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
-        params = list(model.parameters())
-        summed = [torch.zeros_like(p) for p in params]
-        table = PatientDP(noise_multiplier=1.0, max_grad_norm=clip, unit=unit)
-        flips = type("NoFlips", (), {"random": lambda self, n: np.ones(n)})()  # the manual sums see no flip
-        DPSGD(table, Release(1.0, 1.0, 1, unit, int(units.max()) + 1))._clipped_sum(
-            task, sampled, params, data, members, starts, np.arange(units.max() + 1), torch.device("cpu"), flips,
-            summed, clip)
-        sampled._close()
-        return summed
-
-    clip = 0.05  # small enough that every group is clipped
-    for got, want in zip(dp_sum("patient", clip), manual([[0, 2, 3], [1], [4]], clip)):
-        assert torch.allclose(got, want, atol=1e-6)
-    for got, want in zip(dp_sum("image", clip), manual([[i] for i in range(5)], clip)):
-        assert torch.allclose(got, want, atol=1e-6)
-    patient, image = dp_sum("patient", clip), dp_sum("image", clip)
-    assert not torch.allclose(patient[0], image[0])
+    units = unit_ids(data, unit)
+    members = np.argsort(units, kind="stable")
+    starts = np.searchsorted(units[members], np.arange(units.max() + 2))
+    sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+    params = list(model.parameters())
+    got = [torch.zeros_like(p) for p in params]
+    no_flips = type("NoFlips", (), {"random": lambda self, k: np.ones(k)})()  # the sums above see no flip
+    dp_sgd = DPSGD(PatientDP(noise_multiplier=1.0, max_grad_norm=clip, unit=unit),
+                   Release(1.0, 1.0, 1, unit, len(patients)))
+    for chunk in _whole_units(np.arange(len(patients)), starts, physical):
+        dp_sgd._clipped_sum(task, sampled, params, data, members, starts, chunk, torch.device("cpu"), no_flips, got,
+                            clip)
+    sampled._close()
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
 
 
 def test_a_hospital_trains_with_dp_sgd_and_counts_it_per_patient(tmp_path):
