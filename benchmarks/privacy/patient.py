@@ -51,6 +51,7 @@ PLAN = {"group_norm": True, "batch_size": 256, "augmentations": 1, "averaging": 
 MAX_GRAD_NORM = 1.0
 #: what each trick adds, one change from the plan each (blood cells, Dir(0.5), FedAvg, from scratch, epsilon 8)
 TRICKS: dict[str, dict[str, Any]] = {
+    "no DP, BatchNorm (what GroupNorm costs without DP)": {"group_norm": False, "epsilon": None},
     "BatchNorm kept (no GroupNorm)": {"group_norm": False},
     "augmentation multiplicity 4": {"augmentations": 4},
     "parameter averaging 0.9": {"averaging": 0.9},
@@ -109,13 +110,14 @@ def rows(args) -> list[tuple[str, dict[str, Any]]]:
         for trick in TRICKS:
             for seed in args.seeds:
                 chosen.append({"dataset": "blood", "partition": "dirichlet", "method": "fedavg", "start": "scratch",
-                               "epsilon": 8.0, "seed": seed, "trick": trick})
+                               "epsilon": TRICKS[trick].get("epsilon", 8.0), "seed": seed, "trick": trick})
     return [(name(row), row) for row in chosen]
 
 
 def name(row: dict[str, Any]) -> str:
     eps = "nodp" if row["epsilon"] is None else f"eps{row['epsilon']:g}"
-    trick = f"-{row['trick'].split(' (')[0].replace(' ', '-')}" if row["trick"] else ""
+    trick = row["trick"].split(" (")[0].replace(",", "").replace(" ", "-")
+    trick = f"-{trick}" if trick else ""
     return f"{row['dataset']}-{row['partition']}-{row['method']}-{row['start']}-{eps}{trick}-seed{row['seed']}"
 
 
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         target = args.out / "runs" / f"{file}.json"
         if target.exists():
             continue
-        plan = {**PLAN, **TRICKS.get(row["trick"], {})}
+        plan = {**PLAN, **{k: v for k, v in TRICKS.get(row["trick"], {}).items() if k != "epsilon"}}
         cfg = job(row["dataset"], row["partition"], row["start"], row["seed"], plan)
         cfg = cfg.model_copy(update={"strategy": row["method"]})
         result = run(cfg, row["epsilon"])
