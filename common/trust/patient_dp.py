@@ -153,7 +153,9 @@ class DPSGD:
                 module.inplace = False
         sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = optimizer or task.make_optimizer(model)
+        if optimizer is None:
+            optimizer = (torch.optim.SGD(params, lr=plan.learning_rate, momentum=plan.momentum) if plan.learning_rate
+                         else task.make_optimizer(model))
         average = [p.detach().clone() for p in params] if plan.averaging else None
         expected = max(release.sample_rate * release.units, 1.0)
         total, count = 0.0, 0
