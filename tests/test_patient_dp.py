@@ -212,3 +212,15 @@ def test_dp_sgd_under_secure_aggregation_and_the_console_shows_the_budget_per_pa
     view = read_hospital(folder, policy_file=tmp_path / "dp.toml")
     assert view.privacy.unit == "patient" and view.privacy.max_epsilon == 50
     assert view.privacy.epsilon == pytest.approx(spent) and 0 < spent < 50
+
+
+def test_a_training_that_bypasses_dp_sgd_is_not_sent(tmp_path, monkeypatch):
+    """Fail closed: a method declared fit for DP-SGD whose training does not go through it has its reply refused."""
+    from common.methods.base import Payload
+    from common.methods.local_training import LocalTraining
+
+    monkeypatch.setattr(LocalTraining, "train", lambda self, rnd, payload: Payload(
+        arrays={"model": dict(payload.arrays["model"])}, metrics={"num-examples": len(self.site.train)}))
+    _, history = federation(tmp_path, PATIENT_DP, **GROUP_NORM)
+    assert "did not run through DP-SGD" in history[0]["refused"]["hospital-00"]
+    assert not history[0]["aggregated"]

@@ -171,6 +171,9 @@ class Enforcer:
                 if dp_sgd is None:
                     raise
                 raise self.refuse(str(error), **where) from None  # the network or the method DP-SGD cannot take
+            if dp_sgd is not None and not dp_sgd.steps_done:  # fail closed: a training that bypassed DP-SGD
+                raise self.refuse("patient-dp: the method's training did not run through DP-SGD, so its reply is "
+                                  "not sent", **where)
             self.apply_min_samples(method, payload, reply, where)
             if self.policy.local_dp is not None:
                 self.apply_local_dp(method, payload, reply, where)

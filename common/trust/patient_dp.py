@@ -131,6 +131,7 @@ class DPSGD:
     def __init__(self, table: PatientDP, release: Release):
         self.table = table
         self.release = release
+        self.steps_done = 0  #: the enforcer sends no reply whose training did not come through here
 
     def fit(self, task, model, data, device, seed: int, extra_loss=None, optimizer=None) -> dict[str, float]:
         import torch
@@ -172,6 +173,7 @@ class DPSGD:
                     p.grad = s / expected
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                self.steps_done += 1
                 if average is not None:
                     with torch.no_grad():
                         for a, p in zip(average, params):
