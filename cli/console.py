@@ -63,6 +63,14 @@ def checked(args: argparse.Namespace) -> str | None:
                 path.open("rb").close()
             except OSError as error:
                 return f"{option} {path}: cannot be read ({error.strerror or error})"
+    for _, path in policies(args.policy):  # a policy the page could not show is refused now, not on the page
+        from common.settings import ConfigError
+        from common.trust.policy import read_policy
+
+        try:
+            read_policy(path)
+        except ConfigError as error:
+            return f"--policy: {str(error).splitlines()[0]}"
     if not 0 < args.port < 65536:
         return f"--port {args.port}: not a port (1-65535)"
     if not is_loopback(args.host) and not args.token:

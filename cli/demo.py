@@ -182,6 +182,10 @@ def demo(hospitals: int, rounds: int, seed: int, home: Path, timeout: float, res
     from common.config import load_job_config
 
     out = Path(results_dir).resolve() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    if Path(results_dir).exists() and not Path(results_dir).is_dir():
+        print(f"fedmed demo: --results {results_dir}: not a folder (the demo writes a folder of results there); "
+              "nothing was started", file=sys.stderr)
+        return 2
     load_job_config(demo_run_config(rounds, seed, out))  # a bad --rounds or --seed stops here, before anything runs
     if hospitals < 2:
         print(f"fedmed demo: --hospitals {hospitals}: the demo needs at least 2 hospitals to federate; nothing was "

@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     segment.add_argument("--best", action="store_true", help="the INT8 model of the run's best round, as "
                          "`fedmed export-int8 --run RUN --best` wrote it (<run>/exports/int8-best.pt2 or .onnx)")
     segment.add_argument("--images", type=Path, required=True, help="folder of images (or an images/masks data set)")
-    segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size)")
+    segment.add_argument("--out", type=Path, required=True, help="folder for the mask PNGs (0/255, input size), or "
+                         "DICOM SEGs for DICOM images (docs/data.md)")
 
     evaluation = sub.add_parser("evaluate", help="score a run's model on a labelled folder it never saw")
     evaluation.add_argument("--run", type=Path, required=True, help="run folder (or one of its checkpoint files)")
@@ -247,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("policy", help="what a hospital's policy and node config allow: fedmed policy check --help",
                    add_help=False)
+    sub.add_parser("console", help="a read-only page over a hospital's state and a results folder: fedmed console "
+                   "--help", add_help=False)
+    sub.add_parser("key-fingerprint", help="a hospital key's SHA-256 fingerprint, to compare with its officer and pin "
+                   "in the policy's peers", add_help=False)
     runs = sub.add_parser("runs", help="the runs in a results folder, newest first")
     runs.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results)")
     runs.add_argument("--metric", default="", help="e.g. test.dice, min:test.loss, train.val-accuracy (default: the "
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         from cli.audit import main as audit_main
 
         return audit_main(sys.argv[1:] if argv is None else list(argv))
-    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"]):  # a hospital operator's
+    if (sys.argv[1:] if argv is None else list(argv))[:1] in (["app-hash"], ["policy"], ["key-fingerprint"]):
         from cli.site import main as site_main
 
         return site_main(sys.argv[1:] if argv is None else list(argv))

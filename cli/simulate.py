@@ -53,6 +53,36 @@ def check_federation_keys(values: dict[str, Any]) -> None:
                           f"engine ({', '.join(fields)})")
     if "num-supernodes" in values:
         raise ConfigError("--federation-config: num-supernodes is --hospitals here")
+    for field in SimulationConfig.DESCRIPTOR.fields:
+        key = field.name.replace("_", "-")
+        if key in values:
+            problem = federation_value_problem(key, field.type, values[key])
+            if problem:
+                raise ConfigError(f"--federation-config: {key}={values[key]!r}: {problem}")
+
+
+def federation_value_problem(key: str, kind: int, value: Any) -> str | None:
+    """Why Flower's simulation engine would refuse ``value`` for ``key`` (a field of its SimulationConfig, of
+    protobuf type ``kind``) once it has started; None when it takes it."""
+    import logging
+
+    from google.protobuf.descriptor import FieldDescriptor as Field
+
+    if kind == Field.TYPE_BOOL:
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind in (Field.TYPE_UINT32, Field.TYPE_UINT64):
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
+        return None if ok else "must be a whole number, 0 or more"
+    if kind in (Field.TYPE_FLOAT, Field.TYPE_DOUBLE):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+        return None if ok else "must be a number, 0 or more"
+    if not isinstance(value, str):
+        return "must be a string"
+    if key == "backend" and value != "ray":
+        return "Flower's simulation engine has the backend 'ray'"
+    if key.endswith("logging-level") and value.upper() not in logging.getLevelNamesMapping():
+        return f"must be a logging level ({', '.join(sorted(logging.getLevelNamesMapping()))})"
+    return None
 
 
 def check_named_code(cfg) -> None:

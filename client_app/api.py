@@ -35,6 +35,7 @@ carries the log's last hash (``audit-head``), which the server's own audit log r
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -42,11 +43,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app.message.message import make_message
 
-from common.engine.wire import LAYOUTS, RecordKeys, from_recorddict, to_recorddict
+from common.engine.wire import LAYOUTS, MODEL_GROUP, RecordKeys, from_flower_reply, from_recorddict, to_recorddict
 from common.payload import Payload
 from common.trust.audit import AUDIT_HEAD_MARK, RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, message_digest
 from common.trust.secure_aggregation.messages import COLLECT, STAGE_KEY
@@ -56,14 +59,19 @@ from .secure_aggregation import secure_train
 log = logging.getLogger("fedmed")
 
 HOSPITAL_ERROR = 1  #: ``Error.code`` of a failure inside the hospital's answer
+#: config keys of fedmed's protocol, not the app's train config: left out of the message its own train handler gets
+PROTOCOL_PREFIXES = ("fedmed.", "secagg.")
 AUDIT_HEAD_KEY = "audit-head"  #: reply config key: the hash of the last line of the hospital's audit log
 
 
 class Hospital:
     """This hospital's answers to the server's messages: who it is (query), training, evaluation."""
 
-    def __init__(self, context: Context):
+    def __init__(self, context: Context, own_train: Callable[[Message], Message] | None = None):
         self.context = context
+        #: the ClientApp's own train handler, for the secure rounds of a method it trains itself (FedAvg's family):
+        #: it trains on Flower's message, and the reply it returns is masked (``HospitalClientApp``)
+        self.own_train = own_train
 
     @property
     def name(self) -> str:
@@ -77,6 +85,8 @@ class Hospital:
         handlers = {MessageType.QUERY: self.query, MessageType.EVALUATE: self.evaluate,
                     MessageType.TRAIN: lambda m: secure_train(m, self.context, self.train,  # SecAgg+ stages
                                                               train_payload=self.train_payload)}
+        if self.own_train is not None:
+            handlers[MessageType.TRAIN] = lambda m: secure_train(m, self.context, self.train_own_way)
         audit, about = None, {}
         try:
             audit, about = self.audit_log(), message_about(message, kind)
@@ -100,7 +110,7 @@ class Hospital:
             except Exception as error:  # the reply is not sent unlogged
                 reason = f"hospital {self.name}: {type(error).__name__}: {error}"
                 log.error("%s", reason)
-                reply = Message(Error(code=HOSPITAL_ERROR, reason=reason), reply_to=message)
+                reply = Message(Error(code=HOSPITAL_ERROR, reason=without_local_paths(reason)), reply_to=message)
         return reply
 
     def audit_log(self) -> AuditLog | None:
@@ -124,6 +134,26 @@ class Hospital:
         layout = payload.config.get("message-arrays")  # the layout and record names the server chose, both ways
         return Message(to_recorddict(reply, layout if layout in LAYOUTS else "per-tensor",
                                      RecordKeys.of(message.content)), reply_to=message)
+
+    def train_own_way(self, message: Message) -> Message:
+        """The ClientApp's own train handler on Flower's message of ``message`` (the model as one ArrayRecord of one
+        Array per tensor, and the train config; fedmed's protocol keys left out), its reply (Flower's FedAvg
+        contract: one ArrayRecord, one MetricRecord) as fedmed's, for the secure round to mask."""
+        assert self.own_train is not None
+        keys = RecordKeys.of(message.content)
+        payload = from_recorddict(message.content, keys=keys)
+        config = {k: v for k, v in payload.config.items() if not k.startswith(PROTOCOL_PREFIXES)}
+        model = ArrayRecord({name: Array(np.require(value, requirements="C"))
+                             for name, value in payload.arrays.get(MODEL_GROUP, {}).items()})
+        flower = make_message(copy.copy(message.metadata), RecordDict({keys.arrays: model,
+                                                                        keys.config: ConfigRecord(config)}))
+        reply = self.own_train(flower)
+        if reply.has_error():
+            return reply
+        trained = from_flower_reply(reply.content)
+        if isinstance(payload.config.get("server-round"), int):  # the round it answers, as fedmed's replies say it
+            trained.metrics["server-round"] = payload.config["server-round"]
+        return Message(to_recorddict(trained, "per-tensor", keys), reply_to=message)
 
     def train_payload(self, payload: Payload) -> Payload:
         """The method's hospital half trains from ``payload``: its reply, before it becomes a message (a secure round

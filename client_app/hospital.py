@@ -12,15 +12,17 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from common.config import JobConfig, hospital_job_config
+from common.data.image_files import cache_dir
 from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
 from common.methods.registry import hospital_class
 from common.methods.site import HospitalStateStore, Site, build_site
-from common.trust.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside, offline
+from common.trust.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside
 from common.trust.audit import AuditLog
 from common.trust.code_gate import CodeGate, split_list
 from common.trust.enforcer import Enforcer, enforcer_for
 from common.trust.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.trust.policy import PolicyRefusal
+from common.trust.sandbox import closed
 
 from .node_config import NodeConfig, load_node_config
 
@@ -61,16 +63,20 @@ def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
     Its decisions, and its ledger's entries, go to the hospital's audit log."""
     if not node.policy_file:
         return None
-    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), hospital_audit(node, cfg.state_dir))
+    return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), hospital_audit(node, cfg.state_dir),
+                        peers_checked=bool(node.peer_keys))
 
 
 def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:
-    """The code this hospital runs by name: built in, and what its node config and policy list."""
+    """The code this hospital runs by name: built in, and what its node config and policy list; the size of the
+    networks it builds (its limits' model-parameters)."""
     policy = enforcer.policy if enforcer is not None else None
     models = split_list(node.models) + tuple(policy.models if policy else ())
     datasets = split_list(node.datasets) + tuple(policy.datasets if policy else ())
+    limits = policy.limits if policy else DEFAULT_JOB_LIMITS
     return CodeGate(models, datasets, trust_run_config=node.virtual,
-                    source="node config and policy" if policy else "node config")
+                    source="node config and policy" if policy else "node config",
+                    max_parameters=0 if node.virtual else limits["model-parameters"])
 
 
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:
@@ -83,21 +89,29 @@ def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_conf
     run, rnd = str(payload.config.get("run-name", "")), int(payload.config.get("server-round", 0))
     where = {"run": run, "round": rnd, "method": cfg.strategy, "kind": kind}
     gate = code_gate(node, enforcer)
-    refused = gate.problems(cfg) + ([] if node.virtual else argument_problems_at(node, cfg, enforcer))
-    if refused:
-        if enforcer is not None:
-            raise enforcer.refuse("; ".join(refused), **where)
-        raise PolicyRefusal(f"refused: {'; '.join(refused)}")
-    with gate.enforced(), (contextlib.nullcontext() if node.virtual else offline()):
+    # a deployed hospital is closed (common/trust/sandbox.py) before the gate imports the first approved module
+    audit = node.audit_path(cfg.state_dir)  # its folders, its audit log's and its decoded-image cache's
+    writable = (*own_folders(node, cfg, enforcer), str(audit.parent) if audit else "", str(cache_dir()))
+    with gate.enforced(), (contextlib.nullcontext() if node.virtual else closed(writable)):
+        refused = gate.problems(cfg) + ([] if node.virtual else argument_problems_at(node, cfg, enforcer))
+        if refused:
+            if enforcer is not None:
+                raise enforcer.refuse("; ".join(refused), **where)
+            raise PolicyRefusal(f"refused: {'; '.join(refused)}")
         return answer_within(kind, payload, cfg, node, enforcer, where)
+
+
+def own_folders(node: NodeConfig, cfg: JobConfig, enforcer: Enforcer | None) -> tuple[str, ...]:
+    """A deployed hospital's own folders: its state folder (first), data-dir and its policy's argument-folders."""
+    policy = enforcer.policy if enforcer is not None else None
+    return (str(node.state_root(cfg.state_dir)), node.data_dir, *(policy.argument_folders if policy else ()))
 
 
 def argument_problems_at(node: NodeConfig, cfg: JobConfig, enforcer: Enforcer | None) -> list[str]:
     """Why the server's arguments would reach outside this deployed hospital (common/trust/argument_gate.py): its own
-    folders are its data-dir, state folder and its policy's argument-folders; its limits its policy's or the
-    defaults."""
+    folders (:func:`own_folders`); its limits its policy's or the defaults."""
     policy = enforcer.policy if enforcer is not None else None
-    folders = (node.data_dir, str(node.state_root(cfg.state_dir)), *(policy.argument_folders if policy else ()))
+    folders = own_folders(node, cfg, enforcer)
     problems = argument_problems(cfg, folders, bool(policy and policy.allow_pretrained),
                                  policy.limits if policy else DEFAULT_JOB_LIMITS)
     if not node.data_dir and cfg.data_dir and not inside(cfg.data_dir, folders):  # its data: the node config's

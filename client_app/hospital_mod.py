@@ -10,9 +10,11 @@ handlers unchanged: the messages of Flower's strategies, and those of fedmed's F
 strategies send in Flower's own format to a hospital that trains itself (the mod says so when asked who it is).
 
 Flower wraps mods around registered handlers only, and a quickstart ClientApp registers no query handler, so the
-server's identity query would never reach a mod: :class:`HospitalClientApp` is Flower's ClientApp with the mod
-installed and fedmed's query handler registered. A ClientApp that registers its own query handler may install the
-mod alone, ``ClientApp(mods=[hospital_mod])``.
+server's identity query would never reach a mod: :class:`HospitalClientApp` is Flower's ClientApp with fedmed's
+query handler registered and the mod installed innermost on every handler, so that the app's own mods (Flower's
+order: the app's, then the handler's) see every message, fedmed's included, as they would see Flower's. A ClientApp
+that registers its own query handler may install the mod alone, last of its mods: ``ClientApp(mods=[*mine,
+hospital_mod])``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.client_app import DEFAULT_ACTION
 from flwr.clientapp.typing import Mod
 
 from common.methods.base import TRAINS_ITSELF
@@ -37,6 +40,8 @@ def hospital_mod(message: Message, context: Context, call_next: Callable[[Messag
     if message.metadata.message_type == MessageType.QUERY and config.get("query") == IDENTITY_QUERY \
             and trains_itself(config):
         return identity_of_own_training(message, context, config)
+    if message.metadata.message_type == MessageType.TRAIN and trains_itself(config):  # a secure round of FedAvg's
+        return Hospital(context, own_train=lambda m: call_next(m, context)).answer(message)  # family: it masks
     return Hospital(context).answer(message)
 
 
@@ -57,7 +62,7 @@ def trains_itself(config: ConfigRecord) -> bool:
         spec = method_spec(str(config.get("strategy", "")))
     except KeyError:
         return False
-    return spec.flower_contract and not config.get("secure-aggregation.enabled")
+    return spec.flower_contract  # under secure aggregation too: its train handler trains, fedmed's mod masks
 
 
 def identity_of_own_training(message: Message, context: Context, config: ConfigRecord) -> Message:
@@ -83,10 +88,53 @@ def fedmed_query(message: Message, context: Context) -> Message:
     return Hospital(context).answer(message)
 
 
+TRAIN_HANDLER = "the train handler"
+
+
+def _flowers_mods_that_cannot_serve_fedmed() -> dict[Mod, tuple[str, str | None]]:
+    """Flower's own client-side mods that fail on fedmed's messages where a ClientApp installs them: why, and where
+    they do serve (None: nowhere). Flower's SecAgg/SecAgg+ mods speak the protocol of Flower's legacy
+    ``SecAggPlusWorkflow``, which no Message-API strategy (Flower's or ours) drives: they fail on every train message
+    of ours. Flower's clipping mods refuse every message that is not a train reply to clip (the identity query,
+    evaluate): on the train handler, as Flower's docs install them, they clip; on the whole app they refuse the
+    identity query."""
+    from flwr.client.mod import secagg_mod, secaggplus_mod
+    from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
+
+    secure = ("speaks the protocol of Flower's legacy SecAggPlusWorkflow, which no Message-API strategy drives; "
+              "fedmed's strategies run SecAgg+ themselves with fedmed's mod: drop it and set "
+              "secure-aggregation.enabled=true in the run config (docs/secure-aggregation.md)", None)
+    clipping = ("clips train replies and refuses every other message (the server's identity query, evaluate): "
+                "install it on the train handler, @app.train(mods=[{name}]), as Flower's docs do", TRAIN_HANDLER)
+    return {secaggplus_mod: secure, secagg_mod: secure, fixedclipping_mod: clipping, adaptiveclipping_mod: clipping}
+
+
+def refuse_unfit_mods(mods: list[Mod], where: str) -> None:
+    """ValueError, when the app is built (before round 1), for a Flower mod that cannot serve fedmed's strategies
+    where it is installed (``where``: the whole app, or a handler)."""
+    unfit = _flowers_mods_that_cannot_serve_fedmed()
+    for mod in mods:
+        reason, serves_on = unfit.get(mod, (None, None))
+        if reason is not None and where != serves_on:
+            name = getattr(mod, "__name__", repr(mod))
+            raise ValueError(f"HospitalClientApp: Flower's {name} on {where} {reason.format(name=name)}")
+
+
 class HospitalClientApp(ClientApp):
-    """Flower's ClientApp with fedmed's hospital mod (around every handler, before ``mods`` of your own) and fedmed's
-    query handler: register ``@app.train()`` and ``@app.evaluate()`` as with ``ClientApp``."""
+    """Flower's ClientApp with fedmed's query handler and fedmed's hospital mod on every handler, innermost: the
+    ``mods`` of your own (the app's, then a handler's) see every message, fedmed's included, in Flower's order, and
+    fedmed's mod takes the place of your handler for the messages of fedmed's hospital step. Register
+    ``@app.train()`` and ``@app.evaluate()`` as with ``ClientApp``."""
 
     def __init__(self, mods: list[Mod] | None = None, **kwargs: Any):
-        super().__init__(mods=[hospital_mod, *(mods or [])], **kwargs)
-        self.query()(fedmed_query)
+        refuse_unfit_mods(list(mods or []), "app")
+        super().__init__(mods=list(mods or []), **kwargs)
+        super().query(mods=[hospital_mod])(fedmed_query)
+
+    def train(self, action: str = DEFAULT_ACTION, *, mods: list[Mod] | None = None):
+        refuse_unfit_mods(list(mods or []), TRAIN_HANDLER)
+        return super().train(action, mods=[*(mods or []), hospital_mod])
+
+    def evaluate(self, action: str = DEFAULT_ACTION, *, mods: list[Mod] | None = None):
+        refuse_unfit_mods(list(mods or []), "the evaluate handler")
+        return super().evaluate(action, mods=[*(mods or []), hospital_mod])

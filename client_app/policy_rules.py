@@ -41,7 +41,13 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
                  ("max-rounds-per-run", str(policy.max_rounds_per_run or "no limit")),
                  ("max-trainings-per-day", str(policy.max_trainings_per_day or "no limit")),
                  ("local-dp", ", ".join(f"{k}={v:g}" for k, v in policy.local_dp.model_dump(by_alias=True).items())
-                  if policy.local_dp else "none")]
+                  if policy.local_dp else "none"),
+                 ("secure aggregation", ("required" if policy.require_secure_aggregation else "not required")
+                  + f", min-hospitals-per-sum {policy.min_hospitals_per_sum}, min-threshold-fraction "
+                  f"{policy.min_threshold_fraction:g}, min-update-norm-bound {policy.min_update_norm_bound:g}"),
+                 ("peers it accepts", ", ".join(f"{name} {fingerprint}" for name, fingerprint in
+                                                sorted(policy.peers.items()))
+                  or "none pinned (every key in its peer-keys folder)")]
     apps = sorted(set(filter(None, node.approved_apps.replace(",", " ").split())) | set(policy.apps if policy else []))
     engine_only = node.model_fields_set == SIMULATION_ENGINE_FIELDS
     limits = policy.limits if policy is not None else DEFAULT_JOB_LIMITS

@@ -33,22 +33,29 @@ from common.trust.secure_aggregation.hospital import (
     HospitalRules,
     ReplayMemory,
     SecureAggregationRefusal,
+    canonical_model,
     check_turn,
+    dtype_problem,
     finished,
     hospital_stage,
-    model_digest,
+    own_model,
+    protocol_problem,
     round_plan,
 )
 from common.trust.secure_aggregation.messages import (
     COLLECT,
+    HOSPITAL_CONFIG_KEY,
     LAYOUT_KEY,
     MASKED_ARRAY,
     MASKED_GROUP,
     OWN_NAME_KEY,
     OWN_WEIGHT_CAP_KEY,
+    PLAN_KEY,
     SETUP,
     STAGE_KEY,
     STAGES,
+    TRAIN_CONFIG_KEY,
+    config_from_plan,
 )
 from common.trust.secure_aggregation.methods import secure_method
 from common.trust.secure_aggregation.settings import MIN_THRESHOLD_FRACTION
@@ -95,15 +102,29 @@ def hospital_rules(context: Context):
     audit_path = node.audit_path(run_state)
     audit = AuditLog(audit_path, f"hospital:{node.name}") if audit_path is not None else None
     unusable = ""
-    if policy is not None and policy.require_secure_aggregation and not node.virtual and not node.peer_keys:
-        unusable = ("require-secure-aggregation in a deployment needs the consortium's registered keys (node config "
-                    "peer-keys and identity-key): without them the server could invent the other hospitals of a sum")
+    if policy is not None and policy.require_secure_aggregation and not node.virtual and not (
+            node.peer_keys and policy.peers):
+        unusable = ("require-secure-aggregation in a deployment needs the consortium's keys pinned: node config "
+                    "peer-keys and identity-key, and the policy's peers (each hospital's key fingerprint, compared "
+                    "with its officers): without them the server could invent the other hospitals of a sum")
     rules = HospitalRules(node.name, node.identity_key, node.peer_keys,
                           policy.min_threshold_fraction if policy else MIN_THRESHOLD_FRACTION,
                           policy.min_hospitals_per_sum if policy else 2,
                           ReplayMemory(node.state_root(run_state), audit),
-                          policy.min_update_norm_bound if policy else 0.0, unusable)
+                          policy.min_update_norm_bound if policy else 0.0, unusable,
+                          pinned_peers(node, policy))
     return rules, policy
+
+
+def pinned_peers(node, policy) -> dict[str, str] | None:
+    """The keys the hospital accepts, by name (its policy's ``peers``, and its own key's fingerprint, from its
+    identity key); None where its policy pins none (every key in its peer-keys folder is then accepted)."""
+    if policy is None or not policy.peers:
+        return None
+    from common.trust.identity import own_fingerprint
+
+    own = {node.name: own_fingerprint(node.identity_key)} if node.identity_key else {}
+    return {**policy.peers, **own}
 
 
 def load_state(context: Context) -> HospitalRound:
@@ -154,27 +175,39 @@ def secure_train(message: Message, context: Context, train: TrainHandler, requir
 def masked_reply(message: Message, train: TrainHandler, context: Context, state: HospitalRound, rules: HospitalRules,
                  policy, config: dict[str, Any], keys: RecordKeys,
                  train_payload: Callable[[Payload], Payload] | None = None) -> Message:
-    """Train (unless it revealed shares for a sum trained from this model before), then the training reply with its
-    arrays replaced by the hospital's masked contribution (what its method sums, its update bounded to the round's
-    norm bound); what the method keeps at the hospital, and what its policy withholds, are left out."""
+    """Train from the round plan's config and model, and nothing else of the message (unless it revealed shares for
+    a sum trained from this model before), then the training reply with its arrays replaced by the hospital's
+    masked contribution (what its method sums, its update bounded to the round's norm bound); what the method
+    keeps at the hospital, and what its policy withholds, are left out."""
     check_turn(state, COLLECT, config)
     _, plan = round_plan(config, rules)  # the same for every hospital, within its policy's bounds, before training
-    received = from_recorddict(message.content)
-    digest = model_digest(received.arrays)
+    problem = protocol_problem(state.flower, plan) or train_config_problem(state, plan)  # (masking checks it
+    if problem:  # again; here nothing trains first)
+        raise SecureAggregationRefusal(f"the round plan: {problem}")
+    arrays, digest = canonical_model(from_recorddict(message.content).arrays, own_model(plan, rules.name))
     rules.memory.check_model(digest)
+    rows = plan.get(HOSPITAL_CONFIG_KEY) or {}
+    row = rows.get(rules.name, {}) if isinstance(rows, dict) else None  # its own values of its method's keys
+    method = secure_method(str(plan[TRAIN_CONFIG_KEY]["strategy"]))
+    if not isinstance(row, dict) or not set(row) <= method.own_config:
+        raise SecureAggregationRefusal(f"the round plan sets {sorted(row or ['?'])[:5]} for this hospital alone; its "
+                                       f"method sets only {sorted(method.own_config)} per hospital")
+    received = Payload(arrays, {**config_from_plan({**plan[TRAIN_CONFIG_KEY], **row}), PLAN_KEY: config[PLAN_KEY]})
     if train_payload is not None:  # on its own copy: what it received stays as received, to take the update from
         trained = train_payload(Payload({group: {name: np.array(value, copy=True) for name, value in arrays.items()}
-                                         for group, arrays in received.arrays.items()},
-                                        dict(received.config), dict(received.metrics)))
+                                         for group, arrays in received.arrays.items()}, dict(received.config)))
         started = time.perf_counter()
     else:
+        message.content = to_recorddict(received, "per-tensor", keys)  # a ClientApp of its own reads the plan's too
         reply = train(message)
         if reply.has_error():
             save_state(context, finished())
             return reply
         started = time.perf_counter()
         trained = from_recorddict(reply.content)
-    method = secure_method(str(received.config.get("strategy", "")))
+    problem = dtype_problem(own_model(plan, rules.name), trained.arrays)
+    if problem:
+        raise SecureAggregationRefusal(f"the round plan: {problem}")
     layout = Layout.from_json(plan.get(LAYOUT_KEY))
     own = {OWN_NAME_KEY: rules.name, OWN_WEIGHT_CAP_KEY: policy.max_sample_weight if policy is not None else 0}
     problem = method.check_plan(plan, rules.name, received, trained)
@@ -201,6 +234,18 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
                                                                        modulus_bits(state.flower.mod_range))}},
                       config={**reply_config, STAGE_KEY: COLLECT}, metrics=clear)
     return Message(to_recorddict(payload, "per-tensor", keys), reply_to=message)
+
+
+def train_config_problem(state: HospitalRound, plan: dict[str, Any]) -> str | None:
+    """Why the round plan's training config cannot be the one this round trains from (None: it can): it must name
+    the run and round this hospital was set up for, and a method."""
+    train_config = plan.get(TRAIN_CONFIG_KEY)
+    if not isinstance(train_config, dict) or not isinstance(train_config.get("strategy"), str):
+        return "it carries no training config (secagg.train-config) naming a method"
+    if (train_config.get("run-name"), train_config.get("server-round")) != (state.run, state.rnd):
+        return (f"its training config is for run {train_config.get('run-name')!r} round "
+                f"{train_config.get('server-round')!r}, this protocol run for run {state.run!r} round {state.rnd}")
+    return None
 
 
 def secure_aggregation_mod(message: Message, context: Context, call_next) -> Message:

@@ -150,11 +150,14 @@ def _alive(pid: int) -> bool:
 
 def serve(path: Path, watched_pid: int) -> None:
     """Answer messages one at a time until the watched process is gone or nothing came for IDLE_EXIT s."""
+    from common.trust.sandbox import keep_writable
+
     from .hospital import answer  # torch, the methods and the data loaders: imported once, here
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     os.chmod(path, 0o600)
+    keep_writable(path)  # its own socket, removed at the end even once the process is closed
     listener.listen()
     listener.settimeout(POLL)
     log.info("hospital worker %d listening on %s for the process %d", os.getpid(), path, watched_pid)

@@ -24,9 +24,9 @@ TaskName = Literal["classification", "polyp-segmentation", "brain-tumour-segment
 
 #: Which data set formats each task can read.
 TASK_DATASETS: dict[str, tuple[str, ...]] = {
-    "classification": ("synthetic", "ham10000", "npz"),
-    "polyp-segmentation": ("synthetic", "image-mask"),
-    "brain-tumour-segmentation": ("synthetic", "brats"),
+    "classification": ("synthetic", "ham10000", "npz", "dicom"),
+    "polyp-segmentation": ("synthetic", "image-mask", "dicom"),
+    "brain-tumour-segmentation": ("synthetic", "brats", "dicom"),
 }
 
 _hyphen = hyphenated
@@ -155,16 +155,21 @@ class CoreConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
 
     dataset: str = Field("synthetic", description=(
-        "A format we read (synthetic, ham10000, npz, image-mask, brats) or a loader of your own, "
+        "A format we read (synthetic, ham10000, npz, image-mask, brats, dicom) or a loader of your own, "
         "'package.module:loader' (common/data/loaders.py says what it is given and returns)."))
     dataset_args: str = Field("", description=(
-        "Keyword arguments for a loader of your own, a JSON object (a hospital's node config may add its own)."))
+        "Keyword arguments for a loader of your own, a JSON object (a hospital's node config may add its own); "
+        "dataset='dicom' classification takes its class names from '{\"classes\": [...]}'."))
     data_workers: int = Field(-1, ge=-1, description=(
         "Processes reading a torch Dataset of your own while a hospital trains (-1: 4 on a GPU, none on the "
         "CPU); batches go to a GPU from pinned memory."))
     data_dir: str = Field("", description="Simulation: the whole data set, partitioned across hospitals.")
     test_dir: str = Field("", description="Server's held-out test set (deployment); empty: split off data-dir.")
     image_size: int = Field(32, ge=8, le=1024)
+    input_shape: str = Field("", description=(
+        "One input of the network as 'C,H,W' (or 'C,D,H,W'), e.g. '1,64,64': the batch the server checks the "
+        "network on before round 1 where it holds no data (a loader that gives the server none), and the "
+        "in-channels the network is built with there; empty: the server's data, else 3 x image-size x image-size."))
     num_classes: int = Field(0, ge=0, description="0: take it from the data set.")
     model: str = Field("", description=(
         "The network: built in (classification: resnet18, MONAI's ResNet-18, or small-cnn, ~25k parameters for "
@@ -234,6 +239,19 @@ class CoreConfig(Section):
     secure_aggregation: SecureAggregationSettings = SecureAggregationSettings()
     patient_dp: PatientDPPlan = PatientDPPlan()
     brain: BrainSection = BrainSection()
+
+    @field_validator("input_shape")
+    @classmethod
+    def _input_shape(cls, value: str) -> str:
+        if value.strip() and len(parse_input_shape(value)) not in (3, 4):
+            raise ValueError(f"{value!r} is not one input's shape: 'C,H,W' or 'C,D,H,W' (channels first), "
+                             "e.g. '1,64,64'")
+        return value.strip()
+
+    @property
+    def input_dims(self) -> tuple[int, ...] | None:
+        """``input-shape`` as numbers, None where it is not given."""
+        return parse_input_shape(self.input_shape) if self.input_shape else None
 
     @field_validator("tracking")
     @classmethod
@@ -349,7 +367,8 @@ class CoreConfig(Section):
 
     def check_paths(self) -> None:
         """Paths the server itself reads must exist (checked before round 1)."""
-        if self.dataset in ("ham10000", "npz", "image-mask", "brats") and not self.data_dir and not self.test_dir:
+        folders = ("ham10000", "npz", "image-mask", "brats", "dicom")
+        if self.dataset in folders and not self.data_dir and not self.test_dir:
             raise ConfigError(f"data-dir: dataset={self.dataset!r} needs data-dir (simulation) or test-dir")
         checks = [("data-dir", self.data_dir, "exists"), ("test-dir", self.test_dir, "exists"),
                   ("brain.server-data-dir", self.brain.server_data_dir, "exists"),
@@ -382,6 +401,17 @@ JobConfig = _job_config_type()
 
 #: Keys that are the server's alone, never sent to hospitals: where it writes, what it resumes from, its test
 #: set and the hospitals' registered keys, how it schedules rounds.
+def parse_input_shape(value: str) -> tuple[int, ...]:
+    """'1,64,64' -> (1, 64, 64); ValueError for anything but positive whole numbers."""
+    try:
+        dims = tuple(int(part) for part in value.replace("x", ",").split(","))
+    except ValueError:
+        raise ValueError(f"{value!r} is not one input's shape: whole numbers 'C,H,W', e.g. '1,64,64'") from None
+    if any(d <= 0 for d in dims):
+        raise ValueError(f"{value!r}: every size of an input's shape must be positive")
+    return dims
+
+
 SERVER_ONLY_KEYS = frozenset({"results-dir", "resume-from", "overwrite-run", "keep-checkpoints", "test-dir",
                               "hospital-keys", "cross-site-evaluation", "evaluate-every", "messages-in-flight",
                               "round-timeout", "min-available-hospitals", "min-train-hospitals", "fraction-train",

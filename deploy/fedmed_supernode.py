@@ -36,6 +36,15 @@ object the SuperLink does not hold yet, and up to 20 s between tries to reach a 
 these is a setting; together they were most of a round's overhead on a loopback deployment
 (benchmarks/results/overhead.md). ``FEDMED_SUPERNODE_POLL=flower`` keeps Flower's own waits.
 
+The ClientApp process (the executor, which runs the code a job names) has no route out where the OS allows it:
+it starts in a network namespace of its own (``unshare --net`` as root, or with an unprivileged user namespace),
+which has no network interface at all, and reaches its SuperNode's Runtime API only through a Unix socket that
+this script relays to the API's address (:class:`RuntimeRelay`). Neither Python's own modules nor a subprocess nor
+``ctypes`` can open a connection from there. ``--clientapp-network`` says how: ``auto`` (the default: a namespace
+where the OS allows it, else the host's network with a warning at start), ``namespace`` (refuse to start without
+one), ``host`` (the host's network), or ``container`` (no executor here: another container, on an internal network
+whose only other member is this SuperNode, runs it with ``--fedmed-executor``; docker-compose.yml).
+
 This file imports nothing of the project (it is not part of the FAB), so the FAB's code is what runs.
 """
 
@@ -65,6 +74,9 @@ ANY_APP_WARNING = ("--any-app: this hospital runs ANY app bundle its SuperLink s
                    "the SuperLink runs code here. Only for a closed test network: approve apps by hash instead "
                    "(node config approved-apps, policy apps; `fedmed app-hash APP_DIR`)")
 SUPERNODE_FLAG = "--fedmed-supernode"  # Flower's SuperNode with shorter waits, in a process of this script
+#: where the ClientApp process runs: auto | namespace | host | container (see the module's docstring)
+NETWORK_FLAG = "--clientapp-network"
+NETWORKS = ("auto", "namespace", "host", "container")
 #: "flower": the SuperNode keeps Flower's own waits (3 s between empty polls of the SuperLink, ...)
 POLL_MODE = os.environ.get("FEDMED_SUPERNODE_POLL", "short")
 
@@ -145,14 +157,26 @@ class AppRefused(RuntimeError):
     """A FAB the hospital did not approve: nothing of it was installed, loaded or run."""
 
 
+class NodeConfigError(ValueError):
+    """The SuperNode's --node-config cannot be read: the hospital does not start."""
+
+
 def node_config_of(supernode_args: list[str]) -> dict[str, Any]:
-    """The SuperNode's ``--node-config``, parsed as Flower parses it."""
+    """The SuperNode's ``--node-config``, parsed as Flower parses it; NodeConfigError saying why it cannot be."""
     from flwr.common.config import parse_config_args
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--node-config")
     text = parser.parse_known_args(supernode_args)[0].node_config
-    return parse_config_args([text]) if text else {}
+    try:
+        parsed = parse_config_args([text]) if text else {}
+    except Exception as error:  # Flower raises click's exception, or TOML's
+        reason = getattr(error, "message", None) or str(error)
+        raise NodeConfigError(f"--node-config {text!r}: {reason.splitlines()[0] if reason else type(error).__name__}"
+                              ) from None
+    if text and text.strip() and not parsed:  # Flower reads 'hospital=' or 'a b' as no key at all
+        raise NodeConfigError(f"--node-config {text!r}: holds no key='value' pair")
+    return parsed
 
 
 def approved_apps(node_config: dict[str, Any]) -> frozenset[str] | None:
@@ -212,6 +236,91 @@ def app_refusal(fab: Any, approved: frozenset[str] | None, any_app: bool = False
     return None
 
 
+# --- a ClientApp process with no route out ------------------------------------------------------------------------
+#: how to start a command in a network namespace of its own: as root, then with an unprivileged user namespace
+NAMESPACE_COMMANDS = (["unshare", "--net", "--"], ["unshare", "--user", "--map-root-user", "--net", "--"])
+
+
+def namespace_prefix() -> list[str] | None:
+    """The command prefix that starts a process in a network namespace of its own on this machine, or None when
+    the OS allows none (no ``unshare``, no privilege, user namespaces turned off, a container without the
+    capability)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        return None
+    for prefix in NAMESPACE_COMMANDS:
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+class RuntimeRelay:
+    """A Unix socket whose every connection is piped to the Runtime API's TCP address: the way a ClientApp process
+    in a network namespace (which a Unix socket crosses, TCP not) reaches its SuperNode, and nothing else."""
+
+    def __init__(self, path: Path, address: str) -> None:
+        import socket
+
+        host, _, port = address.rpartition(":")
+        self.target, self.path = (host.strip("[]"), int(port)), path
+        path.unlink(missing_ok=True)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        os.chmod(path, 0o600)
+        self.server.listen(64)
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        import socket
+
+        while True:
+            try:
+                inner, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            try:
+                outer = socket.create_connection(self.target, timeout=10)
+                outer.settimeout(None)
+            except OSError:
+                inner.close()
+                continue
+            for source, sink in ((inner, outer), (outer, inner)):
+                threading.Thread(target=self.pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: Any, sink: Any) -> None:
+        import socket
+
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.path.unlink(missing_ok=True)
+
+
+def use_unix_socket(client: Any, path: str) -> Any:
+    """``client`` (a Flower Runtime API client) sending its requests over the Unix socket ``path``; its URL (the
+    Runtime API's address) stays the Host it names (tests/test_supernode_executor.py checks the attribute)."""
+    import httpx
+
+    client._client = httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=30.0, follow_redirects=True)
+    return client
+
+
 # --- the supervisor: the SuperNode and its executor --------------------------------------------------------------
 def supernode_flags(supernode_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
@@ -241,7 +350,14 @@ def supervise(supernode_args: list[str]) -> int:
     not start without approved apps (or ``--any-app``)."""
     any_app = ANY_APP_FLAG in supernode_args
     supernode_args = [arg for arg in supernode_args if arg != ANY_APP_FLAG]
-    node_config = node_config_of(supernode_args)
+    network, supernode_args = clientapp_network(supernode_args)
+    if network is None:
+        return 2
+    try:
+        node_config = node_config_of(supernode_args)
+    except NodeConfigError as error:
+        log.error("%s", error)
+        return 2
     if any_app:
         log.warning(ANY_APP_WARNING)
     elif approved_apps(node_config) is None:
@@ -251,17 +367,41 @@ def supervise(supernode_args: list[str]) -> int:
                   "they start from); %s only on a closed test network", ANY_APP_FLAG)
         return 2
     address = runtime_address(supernode_args)
+    prefix: list[str] | None = []
+    if network in ("auto", "namespace"):
+        prefix = namespace_prefix()
+        if prefix is None and network == "namespace":
+            log.error("%s namespace: this machine gives the ClientApp process no network namespace (unshare as "
+                      "root, or unprivileged user namespaces): not started", NETWORK_FLAG)
+            return 2
+        if prefix is None:
+            log.warning("the ClientApp process runs in the host's network: this machine allows no network namespace "
+                        "(unshare as root, or unprivileged user namespaces); only Python's audit hook keeps the code "
+                        "a job names off the network (docs/deployment.md)")
+            prefix = []
     args = supernode_args if any(a.startswith("--isolation") for a in supernode_args) \
         else ["--isolation", "process", *supernode_args]
     supernode = subprocess.Popen([sys.executable, __file__, SUPERNODE_FLAG, *args])  # this Python's own Flower
+    if network == "container":  # another container runs the ClientApp (docker-compose.yml)
+        return wait_for(supernode)
 
     secret = supernode_flags(supernode_args).superexec_auth_secret_file  # the SuperNode then asks the executor for it
+    relay = None
+    if prefix:  # the executor's only way out: a Unix socket to the Runtime API
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="fedmed-runtime-"))
+        relay = RuntimeRelay(folder / "runtime.sock", address)
+        log.info("the ClientApp process runs in a network namespace of its own (%s); it reaches the SuperNode only "
+                 "through %s", " ".join(prefix[:-1]), relay.path)
 
     def start_executor() -> subprocess.Popen:
         import json
 
-        return subprocess.Popen([sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address", address,
-                                 "--parent-pid", str(supernode.pid), "--node-config-json", json.dumps(node_config),
+        return subprocess.Popen([*(prefix or []), sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address",
+                                 address, "--parent-pid", str(supernode.pid), "--node-config-json",
+                                 json.dumps(node_config),
+                                 *(["--runtime-api-socket", str(relay.path)] if relay else []),
                                  *(["--superexec-auth-secret-file", secret] if secret else []),
                                  *([ANY_APP_FLAG] if any_app else [])])
 
@@ -289,7 +429,28 @@ def supervise(supernode_args: list[str]) -> int:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
+        if relay is not None:
+            relay.close()
+            relay.path.parent.rmdir()
     return 0 if stopping.is_set() or supernode.returncode is None else supernode.returncode
+
+
+def clientapp_network(supernode_args: list[str]) -> tuple[str | None, list[str]]:
+    """``--clientapp-network``'s value (None: not one of :data:`NETWORKS`, logged) and the other arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(NETWORK_FLAG, default="auto")
+    known, rest = parser.parse_known_args(supernode_args)
+    if known.clientapp_network not in NETWORKS:
+        log.error("%s %s: one of %s", NETWORK_FLAG, known.clientapp_network, ", ".join(NETWORKS))
+        return None, rest
+    return known.clientapp_network, rest
+
+
+def wait_for(supernode: subprocess.Popen) -> int:
+    """The SuperNode alone (its ClientApp runs elsewhere): until it ends, or SIGTERM/SIGINT ends it."""
+    signal.signal(signal.SIGTERM, lambda *_: supernode.terminate())
+    signal.signal(signal.SIGINT, lambda *_: supernode.terminate())
+    return supernode.wait()
 
 
 # --- the executor: Flower's SuperExec loop, the ClientApp in this process ---------------------------------------------
@@ -305,12 +466,13 @@ class Executor:
     """Acquires the SuperNode's ClientApp tasks and answers them one at a time in this process."""
 
     def __init__(self, address: str, auth_secret: bytes | None = None,
-                 node_config: dict[str, Any] | None = None, any_app: bool = False) -> None:
+                 node_config: dict[str, Any] | None = None, any_app: bool = False, socket_path: str = "") -> None:
         from flwr.supercore.interceptors import SuperExecAuthHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
 
         self.address = address
+        self.socket_path = socket_path  #: a Unix socket relayed to the Runtime API (the process's only way out)
         self.node_config = dict(node_config or {})  #: the SuperNode's: which apps the hospital approved
         self.any_app = any_app  #: --any-app: a closed test network's opt-out of app approval
         self.fab_hash: str | None = None  # the FAB whose code this process has loaded, and its ClientApp
@@ -318,9 +480,12 @@ class Executor:
         # with --superexec-auth-secret-file only who holds the secret may take the hospital's tasks, as in Flower
         interceptors = [SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=frozenset(
             {"/flwr.proto.Runtime/AcquireTask"}))] if auth_secret else []
-        self.client = RuntimeHttpClient.from_server_address(
+        self.client = self.through_socket(RuntimeHttpClient.from_server_address(
             server_address=address, insecure=True, root_certificates=None, interceptors=interceptors,
-            retry_invoker=make_simple_http_retry_invoker())
+            retry_invoker=make_simple_http_retry_invoker()))
+
+    def through_socket(self, client: Any) -> Any:
+        return use_unix_socket(client, self.socket_path) if self.socket_path else client
 
     def acquire(self) -> tuple[str, str] | None:
         """(token, FAB hash) of the next ClientApp task, or None."""
@@ -354,10 +519,10 @@ class Executor:
         from flwr.supercore.runtime import RuntimeHttpClient
 
         retry = make_simple_http_retry_invoker()
-        return RuntimeHttpClient.from_server_address(
+        return self.through_socket(RuntimeHttpClient.from_server_address(
             server_address=self.address, insecure=True, root_certificates=None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-                          RuntimeTokenHttpInterceptor(token)], retry_invoker=retry), retry
+                          RuntimeTokenHttpInterceptor(token)], retry_invoker=retry)), retry
 
     def run_task(self, token: str) -> None:
         """Flower's ``run_clientapp`` for one task, minus the process: pull, install, load, call, push."""
@@ -490,7 +655,12 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
 def run_executor(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="fedmed-supernode " + EXECUTOR_FLAG)
     parser.add_argument("--runtime-api-address", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True, help="the SuperNode: the executor ends with it")
+    parser.add_argument("--parent-pid", type=int, default=0, help="the SuperNode: the executor ends with it (0: it "
+                        "runs elsewhere, another container's)")
+    parser.add_argument("--runtime-api-socket", default="", help="a Unix socket relayed to the Runtime API (the "
+                        "executor's network namespace has no other way out)")
+    parser.add_argument("--node-config", default="", help="the SuperNode's node config, as Flower's text (or "
+                        "--node-config-json)")
     parser.add_argument("--token", help="a task acquired by the process this one replaced")
     parser.add_argument("--superexec-auth-secret-file", type=Path, help="the SuperNode's, if it has one")
     parser.add_argument("--node-config-json", default="{}", help="the SuperNode's node config (approved apps)")
@@ -498,14 +668,22 @@ def run_executor(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     from flwr.supercore.app_utils import start_parent_process_monitor
 
-    start_parent_process_monitor(args.parent_pid)
+    if args.parent_pid:
+        start_parent_process_monitor(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    # the one address a closed hospital process still reaches (common/trust/sandbox.py: RUNTIME_API_ENV)
+    os.environ["FEDMED_RUNTIME_API_ADDRESS"] = args.runtime_api_address
     secret = args.superexec_auth_secret_file.read_bytes() if args.superexec_auth_secret_file else None
     import json
 
-    Executor(args.runtime_api_address, secret, json.loads(args.node_config_json), args.any_app).serve(args.token)
+    try:
+        node_config = node_config_of(["--node-config", args.node_config]) if args.node_config \
+            else json.loads(args.node_config_json)
+    except NodeConfigError as error:
+        sys.exit(f"fedmed-supernode {EXECUTOR_FLAG}: {error}")
+    Executor(args.runtime_api_address, secret, node_config, args.any_app, args.runtime_api_socket).serve(args.token)
 
 
 def main() -> None:

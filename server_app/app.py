@@ -244,6 +244,7 @@ def main(grid: Grid, context: Context) -> None:
     if checkpoint is not None:
         strategy.resume(checkpoint)
     saver.start(strategy.engine)
+    closed_on_exit(saver, cfg, strategy.engine)
     try:
         strategy.start(grid)
         if strategy.nothing_aggregated:  # a Result for a user's own ServerApp; a failed run for ours
@@ -254,6 +255,20 @@ def main(grid: Grid, context: Context) -> None:
                     error=f"{type(error).__name__}: {error}"[:2000])
         raise
     finish(cfg, strategy.engine.history, strategy.cross_site, saver)
+
+
+def closed_on_exit(saver: RoundSaver, cfg: JobConfig, engine: RoundEngine) -> None:
+    """Flower ends a ServerApp whose SuperLink no longer knows its task (the SuperLink restarted) or that was told to
+    stop through its exit handlers, and forces the exit a few seconds later (``os._exit``): before that, a run still
+    open is marked ``stopped`` (interrupted) in status.json, not left ``running``."""
+    from flwr.supercore.exit import add_exit_handler
+
+    def interrupted() -> None:
+        if Path(cfg.run_dir).resolve() in saver.started:
+            saver.close(cfg, engine.history, "stopped", error="interrupted: Flower ended the ServerApp before the "
+                        "run's last round (its SuperLink restarted or lost the run, or the run was stopped)")
+
+    add_exit_handler(interrupted, run_before_force_exit=True)
 
 
 def finish(cfg: JobConfig, history: list[dict], cross_site: dict | None, saver: RoundSaver | None = None) -> None:

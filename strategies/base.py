@@ -55,6 +55,9 @@ from .grid_messages import (
     send_and_receive,
     warn_unsent,
 )
+from .legacy_api import ARGUMENTS as LEGACY_ARGUMENTS
+from .legacy_api import METHODS as LEGACY_METHODS
+from .legacy_api import legacy_argument, legacy_method
 from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
 
@@ -86,6 +89,25 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
 #: Flower's ClientApp error for a message type it has no handler for (``flwr/clientapp/client_app.py``): a node that
 #: answers the identity query with it is a standard Flower ClientApp that trains the model itself.
 NO_QUERY_HANDLER = "No query function registered"
+
+
+class ExpectedNoQueryHandler(logging.Filter):
+    """Drops Flower's log records of a ClientApp's "No query function registered". Flower's simulation engine
+    (``vce_api``, in the process that runs this ServerApp) logs every exception a ClientApp raises twice, the error
+    and its traceback, and a Flower ClientApp without a query handler raises that one at our identity query: it is
+    how such an app says it trains the model itself, which :meth:`HospitalStrategy.learn_flower_clientapp` logs once
+    per node in words. (A deployment's SuperNode logs it in its own process, once per node: the run's end is not
+    announced to such nodes.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return NO_QUERY_HANDLER not in record.getMessage()
+
+
+def quiet_expected_no_query_handler() -> None:
+    """Install :class:`ExpectedNoQueryHandler` on Flower's logger, once per process."""
+    flower = logging.getLogger("flwr")
+    if not any(isinstance(existing, ExpectedNoQueryHandler) for existing in flower.filters):
+        flower.addFilter(ExpectedNoQueryHandler())
 
 #: What a hospital may declare about itself besides its name and size (modalities, bit-width...), and how long.
 MAX_PROPERTIES = 32
@@ -160,6 +182,9 @@ class HospitalStrategy(Strategy):
             raise ConfigError(f"fraction_evaluate={fraction_evaluate!r} must be between 0 and 1")
         own = self.own_arguments()
         unknown = sorted(set(method_settings) - set(own))
+        legacy = [legacy_argument(type(self).__name__, name) for name in unknown if name in LEGACY_ARGUMENTS]
+        if legacy:
+            raise TypeError(legacy[0])
         if unknown:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r} "
                             f"(its method's own: {', '.join(own) or 'none'})")
@@ -196,6 +221,7 @@ class HospitalStrategy(Strategy):
         self._warned_names = False
         self._warned_gpus = False
         self._warned_client_dp = False
+        self._warned_secure_weight = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
@@ -231,6 +257,8 @@ class HospitalStrategy(Strategy):
         if name.startswith("_") or "job" not in self.__dict__:
             raise AttributeError(name)
         field = type(self).own_arguments().get(name)
+        if field is None and name in LEGACY_METHODS:
+            raise AttributeError(legacy_method(type(self).__name__, name))
         if field is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(getattr(self.job, self.section), field)
@@ -362,6 +390,8 @@ class HospitalStrategy(Strategy):
         give_up = time.time() + self.job.round_timeout
         asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
         in_flight = messages_in_flight(self.job, grid, queries=True)
+        if new:
+            quiet_expected_no_query_handler()
         while new and time.time() < give_up:
             windows = -(-len(new) // in_flight) if in_flight else 1  # a query's patience starts when it is sent
             patience = min(self.QUERY_PATIENCE * windows, give_up - time.time())
@@ -460,9 +490,10 @@ class HospitalStrategy(Strategy):
             return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod: Flower's ClientApp with fedmed's hospital mod "
                     "and query handler; docs/own-clientapp.md)")
-        if self.secure_aggregation is not None:
-            return (f"{what}, but secure aggregation runs fedmed's protocol at every hospital: give it fedmed's "
-                    "ClientApp, or one of its own built on client_app.api (docs/own-clientapp.md)")
+        if self.secure_aggregation is not None and not signs:
+            return (f"{what}, but secure aggregation masks every reply at the hospital: make its ClientApp a "
+                    "HospitalClientApp (from client_app.hospital_mod), whose mod masks what its own train handler "
+                    "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
         if self.job.hospital_keys and not signs:
             return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
@@ -481,6 +512,13 @@ class HospitalStrategy(Strategy):
             problem = self.trains_itself_problem(f"{name} trains the model itself (its ClientApp's own train)")
             if problem:
                 raise ValueError(problem)
+            if count is None and self.secure_aggregation is not None and not self._warned_secure_weight:
+                self._warned_secure_weight = True
+                log.warning("%s trains the model itself and declares no sample count: under secure aggregation its "
+                            "weight counts at most screening.max-samples=%d samples, and each hospital's weight is "
+                            "its samples over the largest declared count (as Flower's SecAggPlusWorkflow's "
+                            "max_weight): set screening.max-samples near your hospitals' size, or the masked sum's "
+                            "quantisation swamps the update", name, self.job.screening.max_samples)
             count = self.job.screening.max_samples if count is None else count
         problem = declared_count_problem(count, self.job.screening.max_samples)
         if problem:
@@ -511,7 +549,7 @@ class HospitalStrategy(Strategy):
         config = {**dict(config or {}), **(self.flower_train_config() if message_type == MessageType.TRAIN else {})}
         for info in hospitals:
             payload = self.engine.downlink(server_round, info)
-            if info.properties.get(TRAINS_ITSELF):
+            if info.properties.get(TRAINS_ITSELF) and not self.masks_own_training(message_type):
                 content = self.flower_content(server_round, payload, config, shared)
             else:
                 payload.config = {**payload.config, **self.hospital_config(server_round), **config,
@@ -537,6 +575,12 @@ class HospitalStrategy(Strategy):
                                                                  for name, value in arrays.items()}))
         return RecordDict({self.records.arrays: shared[same][1],
                            self.records.config: ConfigRecord({**config, "server-round": server_round})})
+
+    def masks_own_training(self, message_type: str) -> bool:
+        """Whether a hospital that trains the model itself gets fedmed's messages rather than Flower's: the training
+        rounds of a secure run, whose stages its HospitalClientApp's mod answers, masking what the app's own train
+        handler returns (``client_app/hospital_mod.py``); its evaluate phase stays Flower's."""
+        return self.secure_aggregation is not None and message_type == MessageType.TRAIN
 
     def flower_train_config(self) -> dict[str, Any]:
         """What a train message's config carries for the method beside the user's train config, as Flower's strategy
@@ -674,7 +718,8 @@ class HospitalStrategy(Strategy):
         """A reply's payload: fedmed's records, or for a hospital that trains the model itself Flower's contract (one
         ArrayRecord, one MetricRecord, any names), its model's tensors sorted into the method's array groups
         (``ServerMethod.flower_reply_arrays``). MalformedPayload says what does not fit."""
-        if not hospital.properties.get(TRAINS_ITSELF):
+        if not hospital.properties.get(TRAINS_ITSELF) or self.masks_own_training(MessageType.TRAIN if training
+                                                                                 else MessageType.EVALUATE):
             return from_recorddict(content, limit, self.records, tensors, copy=copy)
         payload = from_flower_reply(content, limit, tensors, copy, with_arrays=training)
         if training:
@@ -847,8 +892,11 @@ class HospitalStrategy(Strategy):
         raise ConfigError(f"{mismatch}: {what} are not a {method} model of the run config's network, which names none "
                           f"(model unset: the {self.job.task} task's default, {network!r}). {method} builds its model "
                           "around the network, so the server needs the network itself: name yours in the run config, "
-                          "model='package.module:Net' (docs/own-serverapp.md), and pass initial_arrays="
-                          "strategy.initial_arrays() or none")
+                          "model='package.module:Net', and pass initial_arrays=strategy.initial_arrays() or none; "
+                          f"its hospitals run fedmed's {method} step, so the ClientApp also becomes a "
+                          "HospitalClientApp (from client_app.hospital_mod import HospitalClientApp) and the run "
+                          "config names a loader of its data, dataset='package.module:load' (docs/own-serverapp.md "
+                          "shows the whole change for each method)")
 
     def round_ended(self, record: dict[str, Any]) -> None:
         """Hand the finished round to ``on_round_end`` (checkpoint, result files), unless the run was stopped.
@@ -972,7 +1020,7 @@ class HospitalStrategy(Strategy):
     def record_nothing_aggregated(self, reason: str) -> None:
         """The run aggregated nobody: why, logged, kept as ``nothing_aggregated`` and written to the audit log."""
         self.nothing_aggregated = reason
-        log.error("%s: %s; the Result holds the model it started from", self.job.run_name, reason)
+        log.error("%s: %s; the Result holds no arrays, as Flower's", self.job.run_name, reason)
         audit = self.audit_log()
         if audit is not None:
             audit.append("run", run=self.job.run_name, method=self.job.strategy, outcome="nothing aggregated",
@@ -983,6 +1031,18 @@ class HospitalStrategy(Strategy):
         log.info("%s: %d rounds, fraction-train %.2f, min %d hospitals per round, timeout %.0fs",
                  type(self).__name__, self.job.num_server_rounds, self.job.fraction_train,
                  self.job.min_train_hospitals, self.job.round_timeout)
+        log.info("%s: %s", type(self).__name__, self.who_trains())
+
+    def who_trains(self) -> str:
+        """Whose train loop trains this run's rounds, for its first lines: a ClientApp's own for the methods of
+        Flower's contract (masked by fedmed's mod under secure aggregation), fedmed's hospital step for the others."""
+        method = self.job.strategy
+        if method_spec(method).flower_contract:
+            secure = (": under secure aggregation a HospitalClientApp's mod masks what the app's own train handler "
+                      "returns, as Flower's secaggplus_mod does" if self.secure_aggregation is not None else "")
+            return f"a ClientApp that trains the model itself trains {method}'s rounds with its own train loop{secure}"
+        return (f"{method}'s hospitals run fedmed's {method} step (its own local training): a HospitalClientApp's own "
+                f"train handler is not asked for {method}'s rounds (docs/own-clientapp.md)")
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
@@ -999,8 +1059,8 @@ class HospitalStrategy(Strategy):
         every train and evaluate message (their keys win over ours, e.g. ``local-epochs``); ``evaluate_fn(round,
         arrays)`` scores the global model before round 1 and after every round. What ours adds: hospitals by
         name, faster polling, messages a few at a time in simulation, and resume. A run in which no round
-        aggregated any hospital returns its Result as Flower's loop does (the initial model in it), the reason
-        logged, in the audit log and in ``nothing_aggregated``.
+        aggregated any hospital returns its Result as Flower's loop does (``Result.arrays`` empty: it holds the last
+        round's aggregate only), the reason logged, in the audit log and in ``nothing_aggregated``.
         """
         self.claim_run_folder()
         try:
@@ -1049,7 +1109,7 @@ class HospitalStrategy(Strategy):
                 if streamed:
                     warn_unsent(messages, timeout, in_flight)
                 if aggregated is not None:
-                    arrays = aggregated
+                    arrays = result.arrays = aggregated  # as in Flower's loop: the last aggregate, else none
                 if metrics is not None:
                     result.train_metrics_clientapp[rnd] = metrics
                 record = self.round_record(rnd)
@@ -1071,7 +1131,6 @@ class HospitalStrategy(Strategy):
                 self.round_ended(record)
         finally:
             self._in_own_loop = False
-        result.arrays = arrays
         ran = [r for r in self.engine.history if r["round"] >= first]
         if ran and not any(r["aggregated"] for r in ran):
             self.record_nothing_aggregated(why_nothing_aggregated(ran, first, num_rounds))
@@ -1081,23 +1140,37 @@ class HospitalStrategy(Strategy):
         return result
 
     def announce_end(self, grid: Grid, timeout: float) -> None:
-        """Tell every hospital of the run that it ended, with the head of the server's audit log as it stands then
-        (the hospital's log records it): every line the server wrote for the run before this message is anchored
-        at the hospitals, so a tail the server's operator cut off and rechained fails ``fedmed audit verify
-        --peer``. Hospitals that do not answer within a few seconds are not waited for."""
-        if self.audit_log() is None or not self.hospitals:
+        """Tell every hospital of the run that it ended, twice. The first closing query and its replies are logged
+        as every message is (so each hospital's log is anchored at the server up to its receipt); then the server
+        writes its final line (``run-ended``, naming the hospitals told) and sends the second, which carries that
+        line's head and is not logged, nor are its replies: the last line a hospital records is the server's final
+        line, so a tail the server's operator cut off and rechained fails ``fedmed audit verify --peer``.
+        Hospitals that do not answer within a few seconds are not waited for."""
+        audit = self.audit_log()
+        if audit is None or not self.hospitals:
             return
-        messages = []
-        for node, hospital in sorted(self.hospitals.items()):
-            if hospital.properties.get(FLOWER_ONLY):  # no audit log there, and no query handler to answer
-                continue
-            config = ConfigRecord({"query": RUN_ENDED_QUERY, **self.hospital_config(self.engine.next_round - 1)})
-            messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
-                                    dst_node_id=node))
-            self.audit_message("sent", messages[-1], self.engine.next_round - 1, hospital.name, node)
-        for reply in send_and_receive(grid, messages, min(timeout, 30.0), messages_in_flight(self.job, grid, True)):
+        told = {node: hospital for node, hospital in sorted(self.hospitals.items())
+                if not hospital.properties.get(FLOWER_ONLY)}  # no audit log there, and no query handler to answer
+        if not told:
+            return
+        rnd, wait = self.engine.next_round - 1, min(timeout, 30.0)
+
+        def closing() -> list[Message]:
+            return [Message(RecordDict({self.records.config: ConfigRecord({"query": RUN_ENDED_QUERY,
+                                                                           **self.hospital_config(rnd)})}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in told]
+
+        messages = closing()
+        for message in messages:
+            self.audit_message("sent", message, rnd, told[message.metadata.dst_node_id].name,
+                               message.metadata.dst_node_id)
+        for reply in send_and_receive(grid, messages, wait, messages_in_flight(self.job, grid, True)):
             hospital = self.hospitals.get(reply.metadata.src_node_id)
-            self.audit_message("received", reply, self.engine.next_round - 1, hospital.name if hospital else None)
+            self.audit_message("received", reply, rnd, hospital.name if hospital else None)
+        audit.append("run-ended", run=self.job.run_name, round=rnd, method=self.job.strategy,
+                     hospitals=[hospital.name for hospital in told.values()])  # the server's final line
+        for _ in send_and_receive(grid, closing(), wait, messages_in_flight(self.job, grid, True)):
+            pass  # each hospital's log records the final head; nothing more is written here
 
 
 def kept(server_round: int) -> str:

@@ -52,12 +52,15 @@ def flat_metrics(value: Any, prefix: str = "") -> dict[str, int | float | list]:
 
 
 def round_metricrecord(record: dict[str, Any]) -> MetricRecord:
-    """One round as a MetricRecord: the hospitals' weighted training metrics (``train.*``), the server's test
-    metrics (``test.*``), the method's state (``method.*``, e.g. FedProIn's influence matrix per hospital),
-    bytes each way in all and per hospital, each hospital's update norm (``update-norm.*``), and how many
-    hospitals were aggregated, refused or missing."""
-    flat = flat_metrics({key: record[key] for key in ("train", "test", "evaluate", "method", "update-norm")
-                         if key in record})
+    """One round as a MetricRecord: the hospitals' weighted training metrics under the names their ClientApps sent
+    (``train_loss``, as Flower's FedAvg aggregates them, the weighting key left out) and again as ``train.*``; beside
+    them, fedmed's own, prefixed: the server's test metrics (``test.*``), the method's state (``method.*``, e.g.
+    FedProIn's influence matrix per hospital), bytes each way in all and per hospital, each hospital's update norm
+    (``update-norm.*``), and how many hospitals were aggregated, refused or missing (where a hospital's metric has
+    the name of one of these, ours is the one kept)."""
+    flat = {name: value for name, value in record.get("train", {}).items() if isinstance(value, (int, float))}
+    flat.update(flat_metrics({key: record[key] for key in ("train", "test", "evaluate", "method", "update-norm")
+                              if key in record}))
     flat.update({"bytes-up": int(record["bytes_up"]), "bytes-down": int(record["bytes_down"]),
                  "hospitals-aggregated": len(record["aggregated"]), "hospitals-refused": len(record["refused"]),
                  "hospitals-missing": len(record["missing"])})

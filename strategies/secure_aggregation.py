@@ -41,22 +41,28 @@ from flwr.serverapp.strategy import Strategy
 from common.config import ConfigError
 from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
 from common.engine.screening import brief, cut, metrics_problem, sample_count_problem
-from common.engine.wire import MalformedPayload, from_recorddict, to_recorddict
+from common.engine.wire import FLAT_LAYOUT, MalformedPayload, from_recorddict, to_recorddict
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
-from common.trust.audit import message_digest
+from common.trust.audit import SERVER_HEAD_KEY, message_digest
 from common.trust.secure_aggregation import SecureAggregationSettings, decode_sum, modulus_bits
 from common.trust.secure_aggregation.distributed_dp import expand
+from common.trust.secure_aggregation.hospital import model_description
 from common.trust.secure_aggregation.messages import (
     AHEAD_PREFIX,
     COLLECT,
     CONSISTENCY,
+    HOSPITAL_CONFIG_KEY,
     MASKED_ARRAY,
     MASKED_GROUP,
+    MODEL_KEY,
+    PROTOCOL_KEY,
     SESSION_KEY,
     SETUP,
     SHARE_KEYS,
     STAGE_KEY,
+    TRAIN_CONFIG_KEY,
     UNMASK,
+    config_in_plan,
 )
 from common.trust.secure_aggregation.methods import MethodPlan, secure_method
 from common.trust.secure_aggregation.server import (
@@ -164,7 +170,7 @@ class SecureAggregation:
                 list(progress.hospitals), self.settings, [strategy.job.seed, server_round], plan.layout.size,
                 plan.modulus, plan.quantization_range, {n: h.name for n, h in progress.hospitals.items()},
                 strategy.job.run_name, server_round)
-            protocol.plan_text = plan.text()  # one plan, the same text for every hospital
+            protocol.plan_text = self.closed_plan(plan, protocol, messages)  # one plan, the same for every hospital
             largest = plan.layout.largest(plan.quantization_range)
             if len(chosen) * largest >= plan.modulus:
                 raise ValueError(f"{len(chosen)} hospitals x {largest} (the largest value one adds) does not stay "
@@ -207,6 +213,37 @@ class SecureAggregation:
         if audit is not None:
             audit(lines)
         return prepared
+
+    def closed_plan(self, plan: MethodPlan, protocol: ServerRound, messages: list[Message]) -> str:
+        """The round plan every hospital gets alike and signs: what the method sums, the protocol's parameters (the
+        setup stage's), the training config and the model to train from, so that nothing a hospital adds depends on
+        a value told to it alone (docs/secure-aggregation.md, "The round plan"). ValueError when the training
+        messages differ between hospitals: a secure round trains every hospital from one config and one model."""
+        records, configs, models, parsed = self.strategy.records, {}, {}, {}
+        for message in messages:
+            name = self.strategy.hospitals[message.metadata.dst_node_id].name
+            configs[name] = {k: v for k, v in message.content.config_records[records.config].items()
+                             if k != SERVER_HEAD_KEY and not k.startswith(FLAT_LAYOUT)}  # the audit head as it
+            # stood, each message its own, and how its arrays are packed (the plan's model pins what they hold)
+            arrays = tuple(id(record) for record in message.content.array_records.values())
+            if arrays not in parsed:  # one model record shared by every message is read once
+                parsed[arrays] = model_description(from_recorddict(message.content).arrays)
+            models[name] = parsed[arrays]
+        first = next(iter(configs.values()), {})
+        missing = object()
+        own = {k for config in configs.values() for k in set(config) | set(first)
+               if config.get(k, missing) != first.get(k, missing)}  # keys whose value differs between hospitals
+        differ = sorted(own - self.method.own_config)
+        if differ:
+            raise ValueError(f"the training messages differ between hospitals in {', '.join(differ[:5])}: a secure "
+                             "round trains every hospital from one config (the plan's), but for what its method "
+                             f"sets per hospital ({', '.join(sorted(self.method.own_config)) or 'nothing'})")
+        described = {model["sha256"]: model for model in models.values()}  # one entry per model (FedMEPD's differ)
+        return plan.text({PROTOCOL_KEY: protocol.protocol_plan(),
+                          MODEL_KEY: {"models": described, "hospitals": {n: m["sha256"] for n, m in models.items()}},
+                          TRAIN_CONFIG_KEY: config_in_plan({k: v for k, v in first.items() if k not in own}),
+                          HOSPITAL_CONFIG_KEY: {name: config_in_plan({k: v for k, v in config.items() if k in own})
+                                                for name, config in configs.items()} if own else {}})
 
     def plan_ahead(self, progress: SecureRound) -> ServerRound | None:
         """The next round's protocol parameters for this round's hospitals, set up with this round's unmask stage

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.trust import sandbox
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = (ROOT.parent / "shared" / "data").resolve()
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+sandbox.LIFETIME = "answer"  # tests answer as hospitals in pytest's own process: closed for each answer only
 
 
 @pytest.fixture(scope="session", autouse=True)

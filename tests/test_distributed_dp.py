@@ -118,7 +118,7 @@ def test_plan_parameters_travel_and_are_checked():
     params = ddp.plan(1.2, 5, 0.5, 777, 2**32, 6)
     assert ddp.Parameters.from_plan({ddp.PLAN_KEY: params.to_plan()}) == params
     assert ddp.Parameters.from_plan({}) is None
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="not what the hospital derives"):
         ddp.Parameters.from_plan({ddp.PLAN_KEY: {**params.to_plan(), "padded": 512}})
     with pytest.raises(ValueError, match="no room"):
         ddp.plan(1.0, 4, 1.0, 100, 16, 4)
@@ -165,7 +165,7 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
     policy.write_text(POLICY)
     secure = {"secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": 1.0,
               "secure-aggregation.update-norm-bound": 0.5, "state-dir": str(tmp_path / "hospitals")}
-    sums = []
+    sums, clear = [], []  #: the unmasked sums; the metrics each masked reply carried in the clear
 
     def run(name: str, count: int, initial=None):
         config = config_of(tmp_path, SMALL_CLASSIFICATION, name, **secure)
@@ -179,8 +179,12 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
         strategy.secure_aggregation.method = dataclasses.replace(strategy.secure_aggregation.method, apply=seeing)
         nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 4,
                                                  "policy-file": str(policy)}, 101 + pid) for pid in range(count)}
-        strategy.start(FakeGrid(nodes), initial_arrays=initial, num_rounds=1)
+        grid = FakeGrid(nodes)
+        strategy.start(grid, initial_arrays=initial, num_rounds=1)
         assert "skipped" not in strategy.engine.history[0], strategy.engine.history[0]
+        masked = [m.content["metrics"] for m in grid.replies if not m.has_error()
+                  and m.content.config_records.get("config", {}).get("secagg.stage") == "collect_masked_vectors"]
+        clear.extend(set(metrics) for metrics in masked)
         return strategy
 
     first = run("first", 4)
@@ -193,6 +197,10 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
 
     def model_vector(values):
         return np.concatenate([values[k].ravel() for k in sorted(values) if k.startswith("model/")])
+
+    # under distributed DP a hospital's training loss, validation scores and clipping flag stay with it (outside
+    # epsilon otherwise): only the counts the server checks leave in the clear, unless its policy releases more
+    assert len(clear) == 7 and all(keys <= {"num-examples", "server-round"} for keys in clear), clear
 
     target = model_vector(seen["hospital-03"][0])
     difference = model_vector(sums[0]) - model_vector(sums[1])
@@ -233,7 +241,8 @@ def test_a_hospital_requiring_distributed_dp_refuses_less_before_training(tmp_pa
 
     policy = tmp_path / "policy.toml"
     policy.write_text(POLICY.replace('delta = 1e-5', 'delta = 1e-5\nmax-epsilon = 1.0'))
-    noise = {"less noise": 0.6, "budget": 0.8}.get(round_kind)  # 0.6 x sqrt(2 honest / 3) = 0.49 < 0.5
+    # its peers are not pinned, so it counts its own share alone: 0.6 x sqrt(1/3) = 0.35 < 0.5; 1.0 x sqrt(1/3) = 0.58
+    noise = {"less noise": 0.6, "budget": 1.0}.get(round_kind)
     extra = {"secure-aggregation.update-norm-bound": 0.5}
     if noise is not None:
         extra.update({"secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": noise})

@@ -8,6 +8,7 @@ stops it itself)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -90,6 +91,9 @@ def consortium(tmp_path, image):
     sh("bash", str(ROOT / "deploy" / "make_certificates.sh"), "deploy/certs", "superlink", "localhost", "127.0.0.1",
        cwd=project)
     sh("bash", str(ROOT / "deploy" / "make_hospital_keys.sh"), "deploy/keys", *HOSPITALS, cwd=project)
+    for hospital in HOSPITALS:  # each hospital's officer pins the consortium's keys in its own policy
+        sh("bash", str(ROOT / "deploy" / "make_hospital_policy.sh"), f"deploy/policies/{hospital}.toml",
+           *(f"deploy/keys/{other}.pub" for other in HOSPITALS), cwd=project, env={"FEDMED_PYTHON": sys.executable})
     assert fedmed(["partition", "--hospitals", "3", "--out", str(project / "sites"), "--run-config",
                    "synthetic-samples=240 image-size=16 min-partition-size=5"]) == 0
     (project / "results").mkdir()
@@ -114,7 +118,8 @@ def consortium(tmp_path, image):
 def run_config(name: str, rounds: int, **extra) -> dict:
     return {"dataset": "npz", "test-dir": "/data/test", "model": "small-cnn", "image-size": 16,
             "batch-size": 16, "num-server-rounds": rounds, "min-available-hospitals": 3, "min-train-hospitals": 2,
-            "run-name": name, "hospital-keys": "/hospital-keys", **extra}
+            "run-name": name, "hospital-keys": "/hospital-keys", "secure-aggregation.enabled": True,
+            "secure-aggregation.update-norm-bound": 5.0, **extra}  # the hospitals' policies require it
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -163,6 +168,20 @@ def test_the_docker_engine_is_stopped_after_the_test_only_when_the_test_started_
     assert (tmp_path / "calls").read_text().split() == calls
 
 
+#: run in hospital-a's ClientApp container: which addresses accept a connection
+REACH = """
+import json, socket
+def reaches(host, port):
+    try:
+        socket.create_connection((host, port), 3).close()
+        return True
+    except OSError:
+        return False
+print(json.dumps({"its supernode": reaches("10.209.1.2", 9094), "the superlink": reaches("superlink", 9200),
+                  "another hospital": reaches("10.209.2.2", 9094), "the internet": reaches("1.1.1.1", 53)}))
+"""
+
+
 @pytest.mark.docker
 @pytest.mark.integration
 @pytest.mark.slow
@@ -180,6 +199,11 @@ def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     results = project / "results" / "compose-first"
     for path in (results / "summary.md", results / "checkpoints" / "round-00002.npz"):
         assert path.is_file() and path.stat().st_uid == os.getuid(), path  # on the host, owned by its user
+    # from inside a hospital's ClientApp container, only its own SuperNode answers
+    inside = sh(*compose, "exec", "-T", "hospital-a-clientapp", "python3", "-c", REACH, cwd=project)
+    reached = json.loads(inside.stdout)
+    assert reached == {"its supernode": True, "the superlink": False, "another hospital": False,
+                       "the internet": False}, reached
 
     # The restarted hospital is listed again only once the SuperLink has given up on its killed node (60 s
     # without a heartbeat) and the new one has joined, while rounds without it take seconds: the run goes on
@@ -187,10 +211,10 @@ def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
     second = submit_run(home, "consortium", run_config("compose-second", 300, strategy="fedproin",
                                                        **{"round-timeout": 40.0}))
     wait_for(lambda: len(history_of(project, "compose-second")) >= 1, 300, "round 1 of the second run")
-    sh(*compose, "kill", "hospital-c", cwd=project)
+    sh(*compose, "kill", "hospital-c", "hospital-c-clientapp", cwd=project)
     wait_for(lambda: any("hospital-c" in r["missing"] for r in history_of(project, "compose-second")), 300,
              "a round that names hospital-c as missing")
-    sh(*compose, "start", "hospital-c", cwd=project)
+    sh(*compose, "start", "hospital-c", "hospital-c-clientapp", cwd=project)
 
     def back_in(history):
         missed = [r["round"] for r in history if "hospital-c" in r["missing"]]

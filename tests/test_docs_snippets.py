@@ -276,11 +276,11 @@ def check_fedmed(words: list[str], where: str) -> None:
     from cli.main import build_parser
 
     args = words[1:]
-    if args[:1] in (["audit"], ["app-hash"], ["policy"], ["console"]):  # their own parsers, in their own modules
+    if args[:1] in (["audit"], ["app-hash"], ["policy"], ["console"], ["key-fingerprint"]):  # their own parsers
         module = {"audit": "cli/audit.py", "console": "cli/console.py"}.get(args[0],
                                                                                  "cli/site.py")
         source = (ROOT / module).read_text()
-        action = args[1:2] if args[0] in ("audit", "policy") else []  # app-hash takes a path
+        action = args[1:2] if args[0] in ("audit", "policy") else []  # app-hash, key-fingerprint take paths
         missing = [w for w in [*option_words(args), *action] if f'"{w}"' not in source]
         assert not missing, f"{where}: fedmed {' '.join(args[:2])}: {module} has no {missing}"
         return

@@ -218,7 +218,8 @@ def test_a_robust_aggregate_takes_the_median_of_clientapps_that_train_themselves
 
 
 @pytest.mark.parametrize("setting,says", [
-    ({"secure-aggregation.enabled": True}, "secure aggregation runs fedmed's protocol at every hospital"),
+    ({"secure-aggregation.enabled": True}, "secure aggregation masks every reply at the hospital: make its ClientApp a "
+                                            "HospitalClientApp"),
     ({"hospital-keys": "KEYS"}, "hospital-keys is set and it cannot sign its name: make its ClientApp a "
                                 "HospitalClientApp")], ids=["secure aggregation", "hospital-keys"])
 def test_a_clientapp_with_nothing_of_fedmed_is_refused_where_the_job_needs_fedmed_at_the_hospital(tmp_path, setting,

@@ -153,10 +153,14 @@ def site_package(tmp_path, monkeypatch):
 
 
 def test_approved_code_of_the_consortium_runs(tmp_path, site_package):
-    node = deployed(tmp_path, models="site_code:*", datasets="site_code:load")
+    node = deployed(tmp_path, models="site_code:net", datasets="site_code:load")
     reply = answer(node, {"model": "site_code:net", "dataset": "site_code:load"}, MessageType.QUERY)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     assert reply.content.config_records["hospital"]["num-examples"] == 24
+    # a factory function is run only when named exactly: a pattern approves network classes alone
+    wide = answer(deployed(tmp_path, models="site_code:*", datasets="site_code:load"),
+                  {"model": "site_code:net", "dataset": "site_code:load"}, MessageType.QUERY)
+    assert wide.has_error() and "a pattern approves only networks" in wide.error.reason
 
 
 def test_a_pinned_loader_wins_over_the_message(tmp_path, site_package, sentinel):
@@ -169,7 +173,7 @@ def test_a_pinned_loader_wins_over_the_message(tmp_path, site_package, sentinel)
 
 def test_the_policy_lists_approved_code_too(tmp_path, site_package):
     node = deployed(tmp_path, **{"policy-file": policy(tmp_path, 'models = ["site_code:net"]\n'
-                                                                 'datasets = ["site_code:*"]\n')})
+                                                                 'datasets = ["site_code:load"]\n')})
     ok = answer(node, {"model": "site_code:net", "dataset": "site_code:load"}, MessageType.QUERY)
     assert not ok.has_error()
     other = answer(node, {"model": "site_code:other", "dataset": "site_code:load"}, MessageType.QUERY)

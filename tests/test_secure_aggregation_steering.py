@@ -257,7 +257,7 @@ def test_a_deployed_hospital_requiring_secure_aggregation_needs_the_consortiums_
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
     strategy.start(FakeGrid({n: secure_node(config, node, n) for n, node in nodes.items()}), num_rounds=1)
     lost = strategy.engine.history[0]["secure-aggregation"]["lost"]
-    assert "require-secure-aggregation in a deployment needs the consortium's registered keys" in lost["hospital-00"]
+    assert "require-secure-aggregation in a deployment needs the consortium's keys pinned" in lost["hospital-00"]
 
 
 def test_the_replay_memory_is_appended_to_and_a_line_cut_short_stops_it(tmp_path):
@@ -321,3 +321,21 @@ def test_a_damaged_replay_memory_stops_secure_rounds_until_rebuilt_from_the_log(
     last.start(FakeGrid({n: secure_node(third, node, n) for n, node in nodes.items()}), num_rounds=1)
     assert "already helped unmask a sum trained from this model" in last.nothing_aggregated
     assert "hospital-00" in last.engine.history[0]["refused"]  # the rebuilt memory remembers round 1's model
+
+
+def test_the_last_line_of_the_servers_audit_log_is_the_last_head_every_hospital_records(tmp_path):
+    """Issue 64: the closing query carries the head of the server's final line (``run-ended``), and nothing is
+    written after it, so no line of the server's log lies beyond what the hospitals anchored."""
+    from common.trust.audit import records_of
+
+    config, nodes = consortium(tmp_path, 4, True, "anchored")
+    strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, run_config=config)
+    strategy.start(FakeGrid({n: secure_node(config, node, n) for n, node in nodes.items()}), num_rounds=1)
+    server = [record for _, record in records_of(strategy.audit_log().path)]
+    assert server[-1]["event"] == "run-ended" and len(server[-1]["hospitals"]) == 4
+    logs = [path for path in tmp_path.rglob("audit.jsonl") if path != Path(strategy.audit_log().path)]
+    assert len(logs) == 4
+    for path in logs:
+        heads = [r["peer-audit-head"] for _, r in records_of(path) if r.get("peer") == "server"
+                 and r.get("peer-audit-head")]
+        assert heads[-1] == server[-1]["hash"], path  # the server's final line, anchored at every hospital

@@ -45,8 +45,9 @@ AT_A_SITE = {**SMALL, "dataset": "my_site.data:load"}
 
 # --- the node configs the documented deployment writes -------------------------------------------------------------
 def consortium_keys(folder: Path) -> Path:
-    """deploy/make_hospital_keys.sh's key pairs for three hospitals, and the folder of their public keys (peer keys)
-    a hospital is handed."""
+    """deploy/make_hospital_keys.sh's key pairs for three hospitals, the folder of their public keys (peer keys)
+    a hospital is handed, and hospital-a's policy as deploy/make_hospital_policy.sh writes it from the template
+    (``policies/hospital-a.toml``: pinning the three keys its officer compared)."""
     keys = folder / "keys"
     subprocess.run(["bash", str(ROOT / "deploy" / "make_hospital_keys.sh"), str(keys), "hospital-a", "hospital-b",
                     "hospital-c"], check=True, capture_output=True)
@@ -54,6 +55,9 @@ def consortium_keys(folder: Path) -> Path:
     peers.mkdir()
     for public in keys.glob("*.pub"):
         (peers / public.name).write_bytes(public.read_bytes())
+    subprocess.run(["bash", str(ROOT / "deploy" / "make_hospital_policy.sh"), str(folder / "policies" /
+                    "hospital-a.toml"), *map(str, sorted(keys.glob("*.pub")))], check=True, capture_output=True,
+                   env={**os.environ, "FEDMED_PYTHON": sys.executable})
     return keys
 
 
@@ -69,7 +73,8 @@ def script_node_config(folder: Path) -> dict:
         """))
     recorder.chmod(0o755)
     (folder / "data").mkdir()
-    subprocess.run(["bash", str(ROOT / "deploy" / "start_supernode.sh"), "hospital-a", "superlink.example.org:9200",
+    subprocess.run(["bash", str(ROOT / "deploy" / "start_supernode.sh"), "--policy",
+                    str(folder / "policies" / "hospital-a.toml"), "hospital-a", "superlink.example.org:9200",
                     str(folder / "ca.crt"), str(keys / "hospital-a"), str(folder / "peer-keys"), str(folder / "data"),
                     str(folder / "state")], check=True, capture_output=True,
                    env={**os.environ, "FEDMED_PYTHON": str(recorder)})
@@ -90,7 +95,8 @@ def compose_node_config(folder: Path) -> dict:
     text = text.replace("${FEDMED_APPROVED_APPS:?run deploy/compose_env.sh > .env first}",
                         values["FEDMED_APPROVED_APPS"])
     places = {"'/data'": folder / "data", "'/state/hospital'": folder / "state",
-              "'/keys/hospital-a'": folder / "keys" / "hospital-a", "'/peer-keys'": folder / "peer-keys"}
+              "'/keys/hospital-a'": folder / "keys" / "hospital-a", "'/peer-keys'": folder / "peer-keys",
+              "'/policy/hospital-a.toml'": folder / "policies" / "hospital-a.toml"}
     for inside, outside in places.items():
         text = text.replace(inside, repr(str(outside)))
     return parse_config_args([text])
@@ -162,7 +168,7 @@ def answer(node_config: dict, config: dict, kind: str = MessageType.QUERY, run_c
 @pytest.fixture
 def site_code(tmp_path, monkeypatch):
     """A consortium's package beside the hospital: a network module that imported os.system, a loader that leaves
-    a mark when it runs and one that dials out."""
+    a mark in its data folder when it runs and one that dials out."""
     package = tmp_path / "modules" / "my_site"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -190,7 +196,7 @@ def site_code(tmp_path, monkeypatch):
             return load(request)
 
         def load(request):
-            open({str(tmp_path / "loader-ran")!r}, "a").write(request.args.get("labels", "") + "\\n")
+            open({str(tmp_path / "data" / "loader-ran")!r}, "a").write(request.args.get("labels", "") + "\\n")
             rng = np.random.default_rng(0)
             part = LabelledImages(rng.random((24, 16, 16, 3)).astype(np.float32), np.arange(24) % 2, ["a", "b"])
             return part, part
@@ -371,20 +377,22 @@ def test_paths_outside_the_hospitals_folders_are_refused_alike_whether_or_not_th
     strip = lambda reason: reason.rsplit("[audit-head", 1)[0].replace("secret.csv", "none.csv")  # noqa: E731
     assert strip(existing.error.reason) == strip(absent.error.reason)  # the same words: nothing learnt of the disk
     assert "outside this hospital's own folders" in existing.error.reason
-    assert not (tmp_path / "loader-ran").exists()
+    assert not (tmp_path / "data" / "loader-ran").exists()
     inside = Path(node["data-dir"]) / "labels.csv"
     inside.write_text("patient,label\n")
     if key == "dataset-args":  # a path in the hospital's own data folder is read
         ok = answer(node, naming(inside))
-        assert not ok.has_error() and str(inside) in (tmp_path / "loader-ran").read_text()
+        assert not ok.has_error() and str(inside) in (tmp_path / "data" / "loader-ran").read_text()
 
 
 @pytest.mark.parametrize("shipped", CONFIGURATIONS)
 @pytest.mark.parametrize("huge", [{"data-workers": 100000}, {"local-epochs": 10**9}, {"batch-size": 10**9},
                                   {"image-size": 1024, "synthetic-samples": 10**8}])
 def test_huge_job_keys_are_refused(site_code, deployed, shipped, huge):
+    """Asked with an evaluate message: the shipped policy refuses every plain training request before it looks at
+    the job (require-secure-aggregation)."""
     node = deployed(shipped)
-    reply = answer(node, huge, MessageType.TRAIN)
+    reply = answer(node, huge, MessageType.EVALUATE)
     key = list(huge)[-1]
     assert reply.has_error() and f"{key}=" in reply.error.reason and "more than this hospital allows" in \
         reply.error.reason
@@ -491,6 +499,14 @@ CLI_CASES = {
     "a node config cut short": (["policy", "check", "--node-config", "hospital='x"], "--node-config"),
     "an app folder in a link loop": (["app-hash", "{tmp}/loop-a"], "symbolic link loop"),
     "an app folder without an app": (["app-hash", "{tmp}"], "holds no pyproject.toml"),
+    "a console policy that is not TOML": (["console", "--state", "{tmp}", "--policy", "{tmp}/policy.toml"],
+                                          "is not valid TOML"),
+    "demo results in a file": (["demo", "--results", "{tmp}/policy.toml"], "not a folder"),
+    "a negative federation value": (["simulate", "--federation-config", "client-resources-num-cpus=-1"],
+                                    "must be a whole number"),
+    "an unknown simulation backend": (["simulate", "--federation-config", "backend='bogus'"], "backend 'ray'"),
+    "a federation flag that is a number": (["simulate", "--federation-config", "verbose=3"], "true or false"),
+    "a key file that is no key": (["key-fingerprint", "pyproject.toml"], "is not an OpenSSH ECDSA public or private"),
 }
 
 
@@ -498,8 +514,9 @@ CLI_CASES = {
 def test_every_subcommand_fails_with_one_line_before_anything_starts(tmp_path, case):
     (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
     (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    (tmp_path / "policy.toml").write_text("models = [not toml\n")
     args, words = CLI_CASES[case]
-    home = ["--home", str(tmp_path / "home")] if args[0] == "simulate" else []
+    home = ["--home", str(tmp_path / "home")] if args[0] in ("simulate", "demo") else []
     done = run_fedmed(*[a.replace("{tmp}", str(tmp_path)) for a in args], *home, home=tmp_path / "home")
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -511,5 +528,161 @@ def test_help_lists_every_subcommand():
     done = subprocess.run([sys.executable, "-m", "cli.main", "--help"], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, timeout=60)
     for command in ("demo", "simulate", "partition", "export-int8", "segment", "evaluate", "audit", "app-hash",
-                    "policy", "runs"):
+                    "policy", "console", "key-fingerprint", "runs"):
         assert f"    {command} " in done.stdout, command
+
+
+# --- peers pinned by the hospital (issue 64) -------------------------------------------------------------------------
+def pinned_consortium(tmp_path: Path, shipped: str, shipped_configs: dict, policy_text: str = "") -> tuple[dict, Path]:
+    """hospital-a's node config and the folder of the other hospitals' private keys: as the docs ship it (its own
+    copy of the peer-keys folder, which the coordinator hands out) or with a hand-made policy (``shipped='policy'``:
+    ``policy_text`` and a ``[peers]`` table of the three keys' fingerprints)."""
+    import shutil
+
+    from common.trust.identity import key_fingerprint
+
+    from .test_hostile_hospital import key_pair
+
+    (tmp_path / "data").mkdir(exist_ok=True)
+    folders = {"data-dir": str(tmp_path / "data"), "state-dir": str(tmp_path / "state")}
+    if shipped != "policy":
+        node = shipped_configs[shipped]
+        peers = tmp_path / "peer-keys"
+        shutil.copytree(node["peer-keys"], peers)
+        return {**node, **folders, "peer-keys": str(peers)}, Path(node["identity-key"]).parent
+    keys, peers = tmp_path / "keys", tmp_path / "peer-keys"
+    keys.mkdir()
+    peers.mkdir()
+    for name in ("hospital-a", "hospital-b", "hospital-c"):
+        key_pair(keys, name)
+        shutil.copy(keys / f"{name}.pub", peers / f"{name}.pub")
+    pins = "".join(f'"{name}" = "{key_fingerprint(keys / f"{name}.pub")}"\n' for name in ("hospital-a", "hospital-b",
+                                                                                          "hospital-c"))
+    (tmp_path / "policy.toml").write_text(f"{policy_text or 'require-secure-aggregation = true'}\n[peers]\n{pins}")
+    return {"hospital": "hospital-a", **folders, "identity-key": str(keys / "hospital-a"), "peer-keys": str(peers),
+            "policy-file": str(tmp_path / "policy.toml")}, keys
+
+
+def rules_of(node: dict):
+    """hospital-a's secure-aggregation rules, as its ClientApp reads them from its node config and policy."""
+    from client_app.secure_aggregation import hospital_rules
+
+    return hospital_rules(Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={}))[0]
+
+
+@pytest.mark.parametrize("sybils", ["added to the folder", "in place of the real keys"])
+@pytest.mark.parametrize("shipped", CONFIGURATIONS)
+def test_sybils_whose_keys_the_coordinator_put_in_the_peer_keys_folder_are_refused(tmp_path, shipped_configs, shipped,
+                                                                                   sybils):
+    """The issue's Sybil attack: the coordinator runs the other hospitals of hospital-a's round itself, with keys it
+    made and put in the peer-keys folder it handed out (beside the real ones, or in their place under the real
+    names). hospital-a refuses at share keys, before any share of its secrets leaves: the keys are not the ones its
+    policy pins. The real hospitals' keys, in the same folder, pass."""
+    from common.trust.secure_aggregation import SecureAggregationSettings
+    from common.trust.secure_aggregation.hospital import HospitalRules, SecureAggregationRefusal
+    from common.trust.secure_aggregation.inprocess import InProcess
+
+    from .test_hostile_hospital import key_pair
+
+    node, keys = pinned_consortium(tmp_path, shipped, shipped_configs)
+    rules = rules_of(node)
+    assert rules.pins is not None and sorted(rules.pins) == ["hospital-a", "hospital-b", "hospital-c"]
+    honest = InProcess([1, 2, 3], SecureAggregationSettings(), 10, {
+        1: rules, **{n: HospitalRules(name, str(keys / name), node["peer-keys"])
+                     for n, name in ((2, "hospital-b"), (3, "hospital-c"))}})
+    honest.plan.names = {1: "hospital-a", 2: "hospital-b", 3: "hospital-c"}
+    honest.keys()
+    assert honest.plan.keyed == {1, 2, 3}, honest.plan.lost  # the consortium's own hospitals: every share went out
+
+    forged = tmp_path / "coordinator"
+    forged.mkdir()
+    names = ["hospital-b", "hospital-c"] if sybils == "in place of the real keys" else ["sybil-1", "sybil-2"]
+    for name in names:  # the coordinator's keys, in the folder the hospital was handed
+        key_pair(forged, name)
+        (Path(node["peer-keys"]) / f"{name}.pub").write_bytes((forged / f"{name}.pub").read_bytes())
+    attack = InProcess([1, 2, 3], SecureAggregationSettings(), 10, {
+        1: rules_of({**node, "state-dir": str(tmp_path / "state-2")}),  # not refused as the same round again
+        **{n: HospitalRules(name, str(forged / name), node["peer-keys"])
+                              for n, name in zip((2, 3), names)}})
+    attack.plan.names = {1: "hospital-a", 2: names[0], 3: names[1]}
+    with pytest.raises(SecureAggregationRefusal, match="is not the one this hospital's policy pins"):
+        attack.keys()
+    assert attack.states[1].flower.sk1 == b""  # hospital-a kept nothing of the round, shared nothing
+
+
+@pytest.mark.parametrize("shipped", CONFIGURATIONS)
+def test_a_deployed_hospital_requiring_secure_aggregation_takes_part_only_with_pinned_peers(tmp_path, shipped_configs,
+                                                                                          shipped):
+    """Without the policy's peers (or without peer-keys) a hospital whose policy requires secure aggregation takes
+    part in no secure round: every key would be the coordinator's to choose."""
+    from common.trust.policy import read_policy
+
+    node, _ = pinned_consortium(tmp_path, shipped, shipped_configs)
+    assert rules_of(node).unusable == ""
+    policy, _ = read_policy(node["policy-file"])
+    assert policy.require_secure_aggregation and policy.min_hospitals_per_sum >= (3 if shipped != "policy" else 2)
+    unpinned = tmp_path / "unpinned.toml"
+    unpinned.write_text(Path(node["policy-file"]).read_text().split("\n[peers]")[0])
+    assert "needs the consortium's keys pinned" in rules_of({**node, "policy-file": str(unpinned)}).unusable
+    without_keys = {k: v for k, v in node.items() if k != "peer-keys"}
+    assert "needs the consortium's keys pinned" in rules_of(without_keys).unusable
+
+
+DISTRIBUTED_POLICY = """require-secure-aggregation = true
+min-hospitals-per-sum = 4
+[distributed-dp]
+min-noise-multiplier = 0.6
+max-dropped-or-colluding = 1
+"""
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+def test_distributed_dp_counts_only_pinned_peers_as_honest(tmp_path, shipped_configs, pinned):
+    """A hospital counts the noise of min-hospitals-per-sum less max-dropped-or-colluding hospitals (3 of 4 here)
+    only where its peers are pinned; otherwise its own share alone (the server could have run every other
+    hospital): a plan of noise 1.0 over 4 hospitals is then 0.5, below its minimum of 0.6, and refused."""
+    import json
+    from types import SimpleNamespace
+
+    from client_app.hospital import hospital_enforcer
+    from client_app.node_config import load_node_config
+    from common.trust.secure_aggregation import distributed_dp as ddp
+    from common.trust.secure_aggregation.messages import PLAN_KEY
+
+    node, _ = pinned_consortium(tmp_path, "policy", shipped_configs, DISTRIBUTED_POLICY)
+    if not pinned:
+        Path(node["policy-file"]).write_text(DISTRIBUTED_POLICY)
+    enforcer = hospital_enforcer(load_node_config(node), SimpleNamespace(state_dir=str(tmp_path / "state")))
+    params = ddp.plan(1.0, 4, 0.5, 100, 2**32, 4)
+    payload = SimpleNamespace(config={PLAN_KEY: json.dumps({ddp.PLAN_KEY: params.to_plan()})})
+    if pinned:
+        assert enforcer.honest_shares == 3
+        counted = enforcer.distributed_release(payload, {})
+        assert counted["variance"] == pytest.approx(3 * params.local_variance)
+    else:
+        assert enforcer.honest_shares == 1
+        with pytest.raises(PolicyRefusal, match="0.5 from the 1 honest ones it counts on .*not pinned"):
+            enforcer.distributed_release(payload, {})
+
+
+def test_key_fingerprint_prints_what_ssh_keygen_prints_and_the_policys_peers_table(tmp_path):
+    """The fingerprint officers compare is OpenSSH's (``ssh-keygen -l``); ``--peers`` prints a table a policy reads,
+    and a private key gives its public half's."""
+    import shutil
+
+    from common.trust.policy import read_policy
+
+    keys = consortium_keys(tmp_path)
+    publics = sorted(keys.glob("*.pub"))
+    done = run_fedmed("key-fingerprint", *map(str, publics), keys.joinpath("hospital-a"), home=tmp_path / "home")
+    printed = [line.split()[:2] for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and [name for _, name in printed] == ["hospital-a", "hospital-b", "hospital-c",
+                                                                     "hospital-a"]
+    assert printed[0][0] == printed[3][0]  # the private key's public half
+    if shutil.which("ssh-keygen"):
+        for public, (fingerprint, _) in zip(publics, printed):
+            assert subprocess.run(["ssh-keygen", "-l", "-f", str(public)], capture_output=True, text=True,
+                                  check=True).stdout.split()[1] == fingerprint
+    table = run_fedmed("key-fingerprint", "--peers", *map(str, publics), home=tmp_path / "home").stdout
+    (tmp_path / "peers.toml").write_text(table)
+    assert read_policy(tmp_path / "peers.toml")[0].peers == {name: fingerprint for fingerprint, name in printed[:3]}

@@ -61,7 +61,8 @@ def test_a_message_is_measured_and_named_as_flower_serialises_it(monkeypatch):
 
 
 def test_payload_travels_in_flowers_own_records():
-    """The model is the ArrayRecord "arrays" (loadable by torch), config and metrics Flower's records."""
+    """The model is the ArrayRecord "arrays" (loadable by torch), config and metrics Flower's records (lists of numbers
+    in a MetricRecord of their own)."""
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
@@ -71,7 +72,9 @@ def test_payload_travels_in_flowers_own_records():
                                     config={"mask": b"\x01"}, metrics={"influence": [3, 0, 1, 2], "loss": 0.5}))
     assert set(content.array_records) == {"arrays", "anchors"}
     assert content.config_records["config"]["mask"] == b"\x01"
-    assert content.metric_records["metrics"]["influence"] == [3, 0, 1, 2]
+    assert dict(content.metric_records["metrics"]) == {"loss": 0.5}  # numbers only: what a user's mod logs
+    assert content.metric_records["fedmed.list-metrics"]["influence"] == [3, 0, 1, 2]  # method data beside them
+    assert from_recorddict(content).metrics == {"loss": 0.5, "influence": [3, 0, 1, 2]}
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     assert "1.num_batches_tracked" not in content["arrays"]  # the step counter stays local
     fresh.load_state_dict(content["arrays"].to_torch_state_dict(), strict=True)  # torch accepts it missing

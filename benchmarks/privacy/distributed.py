@@ -108,17 +108,25 @@ def run_central(config: dict[str, Any], count: int, clip: float, z: float) -> tu
 
 
 def run_distributed(config: dict[str, Any], count: int, clip: float, z: float, folder: Path) -> tuple[float, float]:
+    from benchmarks.secure_aggregation.run import signed_nodes
     from strategies import FedAvgStrategy
     from strategies.secure_aggregation import with_secure_aggregation
+    from tests.fake_grid import FakeGrid, hospital_node
 
-    policy = folder / f"distributed-{count}.toml"
+    # each hospital counts every hospital of the sum as honest: it holds the consortium's keys, each pinned in its
+    # policy (a hospital whose peers are not pinned counts its own noise alone)
+    keys = folder / f"keys-{count}-{z:g}"
+    nodes = signed_nodes(keys, count)
+    policy = keys / "policy.toml"
     policy.write_text(f"min-hospitals-per-sum = {count}\n{reads_from(config)}[distributed-dp]\n"
-                      f"min-noise-multiplier = 0.001\nmax-dropped-or-colluding = 0\ndelta = {DELTA}\n")
+                      f"min-noise-multiplier = 0.001\nmax-dropped-or-colluding = 0\ndelta = {DELTA}\n\n"
+                      f"{policy.read_text()}")
     config = {**config, "secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": z,
-              "secure-aggregation.update-norm-bound": clip}
+              "secure-aggregation.update-norm-bound": clip, "hospital-keys": str(keys)}
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=count, min_available_nodes=count,
                                                        run_config=config)
-    strategy.start(hospitals_of(config, count, policy), num_rounds=config["num-server-rounds"])
+    strategy.start(FakeGrid({node_id: hospital_node(config, node, node_id) for node_id, node in nodes.items()}),
+                   num_rounds=config["num-server-rounds"])
     skipped = [r["skipped"] for r in strategy.engine.history if "skipped" in r]
     if skipped:
         raise RuntimeError(f"a distributed-DP round was skipped: {skipped[0]}")

@@ -9,7 +9,8 @@ latency (each secure round adds two key-stage round trips to it, three with sign
 images (16 x 16, 24 training images a hospital); seconds per round are the mean of rounds 2..N (round 1 builds the
 data and the model, and sets up secure aggregation in a stage of its own). Every configuration runs three times, in
 turn, and the table gives medians: the CPU time of a run moves by a tenth from one run to the next on a shared
-machine. The documented deployment's keys (identity and peer keys) get rows of their own.
+machine. The documented deployment's keys (identity keys, peer keys, and each hospital's policy pinning them) get
+rows of their own, SecAgg and SecAgg+.
 The protocol alone at a ResNet-18's size (11.2 M values, 5 hospitals, no training) is timed too, and what fresh
 training noise would leave of the replay hospitals refuse (:func:`measure_differencing`). Written to
 ``benchmarks/results/secure_aggregation.md`` and ``.json``, with the CPU.
@@ -41,9 +42,13 @@ JOB = {"model": "small-cnn", "image-size": 16, "batch-size": 8, "min-partition-s
 
 def signed_nodes(folder: Path, hospitals: int) -> dict[int, dict[str, Any]]:
     """Node configs as the documented deployment sets them: each hospital its identity key (ECDSA P-384, OpenSSH
-    format, as ``deploy/make_hospital_keys.sh`` makes them) and the folder of every hospital's registered key."""
+    format, as ``deploy/make_hospital_keys.sh`` makes them), the folder of every hospital's registered key, and a
+    policy pinning every one of them (``peers``; the shipped template's other rules would refuse the plain runs
+    beside, so they are left out)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
+
+    from common.trust.identity import key_fingerprint
 
     folder.mkdir(parents=True, exist_ok=True)
     nodes = {}
@@ -54,7 +59,10 @@ def signed_nodes(folder: Path, hospitals: int) -> dict[int, dict[str, Any]]:
         (folder / f"{name}.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                                            serialization.PublicFormat.OpenSSH))
         nodes[101 + pid] = {"partition-id": pid, "num-partitions": hospitals, "identity-key": str(folder / name),
-                            "peer-keys": str(folder)}
+                            "peer-keys": str(folder), "policy-file": str(folder / "policy.toml")}
+    pins = "".join(f'"{name}" = "{key_fingerprint(public)}"\n' for public in sorted(folder.glob("*.pub"))
+                   for name in [public.name.removesuffix(".pub")])
+    (folder / "policy.toml").write_text(f"[peers]\n{pins}")
     return nodes
 
 
@@ -118,6 +126,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
 
     row: dict[str, Any] = {
         "hospitals": hospitals, "kind": kind, "rounds": rounds, "num-shares": num_shares, "signed": signed,
+        "pinned": signed,
         "seconds-per-round": mean(r["wall-seconds"] for r in later),
         "cpu-seconds-per-round": mean(r["cpu-seconds"] for r in later),
         "server-cpu-seconds-per-round": mean(r["cpu-seconds"] - r["hospitals-cpu-seconds"] for r in later),
@@ -214,7 +223,7 @@ def median_row(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def keys_label(row: dict[str, Any]) -> str:
-    return "peer keys" if row.get("signed") else "none"
+    return ("pinned peer keys" if row.get("pinned") else "peer keys") if row.get("signed") else "none"
 
 
 def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differencing: dict[str, Any] | None,
@@ -226,11 +235,12 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
              "figure the median of its runs. Secure: every hospital sharing with every other (SecAgg, num-shares "
              "1.0) or with its ring neighbours (SecAgg+), the default threshold (more than half the shares), masks "
              "from ChaCha20, the consistency stage where signatures are compared (the peer-keys rows), each round "
-             "after the first set up with the last one's unmask stage. Keys: none (simulation), or peer keys as the "
-             "documented "
-             "deployment sets them (each hospital signs with its identity key and checks every neighbour's and "
-             "survivor's signature against the consortium's registered keys; the server checks them with "
-             "hospital-keys; the plain run beside it proves each hospital's name the same way). Load average "
+             "after the first set up with the last one's unmask stage. Keys: none (simulation), or pinned peer keys "
+             "as the documented deployment sets them (each hospital signs with its identity key, through the "
+             "Ed25519 key it endorses, and checks every neighbour's and survivor's signature against the "
+             "consortium's registered keys, each pinned by its fingerprint in the hospital's policy; the server "
+             "checks them with hospital-keys; the plain run beside it proves each hospital's name the same way, "
+             "under the same policy). Load average "
              f"{LOAD[0]:.1f} when it started, {os.getloadavg()[0]:.1f} when it ended: on a shared machine wall "
              "times vary between runs, the process's CPU time (all of the run is in this process, key stages, "
              "training and masking included; waits for the disk are not) less; bytes do not.", "",
@@ -279,20 +289,22 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
             f"{secure['hospital-cpu-seconds-per-round'] / plain['hospital-cpu-seconds-per-round']:.2f} |")
     if before:
         lines += ["", f"Before and after, on this machine: {before['label']} (`{before['command']}`, "
-                  f"{before['cpu']}) against this run. CPU s per round of the whole process, plain and secure, no "
-                  "keys.", "",
-                  "| hospitals | shares / threshold | before: plain | secure | x | after: plain | secure | x |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        old_plain = {r["hospitals"]: r for r in before["rounds"] if r["kind"] == "plain" and not r.get("signed")}
-        old_secure = {(r["hospitals"], r["num-shares"]): r for r in before["rounds"]
-                      if r["kind"] == "secure" and not r.get("signed")}
-        for secure in (r for r in secure_rows if not r.get("signed")):
-            was = old_secure.get((secure["hospitals"], secure["num-shares"]))
+                  f"{before['cpu']}) against this run. CPU s per round of the whole process, plain and secure; "
+                  "keys as each run had them (before: the deployment's peer keys, not pinned, ECDSA P-384 "
+                  "signatures).", "",
+                  "| hospitals | shares / threshold | keys | before: plain | secure | x | after: plain | secure | x |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+        old_plain = {(r["hospitals"], r.get("signed", False)): r for r in before["rounds"] if r["kind"] == "plain"}
+        old_secure = {(r["hospitals"], r["num-shares"], r.get("signed", False)): r for r in before["rounds"]
+                      if r["kind"] == "secure"}
+        for secure in secure_rows:
+            signed = secure.get("signed", False)
+            was = old_secure.get((secure["hospitals"], secure["num-shares"], signed))
             if was is None:
                 continue
-            plain, was_plain = plain_of[secure["hospitals"], False], old_plain[secure["hospitals"]]
+            plain, was_plain = plain_of[secure["hospitals"], signed], old_plain[secure["hospitals"], signed]
             lines.append(
-                f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | "
+                f"| {secure['hospitals']} | {secure['shares']} / {secure['threshold']} | {keys_label(secure)} | "
                 f"{was_plain['cpu-seconds-per-round']:.2f} | {was['cpu-seconds-per-round']:.2f} | "
                 f"{was['cpu-seconds-per-round'] / was_plain['cpu-seconds-per-round']:.2f} | "
                 f"{plain['cpu-seconds-per-round']:.2f} | {secure['cpu-seconds-per-round']:.2f} | "
@@ -343,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if sparse < largest:
         runs.append((largest, True, sparse, False))
     if not args.no_signed:  # as deployed: identity keys and the consortium's keys, plain and secure
-        runs += [(largest, False, 1.0, True), (largest, True, sparse, True)]
+        runs += [(largest, False, 1.0, True), (largest, True, 1.0, True)]
+        if sparse < largest:
+            runs.append((largest, True, sparse, True))
     measured: dict[tuple, list[dict[str, Any]]] = {run: [] for run in runs}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):  # every configuration once, then again: side by side, in turn

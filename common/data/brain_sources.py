@@ -55,7 +55,7 @@ def case_names(cfg: JobConfig) -> list[str]:
         return sorted(_generated(cfg.brain.synthetic_cases, cfg.brain.synthetic_size, cfg.seed))
     if not cfg.data_dir:
         raise DataError("data-dir: the brain tumour task with dataset='brats' needs a folder of case folders")
-    return [path.name for path in find_cases(cfg.data_dir)]
+    return [path.name for path in _find(cfg, cfg.data_dir)]
 
 
 def simulation_split(cfg: JobConfig) -> BrainSplit:
@@ -75,16 +75,31 @@ def load_named_cases(cfg: JobConfig, names: tuple[str, ...],
     if cfg.dataset == "synthetic":
         generated = _generated(cfg.brain.synthetic_cases, cfg.brain.synthetic_size, cfg.seed)
         return [with_modalities(generated[name], modalities) for name in names]
-    return [with_modalities(load_case(Path(cfg.data_dir) / name, MODALITIES, downsample=cfg.brain.downsample),
-                            modalities)
-            for name in names]
+    return [with_modalities(_read(cfg, Path(cfg.data_dir) / name, MODALITIES), modalities) for name in names]
 
 
 def load_folder_cases(cfg: JobConfig, folder: str | Path, modalities: tuple[str, ...] = MODALITIES) -> list[BratsCase]:
     """A party's own folder of BraTS case folders, only the files of ``modalities`` read."""
-    if cfg.dataset != "brats":
-        raise DataError(f"{folder}: a folder of cases needs dataset='brats' (generated data has no folders)")
-    return [load_case(case, modalities, downsample=cfg.brain.downsample) for case in find_cases(folder)]
+    if cfg.dataset not in ("brats", "dicom"):
+        raise DataError(f"{folder}: a folder of cases needs dataset='brats' or 'dicom' (generated data has no folders)")
+    return [_read(cfg, case, modalities) for case in _find(cfg, folder)]
+
+
+def _find(cfg: JobConfig, folder: str | Path) -> list[Path]:
+    """The case folders of ``folder``: BraTS case folders, or one folder per DICOM study."""
+    if cfg.dataset == "dicom":
+        from .dicom_brain import find_studies
+
+        return find_studies(folder)
+    return find_cases(folder)
+
+
+def _read(cfg: JobConfig, case: Path, modalities: tuple[str, ...]) -> BratsCase:
+    if cfg.dataset == "dicom":
+        from .dicom_brain import load_study
+
+        return load_study(case, modalities, downsample=cfg.brain.downsample)
+    return load_case(case, modalities, downsample=cfg.brain.downsample)
 
 
 def simulated_modalities(cfg: JobConfig, partition_id: int) -> tuple[str, ...]:

@@ -159,10 +159,18 @@ def _downsample(volume: np.ndarray, factor: int, nearest: bool) -> np.ndarray:
 
 
 def _decode_case(case_dir: Path, modalities: tuple[str, ...], with_label: bool, downsample: int) -> dict:
-    volumes = {}
-    for modality in modalities:
-        path = volume_path(case_dir, modality)
-        volumes[modality] = read_volume(path).astype(np.float32)
+    volumes = {modality: read_volume(volume_path(case_dir, modality)).astype(np.float32) for modality in modalities}
+    label = None
+    if with_label:
+        seg_path = volume_path(case_dir, "seg")
+        label = (seg_path, read_volume(seg_path))
+    return preprocess(case_dir, volumes, label, downsample)
+
+
+def preprocess(case_dir: Path, volumes: dict[str, np.ndarray], label: tuple[Path, np.ndarray] | None,
+               downsample: int) -> dict[str, np.ndarray]:
+    """A case's volumes (one grid) z-scored inside the brain, cropped to it and downsampled; its label (the file it
+    came from, BraTS labels) checked, remapped and cropped the same way."""
     shapes = {m: v.shape for m, v in volumes.items()}
     if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 3:
         raise DataError(f"{case_dir}: modality volumes differ in shape or are not 3D: {shapes}")
@@ -181,15 +189,14 @@ def _decode_case(case_dir: Path, modalities: tuple[str, ...], with_label: bool, 
         normalised = np.where(brain, (volume - float(inside.mean())) / std, 0.0)
         image[MODALITIES.index(modality)] = normalised[crop]
     arrays = {"image": np.stack([_downsample(ch, downsample, nearest=False) for ch in image])}
-    if with_label:
-        seg_path = volume_path(case_dir, "seg")
-        seg = read_volume(seg_path)
+    if label is not None:
+        seg_path, seg = label
         if seg.shape != brain.shape:
             raise DataError(f"{seg_path}: shape {seg.shape} differs from the images' {brain.shape}")
         _check_seg_labels(seg_path, seg)
-        label = seg[crop].astype(np.uint8)
-        label[label == 4] = 3
-        arrays["label"] = _downsample(label, downsample, nearest=True)
+        cropped = seg[crop].astype(np.uint8)
+        cropped[cropped == 4] = 3
+        arrays["label"] = _downsample(cropped, downsample, nearest=True)
     return arrays
 
 

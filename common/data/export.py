@@ -20,6 +20,7 @@ from PIL import Image
 from common.config import JobConfig
 
 from .containers import DataError, LabelledImages, SegmentationImages
+from .dicom_images import write_dicom_classification, write_dicom_segmentation
 from .ham10000 import write_ham10000
 from .image_mask import write_image_mask
 from .medmnist_npz import write_npz
@@ -37,7 +38,12 @@ def _write_pngs(data: SegmentationImages, folder: Path) -> None:
 def write_site(cfg: JobConfig, data, folder: Path, split_name: str) -> None:
     """One folder in the format the job's dataset reads (generated data: npz or PNG pairs)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if cfg.dataset == "ham10000":
+    if cfg.dataset == "dicom":
+        if isinstance(data, LabelledImages):
+            write_dicom_classification(data, folder, Path(cfg.data_dir))
+        else:
+            write_dicom_segmentation(data, folder, Path(cfg.data_dir))
+    elif cfg.dataset == "ham10000":
         write_ham10000(data, folder, Path(cfg.data_dir))
     elif cfg.dataset == "image-mask":
         write_image_mask(data, folder, Path(cfg.data_dir))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from common.config import JobConfig
+from common.trust.code_gate import parse_arguments
 
 from .containers import DataError, LabelledImages, SegmentationImages, concat
 from .ham10000 import load_ham10000
@@ -50,10 +51,17 @@ def generate(task: str, num_samples: int, image_size: int, seed: int, num_classe
 
 def load_folder(cfg: JobConfig, folder: str | Path) -> LabelledImages | SegmentationImages:
     """Everything in one folder of the job's data set format (a hospital's or the server's)."""
-    return _load_folder(cfg.dataset, str(folder), cfg.image_size, cfg.num_classes)
+    return _load_folder(cfg.task, cfg.dataset, str(folder), cfg.image_size, cfg.num_classes, cfg.dataset_args)
 
 
-def _load_folder(dataset: str, folder: str, image_size: int, num_classes: int):
+def _load_folder(task: str, dataset: str, folder: str, image_size: int, num_classes: int, dataset_args: str = ""):
+    if dataset == "dicom":
+        from .dicom_images import load_dicom_classification, load_dicom_segmentation
+
+        if task == "classification":
+            classes = parse_arguments(dataset_args, "dataset-args").get("classes", ())
+            return load_dicom_classification(folder, image_size, tuple(classes))
+        return load_dicom_segmentation(folder, image_size)
     if dataset == "ham10000":
         return load_ham10000(folder, image_size)
     if dataset == "npz":
@@ -65,7 +73,7 @@ def _load_folder(dataset: str, folder: str, image_size: int, num_classes: int):
 
 @lru_cache(maxsize=4)
 def _split(task: str, dataset: str, data_dir: str, image_size: int, num_classes: int, seed: int,
-           test_fraction: float, synthetic_samples: int) -> Split:
+           test_fraction: float, synthetic_samples: int, dataset_args: str = "") -> Split:
     if dataset == "synthetic":
         test_size = max(100, int(synthetic_samples * test_fraction))
         return Split(generate(task, synthetic_samples, image_size, seed, num_classes),
@@ -81,7 +89,7 @@ def _split(task: str, dataset: str, data_dir: str, image_size: int, num_classes:
                             f"splits (e.g. {str(shared[0])!r}), so the server would test on samples the hospitals "
                             "train on; split the file by group")
         return Split(pool, splits["test"])
-    data = _load_folder(dataset, data_dir, image_size, num_classes)
+    data = _load_folder(task, dataset, data_dir, image_size, num_classes, dataset_args)
     kept, held_out = stratified_holdout(data.strata, test_fraction, seed, groups=data.groups)
     return Split(data.subset(kept), data.subset(held_out))
 
@@ -89,7 +97,7 @@ def _split(task: str, dataset: str, data_dir: str, image_size: int, num_classes:
 def simulation_split(cfg: JobConfig) -> Split:
     """The job's data set split into pool and test (cached per process: Ray actors and benchmarks reuse it)."""
     return _split(cfg.task, cfg.dataset, cfg.data_dir, cfg.image_size, cfg.num_classes, cfg.seed,
-                  cfg.test_fraction, cfg.synthetic_samples)
+                  cfg.test_fraction, cfg.synthetic_samples, cfg.dataset_args)
 
 
 _PARTITIONS: dict[tuple, tuple[Any, list[np.ndarray]]] = {}  # split settings -> (the pool split, its parts)

@@ -8,7 +8,8 @@ A payload travels the way Flower's own strategies and mods expect a message to l
 * every other array group (QFedPolyp's ``packed-model``, FedMEPD's ``anchors``) as an ``ArrayRecord`` of
   its own name;
 * config (including bytes, e.g. FedMEPD's personal-filter masks) as the ``ConfigRecord`` ``"config"``;
-* metrics (numbers and lists of numbers, e.g. FedProIn's influence counts) as the ``MetricRecord`` ``"metrics"``.
+* metrics (numbers) as the ``MetricRecord`` ``"metrics"``, lists of numbers (FedProIn's influence counts) as the
+  ``MetricRecord`` ``"fedmed.list-metrics"``.
 
 That is the ``per-tensor`` layout. Flower moves every Array (and its data chunk) as separate objects through
 the SuperLink, each costing it milliseconds of work (benchmarks/results/overhead_arrays.md), so two more
@@ -41,6 +42,9 @@ from common.payload import NamedArrays, OversizedArchive, Payload, check_archive
 MODEL_RECORD = "arrays"  #: the ArrayRecord holding the ``model`` group (Flower's default ``arrayrecord_key``)
 CONFIG_RECORD = "config"
 METRICS_RECORD = "metrics"
+#: a payload's lists of numbers (FedProIn's influence counts): method data beside the metrics, so that a Flower
+#: user's mod reading the ``"metrics"`` record (TensorBoard's ``add_scalar`` of each) sees numbers only
+LIST_METRICS_RECORD = "fedmed.list-metrics"
 MODEL_GROUP = "model"
 PACKED_ARRAY = "fedmed.npz"  #: the one Array of a packed group's ArrayRecord
 FLAT_ARRAY = "fedmed.flat."  #: + a dtype's name: the Arrays of a flat group's ArrayRecord
@@ -224,7 +228,11 @@ def to_recorddict(payload: Payload, layout: str = "per-tensor", keys: RecordKeys
         if flat_layout is not None:
             config[FLAT_LAYOUT + name] = flat_layout
     content[keys.config] = ConfigRecord(config)
-    content[METRICS_RECORD] = MetricRecord({k: metric_value(k, v) for k, v in payload.metrics.items()})
+    values = {k: metric_value(k, v) for k, v in payload.metrics.items()}
+    content[METRICS_RECORD] = MetricRecord({k: v for k, v in values.items() if not isinstance(v, list)})
+    lists = {k: v for k, v in values.items() if isinstance(v, list)}
+    if lists:
+        content[LIST_METRICS_RECORD] = MetricRecord(lists)
     return content
 
 
@@ -314,8 +322,8 @@ def from_recorddict(content: RecordDict, limit: int | None = None, keys: RecordK
                 raise MalformedPayload(f"record {name!r} cannot be decoded: {type(error).__name__}: {error}") from None
         elif isinstance(record, ConfigRecord) and name == keys.config:
             payload.config = {k: v for k, v in record.items() if not k.startswith(FLAT_LAYOUT)}
-        elif isinstance(record, MetricRecord) and name == METRICS_RECORD:
-            payload.metrics = dict(record)
+        elif isinstance(record, MetricRecord) and name in (METRICS_RECORD, LIST_METRICS_RECORD):
+            payload.metrics.update(record)
         else:
             raise MalformedPayload(f"unexpected {type(record).__name__} {name!r}")
     return payload

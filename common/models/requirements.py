@@ -14,6 +14,7 @@ The needs (``MethodSpec.model_needs``):
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -26,15 +27,26 @@ NORMALISATION = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 #: layers whose few parameters travel at the hospital's bit-width like biases do (QAT fake-quantises weights only)
 SMALL_PARAMETERS = (nn.PReLU,)
 
+log = logging.getLogger("fedmed")
 
-def sample_batch(task, data: Any) -> torch.Tensor:
-    """Two inputs as the task feeds its network: from ``data`` where the server holds some, else zeros."""
+
+def sample_batch(task, data: Any) -> tuple[torch.Tensor, str]:
+    """Two inputs as the task feeds its network, and where they come from: from ``data`` where the server holds
+    some, else zeros of the run config's ``input-shape`` (or in-channels x image-size x image-size), made up."""
     if data is not None and len(data):
         few = data.subset(np.arange(min(2, len(data)))) if hasattr(data, "subset") else data[:1]
         for x, _ in task.batches(few, 2, torch.device("cpu"), None, train=False):
-            return x
-    channels = int(task.spec.get("in-channels", 3))
-    return torch.zeros(2, channels, task.cfg.image_size, task.cfg.image_size)
+            return x, "the server's data"
+    dims = task.cfg.input_dims
+    if dims is None:
+        size = task.cfg.image_size
+        dims, given = (int(task.spec.get("in-channels", 3)), size, size), "in-channels x image-size x image-size"
+    else:
+        given = "input-shape"
+    made_up = (f"a made-up batch of zeros ({given}: the server holds no data; input-shape='C,H,W' in the run "
+               "config gives one input's shape)")
+    log.info("model %r is checked on %s", task.network_name, made_up)
+    return torch.zeros(2, *dims), made_up
 
 
 def check_network(task, needs: str, data: Any = None) -> None:
@@ -43,14 +55,14 @@ def check_network(task, needs: str, data: Any = None) -> None:
     if needs == "multimodal":
         return check_multimodal(task)
     model = task.build_model()
-    x = sample_batch(task, data)
+    x, source = sample_batch(task, data)
     model.eval()
     try:
         with torch.no_grad():
             output = model(x)
     except Exception as error:
-        raise ConfigError(f"model {name!r} fails on a batch of {tuple(x.shape)} inputs: {type(error).__name__}: "
-                          f"{error}{layout_hint(error)}") from None
+        raise ConfigError(f"model {name!r} fails on a batch of {tuple(x.shape)} inputs, {source}: "
+                          f"{type(error).__name__}: {error}{layout_hint(error)}") from None
     expected = expected_output(task, x)
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__

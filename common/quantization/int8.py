@@ -21,7 +21,7 @@ from torch import nn
 
 from common.config import JobConfig
 from common.data.containers import DataError
-from common.data.image_files import image_size_of, list_images, read_rgb
+from common.data.image_files import list_images, read_rgb
 from common.data.image_mask import data_set_folders
 from common.tasks.base import images_to_tensor
 
@@ -72,6 +72,28 @@ def find_images(folder: str | Path) -> list[Path]:
     return [path for data_set in sets for path in list_images(data_set / "images")]
 
 
+def dicom_images(folder: str | Path) -> list[Path]:
+    """The DICOM files directly under ``folder`` or under the ``images/`` folders of a data set of them (its
+    masks/ never taken for images); none for a folder of image files."""
+    from common.data.dicom_files import dicom_files
+
+    try:
+        sets = [data_set / "images" for data_set in data_set_folders(folder)]
+    except DataError:
+        sets = [Path(folder)]
+    return [path for images in sets if images.is_dir() for path in dicom_files(images)]
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_images(paths: list[Path], image_size: int) -> np.ndarray:
     """uint8 (N, H, W, 3), resized as in training."""
     return (np.stack([read_rgb(path, image_size) for path in paths]) if paths
@@ -87,7 +109,8 @@ def image_batches(images: np.ndarray, batch_size: int = 16) -> Iterable[torch.Te
 @torch.no_grad()
 def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str | Path,
                    batch_size: int = 8) -> list[Path]:
-    """Write a mask PNG (0/255, the image's own size) for every image under ``images_dir``."""
+    """Write a mask PNG (0/255, the image's own size) for every image under ``images_dir``; for DICOM images, DICOM
+    SEGs over them naming the run's method, name and checkpoint (:func:`common.data.dicom_images.segment_instances`)."""
     model, meta = load_deployment(model_path)
     normalisation = str(meta.get("normalisation", "imagenet"))
     if normalisation not in ("imagenet", "0.5/0.5"):
@@ -97,20 +120,37 @@ def segment_folder(model_path: str | Path, images_dir: str | Path, out_dir: str 
                          "reads), or run it in Python on your loader's tensors: "
                          "common.quantization.int8.load_deployment(MODEL)")
     size, threshold = int(meta["image-size"]), float(meta.get("threshold", 0.5))
+
+    def predict(images: list[np.ndarray]) -> list[np.ndarray]:
+        """Binary masks (0/1) at each image's own size."""
+        masks = []
+        for start in range(0, len(images), batch_size):
+            chunk = images[start:start + batch_size]
+            resized = np.stack([np.asarray(Image.fromarray(rgb).resize((size, size), Image.BILINEAR)) for rgb in chunk])
+            logits = model(images_to_tensor(resized, torch.device("cpu")))
+            for rgb, mask in zip(chunk, (torch.sigmoid(logits[:, 0]) > threshold).numpy().astype(np.uint8)):
+                masks.append(np.asarray(Image.fromarray(mask).resize(rgb.shape[1::-1], Image.NEAREST)))
+        return masks
+
     paths = find_images(images_dir)
+    out_dir = Path(out_dir)
+    instances = [] if paths else dicom_images(images_dir)
+    if instances:
+        from common.data.dicom_images import segment_instances
+        from common.data.dicom_write import Algorithm
+
+        algorithm = Algorithm(str(meta.get("method", "unknown")), str(meta.get("run-name", "")),
+                              str(meta.get("checkpoint-sha256") or file_sha256(Path(model_path))))
+        return segment_instances(instances, out_dir, predict, algorithm)
     if not paths:
         raise DataError(f"{images_dir}: no image files")
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for start in range(0, len(paths), batch_size):
         chunk = paths[start:start + batch_size]
-        logits = model(images_to_tensor(load_images(chunk, size), torch.device("cpu")))
-        masks = (torch.sigmoid(logits[:, 0]) > threshold).numpy().astype(np.uint8) * 255
-        for path, mask in zip(chunk, masks):
-            target = out_dir / f"{path.stem}.png"
-            Image.fromarray(mask).resize(image_size_of(path), Image.NEAREST).save(target)
-            written.append(target)
+        for path, mask in zip(chunk, predict([read_rgb(path, None) for path in chunk])):
+            written.append(out_dir / f"{path.stem}.png")
+            Image.fromarray(mask * 255).save(written[-1])
     return written
 
 
@@ -342,7 +382,9 @@ def export_quietly(state: dict[str, np.ndarray], out: Path, calibration_dir: str
     channels = int(batches[0].shape[1])
     metadata = {"image-size": cfg.image_size, "in-channels": channels, "threshold": 0.5,
                 "normalisation": input_normalisation(cfg, channels), "run-name": cfg.run_name, "rounds": rounds,
-                "checkpoint": source, "calibration-images": int(sum(len(b) for b in batches)),
+                "method": cfg.strategy, "checkpoint": source,
+                "checkpoint-sha256": file_sha256(Path(source)) if Path(source).is_file() else "",
+                "calibration-images": int(sum(len(b) for b in batches)),
                 "calibration-range": [float(min(b.min() for b in batches)), float(max(b.max() for b in batches))]}
     labels = [label for label, (e, _) in CANDIDATES.items() if e in engines]
     with tempfile.TemporaryDirectory(prefix="fedmed-int8-") as work:

@@ -128,7 +128,7 @@ class Task(ABC):
     @classmethod
     def spec_without_test_set(cls, cfg: JobConfig) -> dict[str, Any]:
         """The model spec when the server holds no test set (a loader that gives it none): from the run config."""
-        return {}
+        return {"in-channels": cfg.input_dims[0]} if cfg.input_dims else {}
 
     @classmethod
     def hospital_properties(cls, cfg: JobConfig, partition_id: int | None,

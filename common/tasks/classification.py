@@ -39,7 +39,7 @@ class ClassificationTask(Task):
         if not cfg.num_classes:
             raise ValueError(f"dataset {cfg.dataset!r} gives the server no test set, so num-classes must say how many "
                              "classes the model has")
-        return {"num-classes": cfg.num_classes, "in-channels": 3,
+        return {"num-classes": cfg.num_classes, "in-channels": cfg.input_dims[0] if cfg.input_dims else 3,
                 "class-names": ",".join(str(c) for c in range(cfg.num_classes))}
 
     def network_arguments(self) -> dict[str, Any]:

@@ -5,21 +5,22 @@ The code gate (``common/trust/code_gate.py``) decides which code a hospital runs
 
 - **download** anything: a pretrained flag (``"pretrained": true``, ``"weights": "DEFAULT"``...) is refused unless the
   hospital's policy says ``allow-pretrained = true`` (weights then come from the hospital's own cache), and while it
-  answers, :func:`offline` refuses every connection and name lookup and puts the model hubs' libraries offline;
-- **name a file** outside the hospital's own folders (data-dir, state-dir, the policy's ``argument-folders``): a path
-  anywhere else is refused with the same words whether or not it exists, so a refusal tells the server nothing of
-  the hospital's disk;
+  answers, ``common/trust/sandbox.py`` refuses every connection and name lookup and puts the model hubs' libraries
+  offline;
+- **name a file** outside the hospital's own folders (data-dir, state-dir, the policy's ``argument-folders``): every
+  string, dict keys included, is resolved as the loader would open it (``$VARIABLES`` and ``~`` expanded, relative
+  to the working folder); one that looks like a path is refused with the same words whether or not it exists, and
+  any other that names an existing file or folder (``".."``, ``"secret.key"``) is refused too;
 - **size the job** past the hospital's limits (:data:`DEFAULT_JOB_LIMITS`, the policy's ``[job-limits]``):
-  ``local-epochs=1e9`` or ``data-workers=100000`` would take the hospital's machine.
+  ``local-epochs=1e9`` or ``data-workers=100000`` would take the hospital's machine; ``model-parameters`` bounds
+  the network ``model-args`` describe, counted on PyTorch's meta device before it is built
+  (``common/models/networks.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -27,6 +28,7 @@ from typing import Any, Iterator, Mapping
 DEFAULT_JOB_LIMITS: dict[str, int] = {
     "local-epochs": 100, "batch-size": 1024, "data-workers": 16, "image-size": 1024, "synthetic-samples": 200_000,
     "brain.crop-size": 256, "brain.crops-per-case": 64, "brain.synthetic-cases": 2000, "brain.synthetic-size": 256,
+    "model-parameters": 250_000_000,
 }
 #: Argument names (any case, '-' or '_') that make a network or loader fetch weights or data.
 DOWNLOAD_FLAGS = frozenset({"pretrained", "pretrain", "use_pretrained", "pretrained_weights", "weights", "download",
@@ -44,10 +46,16 @@ def looks_like_path(value: str) -> bool:
     return bool(_PATH_LIKE.search(value.strip()))
 
 
+def as_opened(value: str) -> str:
+    """``value`` as code that takes it for a path opens it: variables and ``~`` expanded (relative: to the working
+    folder)."""
+    return os.path.expanduser(os.path.expandvars(value.strip()))
+
+
 def inside(value: str, folders: tuple[str | Path, ...]) -> bool:
     """Whether ``value``, as the hospital's code would open it (links followed), lies in one of ``folders``."""
     try:
-        resolved = Path(os.path.realpath(os.path.expanduser(value)))
+        resolved = Path(os.path.realpath(as_opened(value)))
         roots = [Path(os.path.realpath(folder)) for folder in folders if folder]
     except (OSError, ValueError):
         return False
@@ -58,10 +66,15 @@ def _flag_name(key: str) -> str:
     return key.lower().replace("-", "_")
 
 
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("", "0", "false", "none", "no", "off")
-    return bool(value)
+def names_outside(value: str, roots: tuple[str | Path, ...]) -> bool:
+    """Whether the string ``value`` would reach a file outside ``roots``: it looks like a path (or expands to one),
+    or it names a file or folder that exists, and it does not lie in them."""
+    opened = as_opened(value)
+    try:
+        named = looks_like_path(value) or looks_like_path(opened) or os.path.lexists(opened)
+    except (OSError, ValueError):
+        named = True
+    return named and not inside(value, roots)
 
 
 def _walk(value: Any, where: str) -> Iterator[tuple[str, str, Any]]:
@@ -94,10 +107,11 @@ def argument_problems(cfg: Any, folders: tuple[str | Path, ...], allow_pretraine
             problems.append(str(error))
             continue
         for where, name, value in _walk(arguments, key):
-            if name and _flag_name(name) in DOWNLOAD_FLAGS and _truthy(value) and not allow_pretrained:
+            # a flag is on unless it is false, 0, null or empty: the string "false" is true to the code that reads it
+            if name and _flag_name(name) in DOWNLOAD_FLAGS and bool(value) and not allow_pretrained:
                 problems.append(f"{where}={value!r} would fetch weights or data from outside the hospital; its "
                                 "policy does not allow-pretrained")
-            elif isinstance(value, str) and looks_like_path(value) and not inside(value, roots):
+            elif (name and names_outside(name, roots)) or (isinstance(value, str) and names_outside(value, roots)):
                 problems.append(f"{where} names a file or address outside this hospital's own folders "
                                 f"({named}), so it was not read")
     weights = str(flat.get("encoder-weights") or "")
@@ -110,49 +124,3 @@ def argument_problems(cfg: Any, folders: tuple[str | Path, ...], allow_pretraine
             problems.append(f"{key}={value:g} is more than this hospital allows ({most}; its policy's [job-limits] "
                             "sets it)")
     return problems
-
-
-# --- no connection while a hospital answers ---------------------------------------------------------------------------
-_OFFLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("fedmed_offline", default=False)
-_HOOKED = False
-#: Python's audit events that open a connection, look up a name or fetch a URL.
-_NETWORK_EVENTS = frozenset({"socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-                             "socket.sendto", "urllib.Request", "http.client.connect", "ftplib.connect",
-                             "smtplib.connect"})
-#: Libraries that fetch models and data sets: told to use their local caches only.
-HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-class DownloadRefused(PermissionError):
-    """A hospital's code tried to reach the network while the hospital answered a message."""
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event not in _NETWORK_EVENTS or not _OFFLINE.get():
-        return
-    if event == "socket.connect":
-        import socket
-
-        family = getattr(args[0], "family", None)
-        if family == getattr(socket, "AF_UNIX", None):  # a local socket (a worker's, a data loader's queue)
-            return
-    raise DownloadRefused(f"{event}: a hospital reaches no network while it answers the server (nothing is "
-                          "downloaded: weights and data come from its own folders)")
-
-
-@contextlib.contextmanager
-def offline() -> Iterator[None]:
-    """While inside (this thread and what it calls), no connection, name lookup or URL fetch succeeds, and the
-    model hubs' libraries are told to stay offline. Python's audit hooks cannot be removed, so the hook is added
-    once and checks a context variable."""
-    global _HOOKED
-    if not _HOOKED:
-        sys.addaudithook(_audit)
-        _HOOKED = True
-    for name, value in HUB_OFFLINE.items():
-        os.environ.setdefault(name, value)
-    token = _OFFLINE.set(True)
-    try:
-        yield
-    finally:
-        _OFFLINE.reset(token)

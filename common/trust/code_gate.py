@@ -9,6 +9,10 @@ the server, so a hospital that imported whatever they name would run whatever th
 - import paths it approved itself, in its node config (``models``, ``datasets``: comma-separated) or its policy
   (``models = ["monai.networks.nets:DenseNet121", "my_site.nets:*"]``), where ``*`` matches any run of characters.
 
+Approval is by kind: a pattern (``monai.*``, ``*``, ``my_site.nets:*``) approves only networks, classes that subclass
+``torch.nn.Module``, whose constructor arguments are data; a function or any other callable (a data loader, a
+factory, ``monai.utils.misc:run_cmd``, ``torch:load``) runs only when the hospital named it exactly.
+
 :func:`CodeGate.check` names every path that is not approved before anything is imported; while a hospital answers
 a message, :func:`common.models.networks.load_factory` asks :func:`refusal` again before each import, so a path
 that reaches it some other way is refused too. A virtual hospital of Flower's simulation engine (node config of
@@ -39,7 +43,7 @@ BUILT_IN_NETWORKS: dict[str, str] = {
     "rfnet": "common.models.rfnet:MultimodalSegNet",
 }
 #: the data formats we read, each a loader of the task's (``common.tasks.base.Task.builtin_data``)
-DATA_FORMATS = ("synthetic", "ham10000", "npz", "image-mask", "brats")
+DATA_FORMATS = ("synthetic", "ham10000", "npz", "image-mask", "brats", "dicom")
 
 
 def built_in(kind: str) -> tuple[str, ...]:
@@ -75,15 +79,29 @@ class CodeGate:
     datasets: tuple[str, ...] = ()
     trust_run_config: bool = False
     source: str = "node config"  #: where the lists come from, for the refusal's reason
+    max_parameters: int = 0  #: the most parameters a network it builds may have (0: no limit)
 
     def approved(self, kind: str) -> tuple[str, ...]:
         return self.models if kind == MODELS else self.datasets
 
+    def named_exactly(self, key: str, name: str) -> bool:
+        """Whether ``name`` is built in or listed as it is, not only matched by a pattern."""
+        return self.trust_run_config or name in built_in(kind_of(key)) or name in self.approved(kind_of(key))
+
     def allows(self, key: str, name: str) -> bool:
-        kind = kind_of(key)
-        if self.trust_run_config or name in built_in(kind):
-            return True
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.approved(kind))
+        """Whether ``name`` may be imported (what it resolves to is checked then: :meth:`kind_refusal`)."""
+        return self.named_exactly(key, name) or any(fnmatch.fnmatchcase(name, pattern)
+                                                    for pattern in self.approved(kind_of(key)))
+
+    def kind_refusal(self, key: str, name: str, obj: object) -> str | None:
+        """Why ``obj``, which ``name`` resolved to, is not run although a pattern matched ``name``: a pattern
+        approves networks (``torch.nn.Module`` classes) only; None when it is one or the hospital named it
+        exactly."""
+        if self.named_exactly(key, name) or is_network_class(obj):
+            return None
+        return (f"{name!r} is a {type(obj).__name__}, not a network class, and a pattern approves only "
+                f"networks (torch.nn.Module classes): a hospital that wants to run it lists {name!r} exactly under "
+                f"'{kind_of(key)}' in its {self.source}")
 
     def refusal(self, key: str, name: str) -> str | None:
         """Why ``name`` (named by ``key``) is not run here; None when it is approved."""
@@ -120,8 +138,21 @@ _GATE: contextvars.ContextVar[CodeGate | None] = contextvars.ContextVar("fedmed_
 def refusal(key: str, name: str) -> str | None:
     """The gate in force (a hospital answering a message) refuses ``name``: why; None outside a hospital's answer
     (the server, benchmarks, in-process runs) or when it is approved."""
-    gate = _GATE.get()
+    gate = gate_in_force()
     return None if gate is None else gate.refusal(key, name)
+
+
+def gate_in_force() -> CodeGate | None:
+    """The gate of the hospital answering now (None: the server, benchmarks, in-process runs)."""
+    return _GATE.get()
+
+
+def is_network_class(obj: object) -> bool:
+    import inspect
+
+    import torch
+
+    return inspect.isclass(obj) and issubclass(obj, torch.nn.Module)
 
 
 #: Callables that turn a string into an object, module or code run (MONAI's ``instantiate``, ``pydoc.locate``,
@@ -156,11 +187,8 @@ def kind_problem(kind: str, name: str, obj: object) -> str | None:
     if short in BUILDER_NAMES or any(defined_in == m or defined_in.startswith(m + ".") for m in BUILDER_MODULES):
         return f"{name!r} builds objects from names ({defined_in}.{getattr(obj, '__name__', '?')}), not a {what}"
     if inspect.isclass(obj):
-        if kind == MODELS:
-            import torch
-
-            if not issubclass(obj, torch.nn.Module):
-                return f"{name!r} is a class but not a torch.nn.Module, so not a network"
+        if kind == MODELS and not is_network_class(obj):
+            return f"{name!r} is a class but not a torch.nn.Module, so not a network"
         return None
     if not inspect.isfunction(obj):
         return f"{name!r} is a {type(obj).__name__}, neither a class nor a function"
@@ -234,7 +262,9 @@ def load_factory(name: str, key: str = "model"):
         raise ConfigError(f"{key}: {name!r}: module {module!r} has no {attribute!r}") from None
     if not callable(factory):
         raise ConfigError(f"{key}: {name!r} is not callable")
+    gate = gate_in_force()
     problem = kind_problem(kind_of(key), name, factory) if name not in BUILT_IN_NETWORKS else None
+    problem = problem or (gate.kind_refusal(key, name, factory) if gate is not None else None)
     if problem:
         raise CodeRefused(f"{key}: {problem}; it was not run")
     return factory

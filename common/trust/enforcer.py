@@ -35,12 +35,21 @@ class Enforcer:
     ledger of its trainings. ``audit(event, **fields)`` is told every decision (the hospital's audit log)."""
 
     def __init__(self, policy: Policy, ledger: PrivacyLedger, source: str = "policy", policy_sha256: str = "",
-                 audit: AuditFn | None = None):
+                 audit: AuditFn | None = None, peers_pinned: bool = False):
         self.policy = policy
         self.ledger = ledger
         self.source = source
         self.policy_sha256 = policy_sha256
         self._audit = audit
+        #: whether every other hospital of a secure sum is one its policy pins (``peers``, checked through the
+        #: consortium's keys it holds, ``peer-keys``); set by whoever built it from the node config
+        self.peers_pinned = peers_pinned
+
+    @property
+    def honest_shares(self) -> int:
+        """The hospitals of a sum whose distributed-DP noise it counts on: its policy's assumption among pinned
+        peers; itself alone where the others are not pinned (the server could have run them)."""
+        return self.policy.honest_shares if self.peers_pinned and self.policy.peers else 1
 
     def note(self, decision: str, **fields: Any) -> None:
         if self._audit is not None:
@@ -143,14 +152,15 @@ class Enforcer:
                 raise self.refuse("distributed-dp: this training is not part of a secure sum with distributed DP, "
                                   "so its update would leave without noise", **where)
             return None
-        honest = self.policy.honest_shares
+        honest = self.honest_shares
         z = ddp.effective_noise_multiplier(params, honest)
         if z < table.min_noise_multiplier:
+            counted = (f"min-hospitals-per-sum {self.policy.min_hospitals_per_sum} less max-dropped-or-colluding "
+                       f"{table.max_dropped_or_colluding}" if self.peers_pinned and self.policy.peers else
+                       "itself alone: its peers are not pinned, policy peers with node config peer-keys")
             raise self.refuse(f"distributed-dp: the round's noise multiplier {params.noise_multiplier:g}, shared by "
                               f"{params.hospitals} hospitals, is {z:.3g} from the {honest} honest ones it counts on "
-                              f"(min-hospitals-per-sum {self.policy.min_hospitals_per_sum} less "
-                              f"max-dropped-or-colluding {table.max_dropped_or_colluding}), below its "
-                              f"min-noise-multiplier={table.min_noise_multiplier:g}", **where)
+                              f"({counted}), below its min-noise-multiplier={table.min_noise_multiplier:g}", **where)
         return ddp.release(params, honest)
 
     # --- the work ---------------------------------------------------------------------------------
@@ -194,7 +204,7 @@ class Enforcer:
         elif distributed is not None:
             table = self.policy.distributed_dp
             self.note("epsilon", epsilon=self.ledger.epsilon(table.delta), delta=table.delta, mechanism="skellam",
-                      **{"honest-hospitals": self.policy.honest_shares, "max-epsilon": table.max_epsilon},
+                      **{"honest-hospitals": self.honest_shares, "max-epsilon": table.max_epsilon},
                       **where)
         else:
             self.note("trained", **where)
@@ -269,9 +279,12 @@ class Enforcer:
                                  "update-norm": norm, "clipped": bool(norm > dp.clip_norm)}, **where)
 
 
-def enforcer_for(policy_file: str, state_root: str | Path | None, audit_log: Any = None) -> Enforcer | None:
+def enforcer_for(policy_file: str, state_root: str | Path | None, audit_log: Any = None,
+                 peers_checked: bool = False) -> Enforcer | None:
     """The hospital's enforcer for the policy in ``policy_file`` (None without one); ``audit_log`` (an AuditLog) is
-    told every decision and holds the ledger's entries. A policy whose limits are counted from the ledger needs it."""
+    told every decision and holds the ledger's entries. A policy whose limits are counted from the ledger needs it.
+    ``peers_checked``: the hospital checks its peers' signatures (node config peer-keys), so the policy's ``peers``
+    pin them."""
     if not policy_file:
         return None
     policy, digest = read_policy(policy_file)
@@ -286,7 +299,7 @@ def enforcer_for(policy_file: str, state_root: str | Path | None, audit_log: Any
                           "max-trainings-per-day are counted from the privacy ledger, which the audit log guards; node "
                           "config audit-log='none' cannot be used with them")
     return Enforcer(policy, PrivacyLedger(state_root, audit_log), policy_file, digest,
-                    audit_log.append if audit_log is not None else None)
+                    audit_log.append if audit_log is not None else None, peers_checked and bool(policy.peers))
 
 
 def policed(hospital_class: type, enforcer: Enforcer | Callable[[str], Enforcer], run: str = "in-process") -> type:

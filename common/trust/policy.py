@@ -6,7 +6,7 @@ at the hospital, whatever the server asks (docs/privacy.md).
     methods = ["fedavg", "fedproin"]    # which methods (strategies) it trains (absent: any)
     min-samples = 20                    # k: no statistic of fewer than k samples leaves the hospital
     max-rounds-per-run = 50             # the most rounds of one run it trains in (0: no limit)
-    release-metrics = "validation"      # all | validation | none (default: all; none under local-dp)
+    release-metrics = "validation"      # all | validation | none (default: all; none under local-dp or distributed-dp)
 
     [local-dp]                          # clip each update to clip-norm, add N(0, (noise-multiplier * clip-norm)^2)
     clip-norm = 1.0
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +43,8 @@ PROTOCOL_METRICS = frozenset({"num-examples", "server-round", "state-from-round"
 #: What a reply says of the hospital's machine (its compute time, its device): sent only with release-metrics='all',
 #: as under secure aggregation (timing tells something of the data's size and the site's hardware).
 MACHINE_METRICS = frozenset({"hospital-seconds", "clientapp-start-seconds"})
+#: a pinned key's fingerprint (``peers``): OpenSSH's SHA-256 one, common/trust/identity.py's ``key_fingerprint``
+FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9+/]{43}")
 
 
 class PolicyRefusal(RuntimeError):
@@ -117,7 +120,8 @@ class Policy(Section):
         "SHA-256 hashes of the app bundles (FABs) it runs (`fedmed app-hash`); fedmed-supernode refuses others."))
     release_metrics: Literal["all", "validation", "none"] | None = Field(None, description=(
         "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
-        "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp."))
+        "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp, patient-dp or "
+        "distributed-dp (a training loss, validation scores or a clipping flag in the clear are outside epsilon)."))
     local_dp: LocalDP | None = None
     patient_dp: PatientDP | None = Field(None, description=(
         "Patient-level DP-SGD: the hospital trains with clipped per-patient gradients and noise (Opacus), each "
@@ -145,6 +149,12 @@ class Policy(Section):
     max_sample_weight: int = Field(0, ge=0, description=(
         "Under secure aggregation: the most samples its own weight in a sum counts (0: its training samples, under "
         "the round plan's common cap)."))
+    peers: dict[str, str] = Field(default_factory=dict, description=(
+        "Under secure aggregation: the consortium's hospitals it accepts, by name, each with the fingerprint of its "
+        "registered public key (OpenSSH's SHA-256 fingerprint, 'SHA256:' and 43 base64 characters, as `fedmed "
+        "key-fingerprint KEY.pub` and `ssh-keygen -l -f KEY.pub` print it), compared with the other hospitals' "
+        "officers, not through the coordinator. A key in peer-keys that is not pinned here is refused, and "
+        "distributed DP counts honest hospitals only among pinned ones. Its own key is pinned by its identity key."))
     min_threshold_fraction: float = Field(0.5, ge=0.5, lt=1.0, description=(
         "Under secure aggregation: the reconstruction threshold must be more than this fraction of the shares (at "
         "least one half, which holds without a policy too: a server telling two groups different survivor sets "
@@ -178,6 +188,15 @@ class Policy(Section):
             raise ValueError(f"{bad[0]!r} is not the SHA-256 of an app bundle (64 hex digits; `fedmed app-hash APP` "
                              "prints it)")
         return [item.lower() for item in value]
+
+    @field_validator("peers")
+    @classmethod
+    def _fingerprints(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, fingerprint in value.items():
+            if not FINGERPRINT.fullmatch(fingerprint):
+                raise ValueError(f"peers: {name} = {fingerprint!r} is not a key fingerprint ('SHA256:' and 43 base64 "
+                                 "characters, as `fedmed key-fingerprint KEY.pub` prints it)")
+        return value
 
     @field_validator("job_limits")
     @classmethod
@@ -232,7 +251,8 @@ class Policy(Section):
 
     @property
     def metrics_released(self) -> str:
-        return self.release_metrics or ("none" if self.local_dp or self.patient_dp else "all")
+        noised = self.local_dp is not None or self.distributed_dp is not None or self.patient_dp is not None
+        return self.release_metrics or ("none" if noised else "all")
 
 
 #: the policy file formats by suffix (anything else is read as TOML)
@@ -263,14 +283,24 @@ def parse_policy_text(path: Path, data: bytes) -> Any:
         raise ConfigError(f"policy-file {str(path)!r} is not valid {form}: {error}") from None
 
 
+#: policies as parsed: (suffix, SHA-256 of the file's bytes) -> the policy (a few per process)
+_PARSED: dict[tuple[str, str], Policy] = {}
+
+
 def read_policy(path: str | Path) -> tuple[Policy, str]:
     """The policy in ``path`` (TOML; JSON or YAML when it ends in .json, .yaml or .yml) and the SHA-256 of the
-    file's bytes; ConfigError names the file and the key at fault."""
+    file's bytes; ConfigError names the file and the key at fault. The file is read for every message and parsed
+    again whenever its bytes differ from any it had (a secure round reads it at each of its stages). Callers must
+    not change the policy returned."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as error:
         raise ConfigError(f"policy-file {str(path)!r} cannot be read: {error.strerror or error}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    known = _PARSED.get((path.suffix.lower(), digest))
+    if known is not None:
+        return known, digest
     raw = parse_policy_text(path, data)
     if not isinstance(raw, dict):
         raise ConfigError(f"policy-file {str(path)!r} must hold a table of keys, not {type(raw).__name__}")
@@ -280,6 +310,7 @@ def read_policy(path: str | Path) -> tuple[Policy, str]:
         from common.config import describe_validation_error
 
         raise ConfigError(describe_validation_error(error, what=f"policy-file {str(path)!r}")) from None
-    return policy, hashlib.sha256(data).hexdigest()
+    _PARSED[path.suffix.lower(), digest] = policy
+    return policy, digest
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.arrays import model_arrays, weighted_average
+from common.arrays import is_exchanged, model_arrays, weighted_average
 from common.config import JobConfig
 from common.methods.base import HospitalUpdate, NamedArrays, RejectedUpdate, ServerMethod
 from common.tasks import Task, get_task
@@ -68,9 +68,10 @@ class FedProInServer(ServerMethod):
 
     def model_from_network(self, arrays: NamedArrays) -> NamedArrays | None:
         """The encoder from the network's own state (every entry but its last linear layer's, which the prototypes
-        replace), the prototypes as initialised; None unless ``arrays`` are that network's."""
+        replace), the prototypes as initialised; None unless ``arrays`` are that network's. A ``state_dict()``'s
+        local-only counters (BatchNorm's ``num_batches_tracked``) may be there or not: they are never exchanged."""
         encoder = {name.removeprefix("encoder."): name for name in self.global_arrays if name != "prototypes"}
-        head = set(arrays) - set(encoder)
+        head = {name for name in arrays if is_exchanged(name)} - set(encoder)
         if not set(encoder) <= set(arrays) or len({name.rpartition(".")[0] for name in head}) != 1:
             return None
         return {**{model: arrays[own] for own, model in encoder.items()},

@@ -103,7 +103,9 @@ def qfedpolyp_contribution(received: Payload, reply: Payload, params: Mapping[st
     lows, highs = list(params[RANGE_LOW_KEY]), list(params[RANGE_HIGH_KEY])
     if len(lows) != len(names) or len(highs) != len(names):
         raise ValueError("the code ranges do not fit the layout")
-    rng = np.random.default_rng()
+    from common.trust.local_dp import noise_rng
+
+    rng = noise_rng()  # the hospital's own randomness, which the server cannot reproduce
     top = 2 ** finest - 1
     values, outside, total = {"weight": np.asarray(min(top, np.floor(weight * top + rng.random())))}, 0, 0
     for name, low, high in zip(names, lows, highs):
@@ -133,4 +135,5 @@ def qfedpolyp_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[s
 
 
 
-SECURE = SecureMethod(qfedpolyp_plan, qfedpolyp_contribution, qfedpolyp_apply, refuse=qfedpolyp_refuse)
+SECURE = SecureMethod(qfedpolyp_plan, qfedpolyp_contribution, qfedpolyp_apply, refuse=qfedpolyp_refuse,
+                      own_config=frozenset({"qfedpolyp.bit-width"}))  # messages.BIT_WIDTH_KEY (its import needs torch)

@@ -65,6 +65,7 @@ class Parameters:
     rotation_seed: str  #: hex: the transform's signs, public
     rounded_bound: float  #: B: the L2 norm a rounded, scaled contribution stays within
     modulus: int
+    round_hospitals: int  #: the most vectors in the sum: the headroom below half the modulus is for them
 
     @property
     def local_variance(self) -> float:
@@ -81,18 +82,54 @@ class Parameters:
         if raw is None:
             return None
         try:
+            if not isinstance(raw, dict) or set(raw) != set(asdict(_EXAMPLE)) or any(
+                    isinstance(v, bool) or not isinstance(v, (str, int, float)) for v in raw.values()):
+                raise ValueError("not one value of each parameter")
             params = cls(**{k: type(f)(raw[k]) if not isinstance(f, str) else str(raw[k])
                             for k, f in asdict(_EXAMPLE).items()})
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise ValueError(f"the round plan's distributed-DP parameters cannot be read ({error})") from None
-        if not (params.noise_multiplier > 0 and params.hospitals >= 1 and params.norm_bound > 0 and params.scale > 0
-                and params.padded == next_power_of_two(params.dimension) and params.rounded_bound > 0
-                and params.modulus >= 4 and not params.modulus & (params.modulus - 1)):
+        if not (math.isfinite(params.noise_multiplier) and params.noise_multiplier > 0 and params.hospitals >= 1
+                and math.isfinite(params.norm_bound) and params.norm_bound > 0 and params.dimension >= 1
+                and params.round_hospitals >= 1 and params.modulus >= 4
+                and not params.modulus & (params.modulus - 1)):
             raise ValueError(f"the round plan's distributed-DP parameters do not fit together: {raw}")
+        problem = params.plan_problem(plan)
+        if problem:
+            raise ValueError(f"the round plan's distributed DP: {problem}")
         return params
 
+    def plan_problem(self, plan: Mapping[str, Any]) -> str | None:
+        """Why these parameters are not what a hospital computes itself from the rest of the round plan (None: they
+        are): the scale, the padded size and the rounding bound are derived, never taken from the server; the
+        modulus, the norm bound, the hospitals and the dimension are the plan's own."""
+        from .messages import NORM_BOUND_KEY, PROTOCOL_KEY
 
-_EXAMPLE = Parameters(1.0, 1, 1.0, 1.0, 1, 1, "", 1.0, 4)
+        protocol = plan.get(PROTOCOL_KEY)
+        if isinstance(protocol, dict) and (protocol.get("modulus"), protocol.get("hospitals")) != (
+                self.modulus, self.round_hospitals):
+            return (f"modulus {self.modulus} and hospitals {self.round_hospitals} are not the protocol's "
+                    f"{protocol.get('modulus')} and {protocol.get('hospitals')}")
+        if NORM_BOUND_KEY in plan and plan[NORM_BOUND_KEY] != self.norm_bound:
+            return f"norm bound {self.norm_bound} is not the plan's {plan[NORM_BOUND_KEY]}"
+        try:
+            size = sum(math.prod(shape) for _, shape in model_parts(plan)) if MODEL_PARTS_KEY in plan else None
+        except (TypeError, ValueError):
+            return "its model parts are not [name, shape] pairs"
+        if size is not None and size != self.dimension:
+            return f"dimension {self.dimension} is not the size of the model parts it noises ({size})"
+        derived = derive(self.noise_multiplier, self.hospitals, self.norm_bound, self.dimension, self.modulus,
+                         self.round_hospitals)
+        if (self.scale, self.padded, self.rounded_bound) != derived:
+            return (f"scale {self.scale}, padded size {self.padded} and rounding bound {self.rounded_bound} are not "
+                    f"what the hospital derives from the plan ({derived[0]}, {derived[1]}, {derived[2]})")
+        if not self.local_variance <= MAX_LOCAL_VARIANCE * (1 + 1e-9):  # the derived scale's rounding
+            return (f"each hospital's Poisson mean {self.local_variance / 2:.3g} is past "
+                    f"{MAX_LOCAL_VARIANCE / 2:.3g}, where NumPy's sampler stops being exact")
+        return None
+
+
+_EXAMPLE = Parameters(1.0, 1, 1.0, 1.0, 1, 1, "", 1.0, 4, 1)
 
 
 def next_power_of_two(n: int) -> int:
@@ -110,17 +147,26 @@ def plan(noise_multiplier: float, hospitals: int, norm_bound: float, dimension: 
     """The parameters of a round of ``round_hospitals`` (at most that many vectors in the sum): the largest scale
     whose sum of contributions plus noise stays HEADROOM standard deviations inside half the modulus (and whose
     noise shares NumPy's Poisson sampler draws exactly)."""
-    padded = next_power_of_two(dimension)
-    per_coordinate = norm_bound / math.sqrt(padded)  # after rotation, about
-    spread = HEADROOM * (round_hospitals * per_coordinate + noise_multiplier * norm_bound)
-    scale = min((modulus / 2 - 2 * round_hospitals - 1) / spread,
-                math.sqrt(hospitals * MAX_LOCAL_VARIANCE) / (noise_multiplier * norm_bound))
+    scale, padded, bound = derive(noise_multiplier, hospitals, norm_bound, dimension, modulus, round_hospitals)
     if scale <= 0:
         raise ValueError(f"modulus {modulus} leaves no room for {round_hospitals} hospitals' noised sums")
     seed = hashlib.sha256(f"{noise_multiplier}:{dimension}:{modulus}:{np.random.SeedSequence().entropy}"
                           .encode()).hexdigest()
-    return Parameters(float(noise_multiplier), int(hospitals), float(norm_bound), float(scale), int(dimension),
-                      int(padded), seed, rounded_bound(norm_bound * scale, padded), int(modulus))
+    return Parameters(float(noise_multiplier), int(hospitals), float(norm_bound), scale, int(dimension), padded, seed,
+                      bound, int(modulus), int(round_hospitals))
+
+
+def derive(noise_multiplier: float, hospitals: int, norm_bound: float, dimension: int, modulus: int,
+           round_hospitals: int) -> tuple[float, int, float]:
+    """(scale, padded size, rounding bound) of a plan, which the server and every hospital compute alike: the
+    largest scale whose sum of contributions plus noise stays HEADROOM standard deviations inside half the modulus
+    and whose noise shares NumPy's Poisson sampler draws exactly (mean at most MAX_LOCAL_VARIANCE / 2)."""
+    padded = next_power_of_two(dimension)
+    per_coordinate = norm_bound / math.sqrt(padded)  # after rotation, about
+    spread = HEADROOM * (round_hospitals * per_coordinate + noise_multiplier * norm_bound)
+    scale = float(min((modulus / 2 - 2 * round_hospitals - 1) / spread,
+                      math.sqrt(hospitals * MAX_LOCAL_VARIANCE) / (noise_multiplier * norm_bound)))
+    return scale, int(padded), float(rounded_bound(norm_bound * scale, padded)) if scale > 0 else 0.0
 
 
 # --- the rotation -----------------------------------------------------------------------------------------------------
@@ -172,6 +218,8 @@ def privatize(vector: np.ndarray, params: Parameters, rng: np.random.Generator, 
     else:
         raise ValueError("randomised rounding did not stay within the plan's bound")
     mu = params.local_variance
+    if not mu <= MAX_LOCAL_VARIANCE * (1 + 1e-9):  # past it, the sampler returns multiples of a power of 2
+        raise ValueError(f"a Poisson mean of {mu / 2:.3g} is past what NumPy samples exactly")
     noise = rng.poisson(mu / 2, params.padded) - rng.poisson(mu / 2, params.padded)
     return np.mod(rounded.astype(np.int64) + noise, params.modulus)
 

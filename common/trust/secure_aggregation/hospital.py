@@ -16,9 +16,11 @@ agreed secret (:mod:`.masks`). Besides Flower's checks a hospital refuses:
 - a second protocol run for a (run, round) it took part in, and training from, or revealing shares for a sum
   trained from, a model it already revealed shares for, checked at collect and again at unmask
   (:class:`ReplayMemory`, in its state folder and its audit log, kept across restarts);
-- with the consortium's keys (``peer-keys``): a neighbour whose public keys are not signed by that hospital's
-  registered key, and an unmask request unless every hospital in the survivor set signed that set and the same
-  round plan with its registered key (no invented or padded survivors, no plan told to some hospitals only);
+- with the consortium's keys (``peer-keys``, each pinned by its policy's ``peers``): a neighbour whose public keys
+  are not signed by that hospital's registered key, and an unmask request unless every neighbour in the survivor
+  set, and enough others for its ``min-hospitals-per-sum`` and every part of the sum, signed that set and the same
+  round plan with its registered key (no invented or padded survivors; a plan told to some hospitals only leaves
+  masks that do not cancel);
 - an unmask request that is not exactly what the survivor set it signed implies: every neighbour's mask-seed share
   if it survived, key share if it did not, never both, and only once (its secrets are erased when it answers).
 """
@@ -311,7 +313,8 @@ def _now() -> str:
 
 
 def model_digest(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> str:
-    """SHA-256 of every array a training message carries (group, name, dtype, shape, bytes): the model trained from."""
+    """SHA-256 of arrays by group and name (group, name, dtype, shape, bytes): of a :func:`canonical_model`, the
+    model a hospital trains from."""
     digest = hashlib.sha256()
     for group in sorted(arrays):
         for name in sorted(arrays[group]):
@@ -319,6 +322,88 @@ def model_digest(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> str:
             digest.update(json.dumps([group, name, value.dtype.str, list(value.shape)]).encode())
             digest.update(value.tobytes())
     return digest.hexdigest()
+
+
+def model_description(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, Any]:
+    """The round plan's ``MODEL_KEY``: each array the hospitals train from ([group, name, dtype, shape], in the
+    dtypes the server's network holds them in) and their SHA-256."""
+    described = [[group, name, np.asarray(value).dtype.str, list(np.shape(value))]
+                 for group in sorted(arrays) for name, value in sorted(arrays[group].items())]
+    return {"arrays": described, "sha256": model_digest(arrays)}
+
+
+def canonical_model(arrays: Mapping[str, Mapping[str, np.ndarray]], described: Any) -> tuple[
+        dict[str, dict[str, np.ndarray]], str]:
+    """The model a hospital trains from, as the round plan describes it (:func:`model_description`): exactly those
+    arrays of the message, each cast to the plan's dtype (as loading it into the network casts it), and their
+    SHA-256, which must be the plan's. An extra record, or a tensor sent in another dtype with the same values, is
+    the same model, so the replay memory keys on what training reads (one reveal per training input), and any
+    array that differs from the plan's model is refused (SecureAggregationRefusal), so every hospital trains from
+    one model."""
+    entries = described.get("arrays") if isinstance(described, dict) else None
+    if not isinstance(entries, list) or not isinstance(described.get("sha256"), str):
+        raise SecureAggregationRefusal("the round plan does not describe the model to train from (secagg.model)")
+    model: dict[str, dict[str, np.ndarray]] = {}
+    for entry in entries:
+        try:
+            group, name, dtype, shape = entry
+            dtype, shape = np.dtype(str(dtype)), tuple(int(d) for d in shape)
+            value = arrays[str(group)][str(name)]
+        except (KeyError, TypeError, ValueError):
+            raise SecureAggregationRefusal(f"the model the round plan describes names {str(entry)[:120]}, which the "
+                                           "message does not carry as described") from None
+        if dtype.kind not in "fiub" or np.shape(value) != shape or np.asarray(value).dtype.kind not in "fiub":
+            raise SecureAggregationRefusal(f"the model array {group}/{name} is {np.asarray(value).dtype} "
+                                           f"{np.shape(value)}, the round plan's {dtype} {shape}")
+        model.setdefault(str(group), {})[str(name)] = np.ascontiguousarray(np.asarray(value).astype(dtype))
+    digest = model_digest(model)
+    if digest != described["sha256"]:
+        raise SecureAggregationRefusal(f"the model received (SHA-256 {digest[:16]}... as the round plan reads it) "
+                                       f"is not the round plan's ({str(described['sha256'])[:16]}...): every "
+                                       "hospital of a sum trains from one model")
+    return model, digest
+
+
+def own_model(plan: Mapping[str, Any], name: str) -> Any:
+    """This hospital's row of the round plan's models (``MODEL_KEY``: each distinct model described once, and the
+    model of each hospital by its SHA-256; FedMEPD's hospitals get the encoders of their own modalities)."""
+    from .messages import MODEL_KEY
+
+    table = plan.get(MODEL_KEY)
+    try:
+        return table["models"][table["hospitals"][name]]
+    except (KeyError, TypeError):
+        raise SecureAggregationRefusal(f"the round plan names no model for {name!r} to train from "
+                                       "(secagg.model)") from None
+
+
+def dtype_problem(described: Mapping[str, Any], trained: Mapping[str, Mapping[str, np.ndarray]]) -> str | None:
+    """Why the plan's dtypes are not the network's (an array of the trained reply with the same group and name
+    in another dtype): a plan that casts the model to a wider dtype would make the same training input look new."""
+    for group, name, dtype, _ in described.get("arrays", []):
+        value = trained.get(group, {}).get(name)
+        if value is not None and np.asarray(value).dtype != np.dtype(dtype):
+            return (f"the round plan gives the model array {group}/{name} as {np.dtype(dtype)}, the network holds it "
+                    f"as {np.asarray(value).dtype}")
+    return None
+
+
+def protocol_problem(own: "SecAggPlusState", plan: Mapping[str, Any]) -> str | None:
+    """Why the round plan's protocol parameters (``PROTOCOL_KEY``) are not the ones this hospital was set up with
+    (None: they are): what it quantises, clips and masks with comes from its setup and must be what every hospital
+    signs."""
+    from .messages import PROTOCOL_KEY
+
+    expected = {"hospitals": own.sample_num, "shares": own.share_num, "threshold": own.threshold,
+                "clipping-range": own.clipping_range, "quantization-range": own.target_range,
+                "modulus": own.mod_range}
+    given = plan.get(PROTOCOL_KEY)
+    if not isinstance(given, dict) or set(given) != set(expected) or any(
+            isinstance(given[k], bool) or not isinstance(given[k], (int, float)) or given[k] != v
+            for k, v in expected.items()):
+        return (f"the round plan's protocol parameters {str(given)[:200]} are not the ones its setup stage sent "
+                f"{expected}: every hospital quantises and masks under the one plan it signs")
+    return None
 
 
 # --- the rules and the state ------------------------------------------------------------------------------------------
@@ -335,8 +420,11 @@ class HospitalRules:
     min_hospitals_per_sum: int = 2
     memory: ReplayMemory = field(default_factory=lambda: ReplayMemory(None))
     min_norm_bound: float = 0.0  #: its policy's min-update-norm-bound: a plan's norm bound may not be below it
-    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without peer-keys)
+    #: why it takes part in no secure round at all (a deployment requiring secure aggregation without pinned keys)
     unusable: str = ""
+    #: its policy's pinned peers (name -> key fingerprint, its own included): a key in peer-keys that is not pinned
+    #: is refused; None: its policy pins none
+    pins: dict[str, str] | None = None
 
     def sign(self, statement: bytes) -> bytes:
         """Its signature of ``statement`` (empty without an identity key)."""
@@ -352,7 +440,7 @@ class HospitalRules:
             return None
         from common.trust.identity import statement_problem
 
-        return statement_problem(self.peer_keys, name, statement, signature)
+        return statement_problem(self.peer_keys, name, statement, signature, pins=self.pins)
 
 
 @dataclass
@@ -464,10 +552,14 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
             if vector is None:
                 raise ValueError("the collect stage masks a vector: none was given")
             digest, plan = round_plan(config, rules)
+            problem = protocol_problem(state.flower, plan)
+            if problem:
+                raise SecureAggregationRefusal(problem)
             state.flower.current_stage, state.model, state.plan = COLLECT, model, digest
             state.parts = plan.get(PARTS_KEY) or {}
-            return state, {"masked": mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY),
-                                                 digest.encode())}
+            masked = mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY), digest.encode())
+            contribution_masked(rules.name, state.rnd, vector)
+            return state, {"masked": masked}
         if stage == CONSISTENCY:
             return consistency(state, rules, config)
         done, answer = unmask(state, rules, flower, config)
@@ -477,6 +569,13 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
         raise
     ahead, ahead_answer = setup_ahead(config, node_id, rules, run, rnd)
     return ahead or done, {**answer, **ahead_answer}
+
+
+def contribution_masked(hospital: str, rnd: int, vector: np.ndarray) -> None:
+    """Called with a hospital's pre-mask contribution to round ``rnd`` (the integer vector its masks hide) once it
+    is masked; does
+    nothing. The seam through which tests check that a contribution depends only on the hospital's own inputs, the
+    model and the plan it signs (``tests/test_secure_aggregation_lying_coordinator.py``)."""
 
 
 def setup_ahead(config: Mapping[str, Any], node_id: int, rules: HospitalRules, run: str, rnd: int) -> tuple[
@@ -787,25 +886,49 @@ def unmask(state: HospitalRound, rules: HospitalRules, flower, config: Mapping[s
     except ValueError as error:
         raise SecureAggregationRefusal(f"the unmask request: {error}") from None
     names = survivor_names(state, survivors, table)
-    if rules.peer_keys:  # every survivor a registered hospital that signed this set and this plan
-        statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
-        unsigned = [nid for nid in survivors
-                    if rules.signature_problem(names.get(nid, ""), statement, table[nid][1]) is not None]
-        if unsigned or len(set(names.values())) != len(survivors):
-            raise SecureAggregationRefusal(
-                f"{len(survivors) - len(unsigned)} of the {len(survivors)} survivors signed the survivor set and "
-                f"the round plan it signed with their registered keys (not: nodes {unsigned[:5]}), or two have one "
-                "name: a hospital the consortium did not register, or one told another set or plan, is in the sum")
-    if len(survivors) < rules.min_hospitals_per_sum:
-        raise SecureAggregationRefusal(f"the sum would hold {len(survivors)} hospitals, fewer than its policy's "
+    counted = signed_survivors(state, rules, survivors, names, table) if rules.peer_keys else set(names.values())
+    if len(counted) < rules.min_hospitals_per_sum:
+        raise SecureAggregationRefusal(f"the sum would hold {len(counted)} hospitals, fewer than its policy's "
                                        f"min-hospitals-per-sum={rules.min_hospitals_per_sum}")
-    few = parts_problem(state.parts, set(names.values()), rules.min_hospitals_per_sum)
+    few = parts_problem(state.parts, counted, rules.min_hospitals_per_sum)
     if few:
         raise SecureAggregationRefusal(f"among the survivors, {few}")
     if state.model:  # not revealed for this model meanwhile (another run), and remembered before anything leaves
         rules.memory.revealed(state.model, state.run, state.rnd)
     answer = _unmask(own, flower)
     return finished(), ours(answer)
+
+
+def signed_survivors(state: HospitalRound, rules: HospitalRules, survivors: list[int], names: Mapping[int, str],
+                     table: Mapping[int, tuple[str, bytes]]) -> set[str]:
+    """The survivors, by name, whose signature of this set and this plan verifies with their registered (pinned)
+    key: itself (it knows what it signed), every neighbour's (the ones whose shares it reveals), then the others'
+    until min-hospitals-per-sum of them and every part of the sum hold enough (a survivor it does not check is not
+    counted). Each signature is checked once; SecureAggregationRefusal when one it checks does not verify, or two
+    survivors have one name."""
+    statement = survivors_statement(state.run, state.rnd, state.session, survivors, state.plan)
+    least = rules.min_hospitals_per_sum
+
+    def signed(nid: int) -> bool:
+        return rules.signature_problem(names.get(nid, ""), statement, table[nid][1]) is None
+
+    own = state.flower.nid  # what it signed itself it knows: this set and this plan (checked above)
+    neighbours = [nid for nid in survivors if nid in state.names and nid != own]
+    unsigned = [nid for nid in neighbours if not signed(nid)]
+    counted = {names[nid] for nid in [own, *neighbours] if nid not in unsigned}
+    for nid in (nid for nid in survivors if nid not in state.names):
+        if not unsigned and len(counted) >= least and parts_problem(state.parts, counted, least) is None:
+            break
+        if signed(nid):
+            counted.add(names[nid])
+        else:
+            unsigned.append(nid)
+    if unsigned or len(set(names.values())) != len(survivors):
+        raise SecureAggregationRefusal(
+            f"{len(survivors) - len(unsigned)} of the {len(survivors)} survivors signed the survivor set and the "
+            f"round plan it signed with their registered keys (not: nodes {sorted(unsigned)[:5]}), or two have one "
+            "name: a hospital the consortium did not register, or one told another set or plan, is in the sum")
+    return counted
 
 
 def survivor_names(state: HospitalRound, survivors: list[int], table: Mapping[int, tuple[str, bytes]]) -> dict[

@@ -51,8 +51,44 @@ WEIGHT_CAP_KEY = PREFIX + "weight-cap"  #: the most samples any hospital's weigh
 #: part of the sum -> the hospitals that add to it, where not every hospital does (FedMEPD's modality encoders and
 #: decoder filters): each hospital checks every part holds at least its min-hospitals-per-sum
 PARTS_KEY = PREFIX + "parts"
+#: the protocol's parameters the setup stage sent (hospitals, shares, threshold, clipping and quantisation ranges,
+#: modulus): each hospital requires its setup's values to be these, so no setup told to one hospital alone counts
+PROTOCOL_KEY = PREFIX + "protocol"
+#: the training message's config, the same for every hospital: a hospital trains from this, never from the
+#: message's own config values (what decides its local training: epochs, learning rate, method, data, model)
+TRAIN_CONFIG_KEY = PREFIX + "train-config"
+#: hospital -> the training config keys its method sets per hospital (``SecureMethod.own_config``: QFedPolyp's
+#: bit-width), each hospital's value in the plan every hospital signs
+HOSPITAL_CONFIG_KEY = PREFIX + "train-config-by-hospital"
+#: the models the hospitals train from: ``{"models": {sha256: {"arrays": [[group, name, dtype, shape], ...],
+#: "sha256": ...}}, "hospitals": {name: sha256}}``, the arrays each reads in the server's network's dtypes and the
+#: SHA-256 of those arrays so cast (``hospital.canonical_model``); one model for all but FedMEPD's
+MODEL_KEY = PREFIX + "model"
 OWN_WEIGHT_CAP_KEY = "own.weight-cap"  #: at the hospital only: its policy's max-sample-weight, never from a message
 OWN_NAME_KEY = "own.name"  #: at the hospital only: its own name (its row of a plan that names hospitals)
+
+
+def plan_text(plan: Mapping[str, Any]) -> str:
+    """A round plan as the hospitals receive it: canonical JSON, whose SHA-256 they sign."""
+    return json.dumps(plan, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def config_in_plan(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A message's config as a round plan (JSON) holds it: bytes as ``{"hex": ...}``, alone or in lists."""
+    def value(v: Any) -> Any:
+        return {"hex": v.hex()} if isinstance(v, bytes) else [value(x) for x in v] if isinstance(v, list) else v
+
+    return {k: value(v) for k, v in config.items()}
+
+
+def config_from_plan(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`config_in_plan`."""
+    def value(v: Any) -> Any:
+        if isinstance(v, dict) and set(v) == {"hex"} and isinstance(v["hex"], str):
+            return bytes.fromhex(v["hex"])
+        return [value(x) for x in v] if isinstance(v, list) else v
+
+    return {k: value(v) for k, v in config.items()}
 
 
 def next_stage(stage: str | None) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from common.payload import NamedArrays, Payload
 
-from .messages import LAYOUT_KEY, NORM_BOUND_KEY, OWN_WEIGHT_CAP_KEY, PARTS_KEY, WEIGHT_CAP_KEY
+from .messages import LAYOUT_KEY, NORM_BOUND_KEY, OWN_WEIGHT_CAP_KEY, PARTS_KEY, WEIGHT_CAP_KEY, plan_text
 from .settings import SecureAggregationSettings
 from .vector import Entry, Layout
 
@@ -43,15 +43,11 @@ class MethodPlan:
     #: hospital checks every part holds at least its min-hospitals-per-sum, also among the survivors
     parts: dict[str, list[str]] = field(default_factory=dict)
 
-    def text(self) -> str:
-        """The plan as the hospitals receive it: canonical JSON, whose SHA-256 they sign."""
-        return plan_text({**self.common, LAYOUT_KEY: self.layout.to_json(), PARTS_KEY: self.parts})
-
-
-def plan_text(plan: Mapping[str, Any]) -> str:
-    import json
-
-    return json.dumps(plan, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    def text(self, closing: Mapping[str, Any] | None = None) -> str:
+        """The plan as the hospitals receive it: canonical JSON, whose SHA-256 they sign; ``closing``: what the
+        round adds (the protocol's parameters, the training config, the model)."""
+        return plan_text({**self.common, LAYOUT_KEY: self.layout.to_json(), PARTS_KEY: self.parts,
+                          **dict(closing or {})})
 
 
 Contribution = tuple[dict[str, np.ndarray], dict[str, float]]  #: the parts to sum, and metrics sent in the clear
@@ -77,6 +73,9 @@ class SecureMethod:
         lambda plan, name, received, reply: None
     #: its sum is the FedAvg family's (weight and model update), which distributed DP noises
     distributed_dp: bool = False
+    #: training config keys its server sets per hospital (each hospital's value is a row of the plan every hospital
+    #: signs); every other key is one value for all
+    own_config: frozenset[str] = frozenset()
 
 
 def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:

@@ -27,6 +27,7 @@ from .messages import (
     NEIGHBOURS_KEY,
     PLAN_KEY,
     PREFIX,
+    PROTOCOL_KEY,
     PUBLIC_KEYS_KEY,
     SESSION_KEY,
     SHARE_DIGESTS_KEY,
@@ -38,6 +39,9 @@ from .messages import (
     keys_statement,
     ours,
     survivors_statement,
+)
+from .messages import (
+    plan_text as plan_json,
 )
 from .settings import SecureAggregationSettings, share_plan
 from .sharing import combine_shares
@@ -91,6 +95,13 @@ class ServerRound:
     def name(self, node: int) -> str:
         return self.names.get(node, f"node {node}")
 
+    def protocol_plan(self) -> dict[str, Any]:
+        """What the setup stage sends, as the round plan holds it: each hospital requires its setup's values to be
+        these (``hospital.protocol_problem``), so a setup told to one hospital alone changes nothing it adds."""
+        return {"hospitals": len(self.nodes), "shares": int(self.num_shares), "threshold": int(self.threshold),
+                "clipping-range": float(self.clipping_range), "quantization-range": int(self.quantization_range),
+                "modulus": int(self.modulus)}
+
 
 def plan_round(nodes: list[int], settings: SecureAggregationSettings, seed: Any, size: int,
                modulus: int | None = None, quantization_range: int | None = None,
@@ -113,10 +124,12 @@ def plan_round(nodes: list[int], settings: SecureAggregationSettings, seed: Any,
     half = shares >> 1
     neighbours = {node: {order[(i + offset) % len(order)] for offset in range(-half, half + 1)}
                   for i, node in enumerate(order)}
-    return ServerRound(nodes, shares, threshold, settings.clipping_range,
-                       quantization_range or settings.quantization_range, modulus or settings.modulus_range, size,
-                       secrets.token_hex(16), run, rnd, neighbours,
-                       {n: (names or {}).get(n, f"node-{n}") for n in nodes})
+    planned = ServerRound(nodes, shares, threshold, settings.clipping_range,
+                          quantization_range or settings.quantization_range, modulus or settings.modulus_range, size,
+                          secrets.token_hex(16), run, rnd, neighbours,
+                          {n: (names or {}).get(n, f"node-{n}") for n in nodes})
+    planned.plan_text = plan_json({PROTOCOL_KEY: planned.protocol_plan()})  # a method's plan adds its own keys
+    return planned
 
 
 def setup_config(plan: ServerRound) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""monaiexample: A Flower / MONAI app."""
