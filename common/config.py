@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from common.settings import ConfigError, Section, hyphenated
+from common.trust.patient_dp_plan import PatientDPPlan
 from common.trust.secure_aggregation import SecureAggregationSettings
 
 __all__ = ["ConfigError", "Section", "JobConfig", "load_job_config"]
@@ -236,6 +237,7 @@ class CoreConfig(Section):
 
     screening: ScreeningSection = ScreeningSection()
     secure_aggregation: SecureAggregationSettings = SecureAggregationSettings()
+    patient_dp: PatientDPPlan = PatientDPPlan()
     brain: BrainSection = BrainSection()
 
     @field_validator("input_shape")

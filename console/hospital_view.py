@@ -213,6 +213,12 @@ class Privacy:
     next_epsilon: float | None = None  #: the total after one more training like the last (as the hospital checks)
 
     @property
+    def unit(self) -> str:
+        """What one epsilon protects: 'image' when any DP-SGD training protected images only, else a patient."""
+        units = {(t.released.get("patient-dp") or {}).get("unit") for t in self.trainings}
+        return "image" if "image" in units else "patient"
+
+    @property
     def left(self) -> float | None:
         if self.max_epsilon and self.epsilon is not None and math.isfinite(self.epsilon):
             return max(0.0, self.max_epsilon - self.epsilon)
@@ -633,7 +639,7 @@ def read_privacy(folder: Path, site: SiteLog, policy_file: Path | None, chain_ok
 
             policy, _ = read_policy(policy_file)
             max_per_day = policy.max_trainings_per_day
-            table = policy.local_dp or policy.distributed_dp
+            table = policy.patient_dp or policy.local_dp or policy.distributed_dp
             if table is not None:
                 delta, max_epsilon = table.delta, table.max_epsilon
                 budget_from = f"the policy file {policy_file}"
@@ -653,8 +659,9 @@ def read_privacy(folder: Path, site: SiteLog, policy_file: Path | None, chain_ok
     for number, release in enumerate(releases, start=1):
         noise = release.get("noise-multiplier")
         entry = {"noise-multiplier": float(noise) if isinstance(noise, (int, float)) else None,
-                 "distributed-dp": release.get("distributed-dp")}
-        without_noise = without_noise or (entry["noise-multiplier"] is None and not entry["distributed-dp"])
+                 "distributed-dp": release.get("distributed-dp"), "patient-dp": release.get("patient-dp")}
+        without_noise = without_noise or (entry["noise-multiplier"] is None and not entry["distributed-dp"]
+                                          and not entry["patient-dp"])
         if counter is not None:
             after = counter.add(entry)
         elif without_noise:

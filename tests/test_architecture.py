@@ -117,7 +117,7 @@ def test_a_method_package_imports_no_other_method_package(import_graph):
 def test_the_policy_enforces_what_each_method_declares():
     """Every method states its privacy rules (its package's privacy.py, or the ground floor's plain model update), and
     what local DP can train is exactly what the methods declare."""
-    from common.methods.privacy import MODEL_UPDATE, PrivacyRules
+    from common.methods.privacy import MODEL_UPDATE, MODEL_UPDATE_WITH_TERM, PrivacyRules
     from common.methods.registry import load, local_dp_method_names, privacy_rules
 
     for spec in methods().values():
@@ -125,6 +125,6 @@ def test_the_policy_enforces_what_each_method_declares():
         rules = load(spec.privacy)
         assert isinstance(rules, PrivacyRules) and rules is privacy_rules(spec.name)
         own = spec.privacy.startswith(f"strategies.{spec.strategy.split('.')[1]}.privacy:")
-        assert own or rules is MODEL_UPDATE, spec.privacy
+        assert own or rules in (MODEL_UPDATE, MODEL_UPDATE_WITH_TERM), spec.privacy
         assert rules.local_dp or rules.no_local_dp
     assert local_dp_method_names() == ["fedavg", "fedbn", "fedproin", "fedprox", "moon"]

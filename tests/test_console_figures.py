@@ -203,7 +203,10 @@ def test_epsilon_with_a_secure_sum_counted_in_one_pass_is_the_ledgers():
     entries = [{"noise-multiplier": 1.0, "distributed-dp": None},
                {"noise-multiplier": None, "distributed-dp": {"mechanism": "skellam", "variance": 4e6, "l1": 900.0,
                                                              "l2": 30.0}},
-               {"noise-multiplier": 2.0, "distributed-dp": None}]
+               {"noise-multiplier": 2.0, "distributed-dp": None},
+               {"noise-multiplier": None, "distributed-dp": None,  # patient-level DP-SGD: composed as the sums are
+                "patient-dp": {"mechanism": "poisson-gaussian", "noise-multiplier": 1.1, "sample-rate": 0.01,
+                               "steps": 100, "unit": "patient", "adjacency": "add-remove"}}]
     counter = EpsilonCounter(1e-5)
     for number, entry in enumerate(entries, start=1):
         assert counter.add(entry) == pytest.approx(releases_epsilon(entries[:number], 1e-5), rel=1e-9)

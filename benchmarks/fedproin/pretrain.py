@@ -37,21 +37,23 @@ DATASETS: dict[str, dict[str, Any]] = {
 }
 
 
-def encoder_path(source: str, image_size: int, width: float, epochs: int, seed: int) -> Path:
-    return CACHE / f"encoder-{source}-{image_size}px-w{width:g}-e{epochs}-seed{seed}.pt"
+def encoder_path(source: str, image_size: int, width: float, epochs: int, seed: int, group_norm: bool = False) -> Path:
+    norm = "-groupnorm" if group_norm else ""
+    return CACHE / f"encoder-{source}-{image_size}px-w{width:g}-e{epochs}{norm}-seed{seed}.pt"
 
 
 def pretrain(source: dict[str, Any], name: str, image_size: int, width: float, epochs: int, seed: int = 0,
-             batch_size: int = 32, learning_rate: float = 1e-3) -> Path:
-    """Train (or find in the cache) the encoder; returns the state-dict file."""
-    target = encoder_path(name, image_size, width, epochs, seed)
+             batch_size: int = 32, learning_rate: float = 1e-3, group_norm: bool = False) -> Path:
+    """Train (or find in the cache) the encoder (``group_norm``: GroupNorm in place of BatchNorm, as patient-level
+    DP-SGD needs it); returns the state-dict file."""
+    target = encoder_path(name, image_size, width, epochs, seed, group_norm)
     if target.is_file():
         return target
     cfg = JobConfig(run_name=f"pretrain-{name}", strategy="fedavg", **source, image_size=image_size,
                     resnet_width=width, num_server_rounds=epochs, local_epochs=1, batch_size=batch_size,
                     learning_rate=learning_rate, fraction_train=1.0, min_train_hospitals=1,
                     min_available_hospitals=1, val_fraction=0.0, test_fraction=0.1, seed=seed,
-                    evaluate_every=epochs, device="auto")
+                    evaluate_every=epochs, device="auto", patient_dp={"group_norm": group_norm})
     log.info("pretraining a ResNet-18 (width %g, %d px) on %s for %d epochs", width, image_size, name, epochs)
     engine = run_rounds(cfg, simulated_sites(cfg, 1, device=cfg.device))
     model = engine.method.evaluation_model()

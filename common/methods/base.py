@@ -201,6 +201,8 @@ class HospitalMethod(ABC):
     #: the clipped, noised model must have the sensitivity the policy accounts for (FedProIn counts its influence with
     #: the received model, so one replaced sample moves two counts by one).
     privacy_bounded: bool = False
+    #: Set by the hospital's policy under patient-dp: the DP-SGD its local training runs as (common/trust/patient_dp.py)
+    dp_sgd = None
 
     def __init__(self, cfg: JobConfig, site: Site, task: Task | None = None):
         self.cfg = cfg

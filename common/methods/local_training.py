@@ -3,6 +3,8 @@ and the FedMEPD FedAvg baseline build on (each adds its own terms or starts from
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from common.arrays import model_arrays
@@ -28,8 +30,9 @@ class LocalTraining(HospitalMethod):
         another model or add terms of their own call this from their ``train``)."""
         self.task.check_data(self.site.train, f"hospital {self.site.name}")
         received = self.task.validate(model, self.site.val, self.site.device)
-        stats = self.task.fit(model, self.site.train, self.site.device, self.site.round_seed(rnd),
-                              extra_loss=extra_loss, optimizer=optimizer)
+        fit = self.task.fit if self.dp_sgd is None else partial(self.dp_sgd.fit, self.task)  # policy's patient-dp
+        stats = fit(model, self.site.train, self.site.device, self.site.round_seed(rnd), extra_loss=extra_loss,
+                    optimizer=optimizer)
         metrics = {"num-examples": len(self.site.train), **stats}
         metrics.update({f"val-{k}": v for k, v in received.items() if k != "num-examples"})
         return Payload(arrays={"model": model_arrays(model)}, metrics=metrics)

@@ -37,6 +37,10 @@ class PrivacyRules:
     #: log (None: nothing); statistics of fewer than k samples must not leave
     withhold_small: Callable[..., dict[str, Any] | None] | None = None
 
+    #: why its training cannot run as patient-level DP-SGD (common/trust/patient_dp.py); empty: the method trains
+    #: the received model with the task's loss alone, which per-patient gradients cover
+    no_patient_dp: str = ""
+
     @property
     def local_dp(self) -> bool:
         return not self.no_local_dp
@@ -44,6 +48,10 @@ class PrivacyRules:
 
 #: The reply is the received model, trained (FedAvg, FedProx, MOON): local DP clips and noises its update.
 MODEL_UPDATE = PrivacyRules()
+#: FedProx and MOON: the received model trained with a term of their own beside the task's loss.
+MODEL_UPDATE_WITH_TERM = PrivacyRules(no_patient_dp=(
+    "its extra loss term (FedProx's proximal term, MOON's contrastive term) is not taken through per-patient "
+    "gradients yet, so DP-SGD would not bound it"))
 #: A method whose package declares nothing.
 UNDECLARED = PrivacyRules(no_local_dp="its package declares no privacy rules (privacy.py), so nothing bounds its "
-                                      "reply")
+                                      "reply", no_patient_dp="its package declares no privacy rules (privacy.py)")

@@ -52,7 +52,16 @@ class ClassificationTask(Task):
 
     def build_classifier(self) -> torch.nn.Module:
         """The job's network as a classifier (image -> class scores)."""
-        return build_network(self.network_name, self.network_arguments(), self.network_model_args())
+        return self.dp_compatible(build_network(self.network_name, self.network_arguments(),
+                                                self.network_model_args()))
+
+    def dp_compatible(self, network: torch.nn.Module) -> torch.nn.Module:
+        """``network`` with GroupNorm in place of BatchNorm when the run asks for it (``patient-dp.group-norm``)."""
+        if not self.cfg.patient_dp.group_norm:
+            return network
+        from common.trust.patient_dp import group_norm_network
+
+        return group_norm_network(network)
 
     def build_model(self) -> torch.nn.Module:
         return self.build_classifier()

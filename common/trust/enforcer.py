@@ -21,6 +21,7 @@ from common.trust.policy import (
     PROTOCOL_METRICS,
     DistributedDP,
     LocalDP,
+    PatientDP,
     Policy,
     PolicyRefusal,
     read_policy,
@@ -73,13 +74,16 @@ class Enforcer:
         if policy.local_dp is not None and not rules.local_dp:
             raise self.refuse(f"local-dp: {rules.no_local_dp}, so it cannot be trained under the policy's local DP "
                               f"(methods it can: {', '.join(local_dp_method_names())})", **where)
+        if policy.patient_dp is not None and rules.no_patient_dp:
+            raise self.refuse(f"patient-dp: {rules.no_patient_dp}, so it cannot be trained under the policy's "
+                              "patient-level DP-SGD", **where)
         if kind == "evaluate" and policy.metrics_released == "none":
             raise self.refuse("release-metrics='none': it sends no metrics, so it does not evaluate", **where)
 
     def check_train(self, cfg, site, run: str, rnd: int, where: dict[str, Any],
-                    distributed: dict[str, Any] | None = None) -> float | None:
+                    distributed: dict[str, Any] | None = None, patient: dict[str, Any] | None = None) -> float | None:
         """Enough samples, rounds left in this run, epsilon left (``distributed``: the noise of the secure sum it
-        goes into); returns this round's local-DP noise multiplier."""
+        goes into; ``patient``: its DP-SGD); returns this round's local-DP noise multiplier."""
         policy = self.policy
         k = policy.min_samples
         if len(site.train) < k:
@@ -100,13 +104,14 @@ class Enforcer:
                                   f"max-trainings-per-day={policy.max_trainings_per_day}", **where)
         dp = policy.local_dp
         z = effective_noise_multiplier(cfg.strategy, dp.noise_multiplier) if dp is not None else None
-        entry = {"noise-multiplier": z, "distributed-dp": distributed}
-        for table in (dp, policy.distributed_dp):
+        entry = {"noise-multiplier": z, "distributed-dp": distributed, "patient-dp": patient}
+        for table in (dp, policy.distributed_dp, policy.patient_dp):
             if table is not None and table.max_epsilon:
                 self.check_budget(table, entry, where)
         return z
 
-    def check_budget(self, table: "LocalDP | DistributedDP", entry: dict[str, Any], where: dict[str, Any]) -> None:
+    def check_budget(self, table: "LocalDP | DistributedDP | PatientDP", entry: dict[str, Any],
+                     where: dict[str, Any]) -> None:
         """Refuse when one more training (``entry``) would take epsilon past the table's max-epsilon."""
         now, after = self.ledger.epsilon(table.delta), self.ledger.epsilon(table.delta, [entry])
         if after > table.max_epsilon:
@@ -114,6 +119,18 @@ class Enforcer:
             raise self.refuse(f"privacy budget spent: epsilon is {spent} at delta={table.delta:g}, one more round "
                               f"would make it {after:.3g}, above max-epsilon={table.max_epsilon:g}; it trains no "
                               "more on this data", epsilon=now if math.isfinite(now) else None, **where)
+
+    def dp_sgd(self, cfg, site, where: dict[str, Any]):
+        """The DP-SGD this training runs as under the policy's [patient-dp] (None without one)."""
+        table = self.policy.patient_dp
+        if table is None:
+            return None
+        from common.trust.patient_dp import DPSGD, plan_release
+
+        try:
+            return DPSGD(table, plan_release(table, cfg, site.train))
+        except PolicyRefusal as error:
+            raise self.refuse(str(error), **where) from None
 
     def distributed_release(self, payload, where: dict[str, Any]) -> dict[str, Any] | None:
         """The noise of the secure sum this training goes into, as the policy's [distributed-dp] counts it (None:
@@ -153,15 +170,33 @@ class Enforcer:
         with self.ledger.locked():
             self.check_job("train", cfg, where)
             distributed = self.distributed_release(payload, where)
-            z = self.check_train(cfg, site, run, rnd, where, distributed)
+            dp_sgd = self.dp_sgd(cfg, site, where)
+            patient = dp_sgd.release.entry() if dp_sgd is not None else None
+            z = self.check_train(cfg, site, run, rnd, where, distributed, patient)
             method.privacy_bounded = self.policy.local_dp is not None
-            reply = method.timed_train(rnd, payload)
+            method.dp_sgd = dp_sgd
+            try:
+                reply = method.timed_train(rnd, payload)
+            except PolicyRefusal as error:
+                if dp_sgd is None:
+                    raise
+                raise self.refuse(str(error), **where) from None  # the network or the method DP-SGD cannot take
+            if dp_sgd is not None and not dp_sgd.steps_done:  # fail closed: a training that bypassed DP-SGD
+                raise self.refuse("patient-dp: the method's training did not run through DP-SGD, so its reply is "
+                                  "not sent", **where)
             self.apply_min_samples(method, payload, reply, where)
             if self.policy.local_dp is not None:
                 self.apply_local_dp(method, payload, reply, where)
             self.filter_metrics(reply.metrics, site, where, reply.config, cfg.strategy)
-            self.ledger.record(run, rnd, cfg.strategy, z, distributed)
-        if z is not None:
+            self.ledger.record(run, rnd, cfg.strategy, z, distributed, patient)
+        if patient is not None:
+            table = self.policy.patient_dp
+            self.note("epsilon", epsilon=self.ledger.epsilon(table.delta), delta=table.delta, unit=table.unit,
+                      mechanism="dp-sgd", **{"noise-multiplier": patient["noise-multiplier"],
+                                             "sample-rate": patient["sample-rate"], "steps": patient["steps"],
+                                             "max-grad-norm": table.max_grad_norm, "max-epsilon": table.max_epsilon},
+                      **where)
+        elif z is not None:
             dp = self.policy.local_dp
             self.note("epsilon", epsilon=self.ledger.epsilon(dp.delta), delta=dp.delta,
                       **{"noise-multiplier": dp.noise_multiplier, "clip-norm": dp.clip_norm,
@@ -255,10 +290,14 @@ def enforcer_for(policy_file: str, state_root: str | Path | None, audit_log: Any
     policy, digest = read_policy(policy_file)
     if policy.local_dp is not None:
         accountant_module()  # counting its epsilon needs dp-accounting: say so before the first job
+    if policy.patient_dp is not None:
+        from common.trust.patient_dp import opacus
+
+        opacus()
     if audit_log is None and policy.counts_releases:
-        raise ConfigError(f"policy-file {policy_file!r}: local-dp, max-rounds-per-run and max-trainings-per-day are "
-                          "counted from the privacy ledger, which the audit log guards; node config audit-log='none' "
-                          "cannot be used with them")
+        raise ConfigError(f"policy-file {policy_file!r}: local-dp, patient-dp, max-rounds-per-run and "
+                          "max-trainings-per-day are counted from the privacy ledger, which the audit log guards; node "
+                          "config audit-log='none' cannot be used with them")
     return Enforcer(policy, PrivacyLedger(state_root, audit_log), policy_file, digest,
                     audit_log.append if audit_log is not None else None, peers_checked and bool(policy.peers))
 

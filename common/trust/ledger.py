@@ -40,7 +40,7 @@ RELEASE_EVENT = "privacy-release"  #: the audit line of one training, the ledger
 
 
 #: what the ledger and the audit log must agree on (distributed-dp: the secure sum's noise it counted, or None)
-RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier", "distributed-dp")
+RELEASE_FIELDS = ("run", "round", "method", "noise-multiplier", "distributed-dp", "patient-dp")
 
 
 #: How far a ledger entry's time may be from its audit line's (entries written before both shared one time were
@@ -141,11 +141,12 @@ class PrivacyLedger:
                             f"{self.audit.path} {self.folder}")
 
     def record(self, run: str, rnd: int, method: str, noise_multiplier: float | None,
-               distributed: dict[str, Any] | None = None) -> None:
+               distributed: dict[str, Any] | None = None, patient: dict[str, Any] | None = None) -> None:
         """One training, in the audit log first (so that a crash between the two errs towards counting it);
-        ``distributed``: the secure sum's noise it counted (``distributed_dp.release``)."""
+        ``distributed``: the secure sum's noise it counted (``distributed_dp.release``); ``patient``: its DP-SGD
+        (``patient_dp.Release.entry``)."""
         entry = {"run": run, "round": rnd, "method": method, "noise-multiplier": noise_multiplier,
-                 "distributed-dp": distributed,
+                 "distributed-dp": distributed, "patient-dp": patient,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if self.path is None:
             self._memory.append(entry)
@@ -184,17 +185,23 @@ class PrivacyLedger:
         return releases_epsilon(self.releases() + extra, delta)
 
 
+#: ledger entries whose RDP only distributed_dp composes (a noised secure sum, patient-level DP-SGD): with any of them
+#: among a hospital's entries, every entry is composed there
+COMPOSED_KINDS = ("distributed-dp", "patient-dp")
+
+
 def releases_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
     """Epsilon at ``delta`` of ledger entries: local DP's Gaussian releases by Google's RDP accountant; with any
-    secure sum under distributed DP among them, every entry composed by :mod:`common.trust.secure_aggregation.
-    distributed_dp` (Skellam sums and Gaussian releases alike). A training without noise makes it infinite."""
-    if not any(r.get("distributed-dp") for r in releases):
+    secure sum under distributed DP or patient-level DP-SGD among them, every entry's RDP composed by
+    :mod:`common.trust.secure_aggregation.distributed_dp` (Skellam sums, Poisson-subsampled and plain Gaussian releases
+    alike, all add/remove one patient: docs/privacy.md). A training without noise makes it infinite."""
+    if not any(r.get(kind) for r in releases for kind in COMPOSED_KINDS):
         return epsilon_of([r.get("noise-multiplier") for r in releases], delta)
     from common.trust.secure_aggregation import distributed_dp as ddp
 
     mechanisms = []
     for release in releases:
-        parts = [release["distributed-dp"]] if release.get("distributed-dp") else []
+        parts = [release[kind] for kind in COMPOSED_KINDS if release.get(kind)]
         if release.get("noise-multiplier"):
             parts.append({"mechanism": "gaussian", "noise-multiplier": release["noise-multiplier"]})
         mechanisms += parts or [{"noise-multiplier": None}]
@@ -245,18 +252,18 @@ class EpsilonCounter:
         self._rdp_module = accountant_module().rdp.rdp_privacy_accountant
         self._orders = np.asarray(self._rdp_module.DEFAULT_RDP_ORDERS, dtype=np.float64)  #: Google's accountant's
         self._local = np.zeros(len(self._orders))  #: its RDP of the Gaussian releases (inf: one without noise)
-        self._sums = False  #: a secure sum under distributed DP among the entries: every one composed by ddp
+        self._sums = False  #: a noised secure sum or DP-SGD among the entries: every one composed by ddp
         self._rdp = np.zeros(len(ddp.ORDERS))  #: the ddp composition of every entry
 
     def _rdp_of(self, entry: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        ddp = entry.get("distributed-dp")
-        key = (entry.get("noise-multiplier"), json.dumps(ddp, sort_keys=True) if ddp else None)
+        key = (entry.get("noise-multiplier"), *(json.dumps(entry[kind], sort_keys=True) if entry.get(kind) else None
+                                                for kind in COMPOSED_KINDS))
         if key not in self._known:
             z = entry.get("noise-multiplier")
             local = np.full(len(self._orders), math.inf) if z is None else \
                 self._rdp_module._compute_rdp_poisson_subsampled_gaussian(q=1.0, noise_multiplier=float(z),
                                                                           orders=self._orders)
-            parts = [entry["distributed-dp"]] if entry.get("distributed-dp") else []
+            parts = [entry[kind] for kind in COMPOSED_KINDS if entry.get(kind)]
             if z:
                 parts.append({"mechanism": "gaussian", "noise-multiplier": z})
             self._known[key] = (np.asarray(local, dtype=np.float64),
@@ -274,7 +281,7 @@ class EpsilonCounter:
             self.count += 1
             self._local = self._local + local
             self._rdp = self._rdp + distributed
-            self._sums = self._sums or bool(entry.get("distributed-dp"))
+            self._sums = self._sums or any(entry.get(kind) for kind in COMPOSED_KINDS)
         return self.epsilon()
 
     def epsilon(self) -> float:

@@ -14,6 +14,10 @@ at the hospital, whatever the server asks (docs/privacy.md).
     delta = 1e-5
     max-epsilon = 8.0                   # refuse to train once the next round would pass it (0: no limit)
 
+    [patient-dp]                        # or: DP-SGD while it trains, epsilon per patient (patient_dp.py)
+    target-epsilon = 8.0
+    max-grad-norm = 1.0
+
 What the rules do to each method's reply, and what epsilon means, is docs/privacy.md. Nothing in a message changes a
 policy: the hospital reads the file (again for every message) and the server only sees what it leads to (a smaller
 reply, a refusal with its reason). This module reads the file; ``enforcer.py`` applies it to every job and reply, as
@@ -72,6 +76,29 @@ class DistributedDP(Section):
                                                         "(0: track epsilon, no limit).")
 
 
+class PatientDP(Section):
+    """Patient-level DP-SGD while the hospital trains (common/trust/patient_dp.py, docs/privacy.md): every step's
+    gradient is the sum of per-patient gradients, each clipped, plus Gaussian noise; patients Poisson-sampled."""
+
+    target_epsilon: float = Field(0.0, ge=0.0, description=(
+        "The epsilon per patient the consortium's plan (num-server-rounds trainings) may spend; the noise is set "
+        "from it. 0: noise-multiplier gives the noise."))
+    noise_multiplier: float = Field(0.0, ge=0.0, description="sigma: noise of std sigma * max-grad-norm per step.")
+    max_grad_norm: float = Field(gt=0.0, description="C: each patient's gradient (sum of its images') cut to this.")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The delta epsilon is reported at.")
+    unit: Literal["patient", "image"] = Field("patient", description=(
+        "What one protected record is: a patient (the data's group: HAM10000's lesion, a loader's group column; an "
+        "image where the data has no groups) or each image."))
+    max_epsilon: float = Field(0.0, ge=0.0, description="Refuse to train once the next round would pass this "
+                                                        "(0: track epsilon, no limit).")
+
+    @model_validator(mode="after")
+    def _one_noise(self) -> "PatientDP":
+        if bool(self.target_epsilon) == bool(self.noise_multiplier):
+            raise ValueError("patient-dp: give exactly one of target-epsilon and noise-multiplier")
+        return self
+
+
 class Policy(Section):
     """What the hospital allows: tasks, methods, the fewest samples behind a statistic, rounds per run, local DP."""
 
@@ -93,9 +120,12 @@ class Policy(Section):
         "SHA-256 hashes of the app bundles (FABs) it runs (`fedmed app-hash`); fedmed-supernode refuses others."))
     release_metrics: Literal["all", "validation", "none"] | None = Field(None, description=(
         "Metrics a reply may carry besides the counts the protocol needs: all (validation and training), "
-        "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp or distributed-dp "
-        "(a training loss, validation scores or a clipping flag in the clear are outside epsilon)."))
+        "validation (val-*), none (and no evaluate replies). Default: all; none under local-dp, patient-dp or "
+        "distributed-dp (a training loss, validation scores or a clipping flag in the clear are outside epsilon)."))
     local_dp: LocalDP | None = None
+    patient_dp: PatientDP | None = Field(None, description=(
+        "Patient-level DP-SGD: the hospital trains with clipped per-patient gradients and noise (Opacus), each "
+        "training's epsilon per patient counted in the ledger."))
     distributed_dp: DistributedDP | None = Field(None, description=(
         "Distributed DP: every training goes into a secure sum that carries noise (its [distributed-dp] table), "
         "counted in the ledger; anything else is refused unless local-dp noises it."))
@@ -190,7 +220,8 @@ class Policy(Section):
     @property
     def counts_releases(self) -> bool:
         """Whether the policy depends on what its ledger holds (then the audit log must hold it too)."""
-        return bool(self.local_dp or self.distributed_dp or self.max_rounds_per_run or self.max_trainings_per_day)
+        return bool(self.local_dp or self.patient_dp or self.distributed_dp or self.max_rounds_per_run
+                    or self.max_trainings_per_day)
 
     @model_validator(mode="after")
     def _honest_shares(self) -> "Policy":
@@ -220,7 +251,7 @@ class Policy(Section):
 
     @property
     def metrics_released(self) -> str:
-        noised = self.local_dp is not None or self.distributed_dp is not None
+        noised = self.local_dp is not None or self.distributed_dp is not None or self.patient_dp is not None
         return self.release_metrics or ("none" if noised else "all")
 
 

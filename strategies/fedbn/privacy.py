@@ -23,4 +23,6 @@ def initial_norm_layers(method, payload, reply) -> set[str]:
     return {NORM_GROUP}
 
 
-RULES = PrivacyRules(before_local_dp=initial_norm_layers)
+RULES = PrivacyRules(before_local_dp=initial_norm_layers, no_patient_dp=(
+    "FedBN keeps each hospital's own BatchNorm statistics, and BatchNorm mixes the samples of a batch, so no "
+    "per-patient gradient exists (DP-SGD needs GroupNorm in its place, which is not FedBN)"))

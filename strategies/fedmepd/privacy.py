@@ -9,6 +9,10 @@ PERSONAL_FILTERS = frozenset({"personal-filters"})
 RULES = PrivacyRules(
     no_local_dp="FedMEPD's reply (modality encoders and shared decoder filters, its personal filters masked out) is "
                 "not covered: local DP is not implemented for the FedMEPD family",
+    no_patient_dp="the FedMEPD family's 3D multi-modal networks are not taken through per-sample gradients (their "
+                  "per-sample copies of the weights would not fit a hospital's memory)",
     protocol_metrics=PERSONAL_FILTERS)
 BASELINE_RULES = PrivacyRules(no_local_dp="local DP is not implemented for the FedMEPD family",
+                              no_patient_dp="the FedMEPD family's 3D networks are not taken through per-sample "
+                                            "gradients",
                               protocol_metrics=PERSONAL_FILTERS)

@@ -48,4 +48,6 @@ def withhold_small_counts(method, payload, reply, k: int, noise_multiplier: floa
 
 
 RULES = PrivacyRules(protocol_metrics=frozenset({"influence"}), noise_multiplier=noise_multiplier_with_counts,
-                     withhold_small=withhold_small_counts)
+                     withhold_small=withhold_small_counts, no_patient_dp=(
+                         "FedProIn's prototype losses (FDL, PCL), its k-means prototype start and its influence "
+                         "counts are not taken through per-patient gradients yet"))

@@ -29,4 +29,5 @@ def withhold_small_classes(method, payload, reply, k: int, noise_multiplier: flo
 RULES = PrivacyRules(
     no_local_dp="FedProto's reply is its class means and its own model, never a model it received, so there is no "
                 "update to clip",
-    withhold_small=withhold_small_classes)
+    withhold_small=withhold_small_classes,
+    no_patient_dp="FedProto's reply carries its class means, which DP-SGD's noise on the gradients does not cover")

@@ -10,5 +10,5 @@ METHODS = (
                summary="FedAvg with a proximal term on the hospital side",
                settings="strategies.fedprox.settings:FedProxSettings", section="fedprox",
                secure="common.trust.secure_aggregation.methods:MEAN_UPDATE",
-               privacy="common.methods.privacy:MODEL_UPDATE", flower_contract=True),
+               privacy="common.methods.privacy:MODEL_UPDATE_WITH_TERM", flower_contract=True),
 )

@@ -8,5 +8,5 @@ METHODS = (
                summary="FedAvg with a model-contrastive term on the representation",
                settings="strategies.moon.settings:MoonSettings", section="moon", model_needs="features",
                secure="common.trust.secure_aggregation.methods:MEAN_UPDATE",
-               privacy="common.methods.privacy:MODEL_UPDATE"),
+               privacy="common.methods.privacy:MODEL_UPDATE_WITH_TERM"),
 )

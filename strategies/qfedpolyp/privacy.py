@@ -6,4 +6,6 @@ from common.methods.privacy import PrivacyRules
 RULES = PrivacyRules(
     no_local_dp="QFedPolyp's reply is b-bit packed codes of its update (common/quantization), which noise added "
                 "here would not survive",
-    protocol_metrics=frozenset({"bit-width"}))
+    protocol_metrics=frozenset({"bit-width"}),
+    no_patient_dp="QFedPolyp's fake-quant layers have no per-sample gradient rule in Opacus, and its segmentation "
+                  "task is not taken through DP-SGD yet")

@@ -48,6 +48,7 @@ HEADROOM = 6.0
 #: stays well inside float64's integers (2^53); the scale (the sum's resolution, 1/s) gives way to it
 MAX_LOCAL_VARIANCE = 2.0**40
 ORDERS = tuple(range(2, 257)) + (320, 384, 512, 768, 1024)  #: integer Rényi orders (the Skellam bound's)
+POISSON_GAUSSIAN = "poisson-gaussian"  #: a ledger entry of DP-SGD: steps of a Poisson-subsampled Gaussian
 NOISED = "noised"  #: the layout entry of the rotated, rounded, noised model contribution
 
 
@@ -265,6 +266,11 @@ def rdp(releases: list[dict[str, Any]], orders: tuple[int, ...] = ORDERS) -> np.
         if entry.get("mechanism") == MECHANISM:
             total += [skellam_rdp(a, float(entry["variance"]), float(entry["l1"]), float(entry["l2"]))
                       for a in orders]
+        elif entry.get("mechanism") == POISSON_GAUSSIAN:  # patient-level DP-SGD (common/trust/patient_dp.py)
+            from opacus.accountants.analysis.rdp import compute_rdp  # Opacus's RDP of the subsampled Gaussian
+
+            total += compute_rdp(q=float(entry["sample-rate"]), noise_multiplier=float(entry["noise-multiplier"]),
+                                 steps=int(entry["steps"]), orders=list(orders))
         elif entry.get("mechanism") == "gaussian" and entry.get("noise-multiplier"):
             total += np.asarray(orders, dtype=np.float64) / (2 * float(entry["noise-multiplier"]) ** 2)
         else:
