@@ -20,9 +20,13 @@ if [ -e "$out" ]; then
   echo "$out exists; kept"
   exit 0
 fi
-peers=$(cd "$root" && "$python" -m cli.main key-fingerprint --peers "$@")
+keys=()
+for key in "$@"; do  # named from where the officer stands, read from the project's folder below
+  case $key in /*) keys+=("$key") ;; *) keys+=("$PWD/$key") ;; esac
+done
+peers=$(cd "$root" && "$python" -m cli.main key-fingerprint --peers "${keys[@]}")
 mkdir -p "$(dirname "$out")"
 { cat "$root/deploy/hospital-policy.toml"; echo; echo "$peers"; } > "$out.tmp"
 mv "$out.tmp" "$out"
 echo "$out pins these keys; compare each fingerprint with its hospital's officer before starting the SuperNode:" >&2
-(cd "$root" && "$python" -m cli.main key-fingerprint "$@") >&2
+(cd "$root" && "$python" -m cli.main key-fingerprint "${keys[@]}") >&2

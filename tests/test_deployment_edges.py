@@ -120,3 +120,22 @@ def test_the_refusal_for_an_edited_audit_log_names_its_file_not_its_folder(tmp_p
     reply = answer(node, {}, MessageType.QUERY, run_config=SMALL)
     assert reply.has_error() and "audit.jsonl" in reply.error.reason
     assert str(tmp_path) not in reply.error.reason
+
+
+def test_make_hospital_policy_pins_keys_named_from_where_the_officer_stands(tmp_path):
+    """docs/deployment.md's step: `deploy/make_hospital_policy.sh POLICY deploy/keys/*.pub` from the consortium's
+    folder; the key paths are relative to it, not to the project the script lies in."""
+    from common.trust.identity import key_fingerprint
+    from common.trust.policy import read_policy
+
+    env = {**os.environ, "FEDMED_PYTHON": sys.executable}
+    subprocess.run(["bash", str(ROOT / "deploy" / "make_hospital_keys.sh"), "deploy/keys", "hospital-a", "hospital-b"],
+                   cwd=tmp_path, env=env, check=True, capture_output=True)
+    done = subprocess.run(["bash", str(ROOT / "deploy" / "make_hospital_policy.sh"), "deploy/policies/a.toml",
+                           "deploy/keys/hospital-a.pub", "deploy/keys/hospital-b.pub"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    policy, _ = read_policy(tmp_path / "deploy" / "policies" / "a.toml")
+    assert policy.require_secure_aggregation
+    assert policy.peers == {name: key_fingerprint(tmp_path / "deploy" / "keys" / f"{name}.pub")
+                            for name in ("hospital-a", "hospital-b")}
