@@ -17,14 +17,12 @@ from common.methods.base import CROSS_SITE_KEY, HospitalMethod, Payload
 from common.methods.registry import hospital_class
 from common.methods.site import HospitalStateStore, Site, build_site
 from common.trust.argument_gate import DEFAULT_JOB_LIMITS, argument_problems, inside
-from common.trust.audit import AuditLog
-from common.trust.code_gate import CodeGate, split_list
 from common.trust.enforcer import Enforcer, enforcer_for
 from common.trust.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.trust.policy import PolicyRefusal
 from common.trust.sandbox import closed
 
-from .node_config import NodeConfig, load_node_config
+from .node_config import NodeConfig, code_gate, hospital_audit, load_node_config  # noqa: F401 (named here too)
 
 _SITES: "OrderedDict[tuple, Site]" = OrderedDict()  # loaded data, reused while this process lives
 _MAX_SITES = 32
@@ -52,12 +50,6 @@ def hospital_method(cfg: JobConfig, node: NodeConfig, payload: Payload) -> Hospi
     return hospital_class(cfg.strategy)(cfg, hospital_site(cfg, node, run_name))
 
 
-def hospital_audit(node: NodeConfig, run_state_dir: str) -> AuditLog | None:
-    """The hospital's audit log (node config ``audit-log``; default: audit.jsonl in its state folder)."""
-    path = node.audit_path(run_state_dir)
-    return AuditLog(path, f"hospital:{node.name}") if path is not None else None
-
-
 def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
     """The hospital's own policy (node config ``policy-file``), read afresh for every message; None without one.
     Its decisions, and its ledger's entries, go to the hospital's audit log."""
@@ -65,18 +57,6 @@ def hospital_enforcer(node: NodeConfig, cfg: JobConfig) -> Enforcer | None:
         return None
     return enforcer_for(node.policy_file, node.state_root(cfg.state_dir), hospital_audit(node, cfg.state_dir),
                         peers_checked=bool(node.peer_keys))
-
-
-def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:
-    """The code this hospital runs by name: built in, and what its node config and policy list; the size of the
-    networks it builds (its limits' model-parameters)."""
-    policy = enforcer.policy if enforcer is not None else None
-    models = split_list(node.models) + tuple(policy.models if policy else ())
-    datasets = split_list(node.datasets) + tuple(policy.datasets if policy else ())
-    limits = policy.limits if policy else DEFAULT_JOB_LIMITS
-    return CodeGate(models, datasets, trust_run_config=node.virtual,
-                    source="node config and policy" if policy else "node config",
-                    max_parameters=0 if node.virtual else limits["model-parameters"])
 
 
 def answer(kind: str, payload: Payload, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Payload:

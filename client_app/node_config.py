@@ -16,11 +16,17 @@ import contextlib
 import contextvars
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.config import ConfigError, JobConfig, Section, describe_validation_error
+from common.trust.argument_gate import DEFAULT_JOB_LIMITS
+from common.trust.audit import AuditLog
+from common.trust.code_gate import CodeGate, split_list
+
+if TYPE_CHECKING:
+    from common.trust.enforcer import Enforcer
 
 #: A deployed hospital works in its warm worker unless its node config says ``warm-worker=false``.
 WARM_WORKER_BY_DEFAULT = True
@@ -199,3 +205,21 @@ def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(f"node config of {node.name} key 'policy-file': {node.policy_file!r} is not a file (the "
                           "hospital answers nothing until its policy can be read)")
     return node
+
+
+def hospital_audit(node: NodeConfig, run_state_dir: str) -> AuditLog | None:
+    """The hospital's audit log (node config ``audit-log``; default: audit.jsonl in its state folder)."""
+    path = node.audit_path(run_state_dir)
+    return AuditLog(path, f"hospital:{node.name}") if path is not None else None
+
+
+def code_gate(node: NodeConfig, enforcer: Enforcer | None) -> CodeGate:
+    """The code this hospital runs by name: built in, and what its node config and policy list; the size of the
+    networks it builds (its limits' model-parameters)."""
+    policy = enforcer.policy if enforcer is not None else None
+    models = split_list(node.models) + tuple(policy.models if policy else ())
+    datasets = split_list(node.datasets) + tuple(policy.datasets if policy else ())
+    limits = policy.limits if policy else DEFAULT_JOB_LIMITS
+    return CodeGate(models, datasets, trust_run_config=node.virtual,
+                    source="node config and policy" if policy else "node config",
+                    max_parameters=0 if node.virtual else limits["model-parameters"])

@@ -12,8 +12,7 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     its policy file. ConfigError (or ValueError, OSError) when they cannot be read."""
     from flwr.common.config import parse_config_args
 
-    from client_app.hospital import code_gate
-    from client_app.node_config import SIMULATION_ENGINE_FIELDS, load_node_config
+    from client_app.node_config import SIMULATION_ENGINE_FIELDS, code_gate, hospital_audit, load_node_config
     from common.config import ConfigError, server_settable_keys
     from common.trust.argument_gate import DEFAULT_JOB_LIMITS
     from common.trust.code_gate import wide_patterns
@@ -27,7 +26,6 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     node = load_node_config(raw)
     enforcer = None
     if node.policy_file:
-        from client_app.hospital import hospital_audit
         from common.trust.enforcer import enforcer_for
 
         enforcer = enforcer_for(node.policy_file, None, hospital_audit(node, "state"))

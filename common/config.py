@@ -120,6 +120,14 @@ class ScreeningSection(Section):
 SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+def _built_in_networks(task: str) -> tuple[str, ...]:
+    """The task's built-in network names; imported only for a config that names a model (the module imports torch,
+    which reading a hospital's policy and node config, as ``fedmed console`` does, needs not)."""
+    from common.models.networks import TASK_BUILT_IN
+
+    return TASK_BUILT_IN[task]
+
+
 class CoreConfig(Section):
     """Every run-config key but the methods' own tables (``JobConfig`` adds those). Defaults here equal those in
     pyproject.toml (a test keeps them in step)."""
@@ -327,12 +335,12 @@ class CoreConfig(Section):
             raise ValueError(
                 f"dataset={self.dataset!r} does not fit task={self.task!r}; use one of "
                 f"{', '.join(TASK_DATASETS[self.task])}, or a loader of your own as 'package.module:loader'")
-        from common.models.networks import TASK_BUILT_IN
         from common.trust.code_gate import parse_arguments
 
-        if self.model and ":" not in self.model and self.model not in TASK_BUILT_IN[self.task]:
+        built_in = _built_in_networks(self.task) if self.model and ":" not in self.model else ()
+        if built_in and self.model not in built_in:
             raise ValueError(f"model={self.model!r} is not a built-in network of task={self.task!r} "
-                             f"({', '.join(TASK_BUILT_IN[self.task])}) nor a factory of your own, "
+                             f"({', '.join(built_in)}) nor a factory of your own, "
                              "'package.module:factory'")
         for key, text in (("model-args", self.model_args), ("dataset-args", self.dataset_args)):
             try:

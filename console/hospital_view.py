@@ -364,11 +364,11 @@ def peer_audit_checks(hospital_log: Path, name: str, server_logs: dict[str, Path
 
 
 def _text(value: Any) -> str:
-    return value if isinstance(value, str) else "" if value is None else str(value)
+    return value if type(value) is str else "" if value is None else str(value)
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if type(value) is int else None  # not a bool
 
 
 def clean_reason(reason: str) -> str:
@@ -434,16 +434,14 @@ class SiteLog:
                 self._round(self._run(run_name), number).trained = True
 
     def _message(self, line: int, record: dict[str, Any], run_name: str, number: int | None) -> None:
-        direction = "in" if record.get("direction") == "received" else "out"
-        metrics = record.get("metrics")
-        message = Message(line=line, time=_text(record.get("time")), direction=direction,
-                          kind=sys.intern(_text(record.get("kind"))), run=sys.intern(run_name), round=number,
-                          method=sys.intern(_text(record.get("method"))), stage=sys.intern(_text(record.get("stage"))),
-                          bytes=_int(record.get("bytes")) or 0,
-                          metrics=[sys.intern(str(m)) for m in metrics] if isinstance(metrics, list) else None,
-                          masked=record.get("masked") if isinstance(record.get("masked"), bool) else None,
-                          error=clean_reason(_text(record.get("error"))), flower_run=_int(record.get("flower-run")),
-                          peer_node=_int(record.get("peer-node")))
+        get, intern = record.get, sys.intern  # a year of messages: one call per field, strings shared
+        direction = "in" if get("direction") == "received" else "out"
+        metrics, masked, error = get("metrics"), get("masked"), get("error")
+        message = Message(line, _text(get("time")), direction, intern(_text(get("kind"))), intern(run_name), number,
+                          intern(_text(get("method"))), intern(_text(get("stage"))), _int(get("bytes")) or 0,
+                          [intern(str(m)) for m in metrics] if isinstance(metrics, list) else None,
+                          masked if isinstance(masked, bool) else None,
+                          clean_reason(_text(error)) if error else "", _int(get("flower-run")), _int(get("peer-node")))
         run = self._run(run_name)
         run["messages"].append(message)
         if message.method and message.method not in run["methods"]:

@@ -4,10 +4,13 @@ removed, reordered or cut-short line; both ends of a federation log the same con
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cli.audit import main as audit_main
 from common.trust.audit import GENESIS, AuditError, AuditLog, FollowedLog, cross_check, line_hash, verify
@@ -76,6 +79,52 @@ def test_a_reformatted_line_is_named(tmp_path):
     lines[1] = json.dumps(json.loads(lines[1]), indent=None).encode() + b"\n"  # same content, spaces added
     path.write_bytes(b"".join(lines))
     assert problem_lines(path) == [2]
+
+
+def test_a_reformatted_line_whose_hash_covers_its_new_text_is_named(tmp_path):
+    """Verification hashes a line's text without its hash (one JSON dump a line, not two) and still accepts only
+    the writer's canonical form: a line respaced and re-hashed over its own new text is named."""
+    path = tmp_path / "audit.jsonl"
+    written(path)
+    lines = lines_of(path)
+    record = json.loads(lines[1])
+    body = json.dumps({k: v for k, v in record.items() if k != "hash"}, sort_keys=True)  # spaces after , and :
+    record["hash"] = hashlib.sha256(body.encode()).hexdigest()
+    lines[1] = (body[:-1] + f', "hash": "{record["hash"]}"}}\n').encode()
+    path.write_bytes(b"".join(lines))
+    assert 2 in problem_lines(path)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["hash", "a", "zz", "é", '"']) |
+                                                                st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.lists(st.dictionaries(st.sampled_from(["a", "detail", "hash-of", "zz", "event-x"]), JSON_VALUES,
+                                       max_size=3), min_size=2, max_size=4),
+       where=st.data())
+def test_every_written_line_verifies_and_any_byte_changed_in_one_is_named(tmp_path_factory, fields, where):
+    """Whatever an event holds (nested objects with a "hash" key, escapes, long numbers), the writer's lines
+    verify, and changing any one byte of a line, or removing it, names that line."""
+    path = tmp_path_factory.mktemp("log") / "audit.jsonl"
+    log = AuditLog(path, "test")
+    for number, extra in enumerate(fields):
+        log.append("message", round=number, **extra)
+    assert verify(path).ok
+    lines = lines_of(path)
+    line = where.draw(st.integers(0, len(lines) - 1))
+    at = where.draw(st.integers(0, len(lines[line]) - 2))  # not its newline
+    byte = where.draw(st.integers(0, 255).filter(lambda b: b != lines[line][at] and b != ord("\n")))
+    changed = list(lines)
+    changed[line] = lines[line][:at] + bytes([byte]) + lines[line][at + 1:]
+    path.write_bytes(b"".join(changed))
+    assert line + 1 in problem_lines(path)
+    path.write_bytes(b"".join(lines[:line] + lines[line + 1:]))
+    assert problem_lines(path)[:1] == ([line + 1] if line + 1 < len(lines) else [])
 
 
 def test_an_inserted_line_is_named(tmp_path):

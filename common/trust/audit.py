@@ -29,6 +29,7 @@ SERVER_HEAD_KEY = "server-audit-head"  #: message config: the server's audit hea
 RUN_ENDED_QUERY = "run-ended"
 AUDIT_HEAD_MARK = "[audit-head "  #: an error reply's reason ends with "[audit-head <hash>]" (no records in errors)
 RESERVED = ("seq", "time", "prev", "hash")  #: fields every line has; an event's own fields may not use them
+_RESERVED_KEYS = frozenset(RESERVED)
 MAX_TEXT = 2000  #: characters kept of any text field (a refusal's reason, an error)
 _TAIL = 1 << 12  #: bytes read at a time from the end of the file to find the last line
 
@@ -38,8 +39,15 @@ class AuditError(RuntimeError):
 
 
 def canonical(record: dict[str, Any]) -> str:
-    """The one text form a line may have: sorted keys, no spaces, ASCII, no NaN."""
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    """The one text form a line may have: sorted keys, no spaces, ASCII, no NaN (``json.dumps`` with those
+    options, its C encoder made once: a log is read a line at a time)."""
+    return "".join(_ENCODE(record, 0))
+
+
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+_ENCODE = (json.encoder.c_make_encoder(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",",
+                                       True, False, False)  # lines are trees: no check for cycles
+           if json.encoder.c_make_encoder is not None else _ENCODER.iterencode)
 
 
 def line_hash(record: dict[str, Any]) -> str:
@@ -206,22 +214,38 @@ def line_problem(text: bytes) -> str | None:
 def _parsed(text: bytes) -> tuple[str | None, dict[str, Any] | None]:
     """(what is wrong with the line on its own, or None; the line read, when nothing is): one parse for both."""
     try:
-        record = json.loads(text.decode("utf-8"))
+        decoded = text.decode("utf-8")
+        record = json.loads(decoded)
     except (UnicodeDecodeError, ValueError):
         return "is not a JSON object (edited, or cut short)", None
-    if not isinstance(record, dict) or not all(key in record for key in RESERVED):
+    if not isinstance(record, dict) or not _RESERVED_KEYS <= record.keys():
         return f"is not an audit line (it lacks one of {', '.join(RESERVED)})", None
     if not isinstance(record["seq"], int) or not isinstance(record["hash"], str):
         return "has a seq that is not a number or a hash that is not text", None
+    try:
+        written = canonical(record)
+    except ValueError:
+        written = None
+    if written == decoded and hashlib.sha256(_without_hash(text, record["hash"])).hexdigest() == record["hash"]:
+        return None, record  # canonical, and its text without its hash hashes to it: one JSON dump, not two
     if record["hash"] != line_hash(record):
         return "does not match its hash: its content was edited", None
-    try:
-        if canonical(record).encode() != text:
-            return ("is not written as the log writes lines (its text was edited; the hash still matches its "
-                    "content)", None)
-    except ValueError:
+    if written is None:
         return "holds a value the log never writes (NaN or Infinity)", None
-    return None, record
+    return "is not written as the log writes lines (its text was edited; the hash still matches its content)", None
+
+
+def _without_hash(text: bytes, digest: str) -> bytes:
+    """A canonical line's text without its ``hash`` member: the canonical text that :func:`line_hash` hashes. The
+    first ``"hash":"<digest>"`` is the line's own: one inside a value before it would make the digest a hash of a
+    text holding the digest itself."""
+    member = b'"hash":"' + digest.encode("ascii", "replace") + b'"'  # a digest that needs escaping: no match
+    at = text.find(member)
+    if at < 0:
+        return text
+    before, after = text[:at], text[at + len(member):]
+    return before[:-1] + after if before.endswith(b",") else before + after[1:] if after.startswith(b",") else \
+        before + after
 
 
 @dataclass
@@ -270,29 +294,34 @@ def _check_chain(data: bytes, first: int, previous: dict[str, Any] | None, resul
     cut = texts[-1] != b""
     texts = texts if cut else texts[:-1]
     result.lines = first - 1 + len(texts)
-    records = []
-    for number, text in enumerate(texts, start=first):
-        if cut and number == result.lines:
-            result.problems.append((number, "is cut short: the file does not end with a newline (a write was "
-                                            "interrupted, or the end of the file was removed)"))
-            break
-        problem, record = _parsed(text)
+    records, problems, parsed = [], result.problems, _parsed
+    for number, text in enumerate(texts[:-1] if cut else texts, start=first):
+        problem, record = parsed(text)
         if problem:
-            result.problems.append((number, problem))
+            problems.append((number, problem))
             previous = None
             continue
         records.append(record)
-        expected_seq = 1 if number == 1 else previous["seq"] + 1 if previous else None
-        if expected_seq is not None and record["seq"] != expected_seq:
-            result.problems.append((number, f"holds seq {record['seq']}, not {expected_seq}: a line before it was "
-                                            "removed or inserted, or lines were reordered"))
-        expected = GENESIS if number == 1 else previous["hash"] if previous else None
-        if expected is not None and record["prev"] != expected:
+        if number == 1:
+            expected_seq, expected = 1, GENESIS
+        elif previous is not None:
+            expected_seq, expected = previous["seq"] + 1, previous["hash"]
+        else:
+            previous = record
+            continue
+        if record["seq"] != expected_seq:
+            problems.append((number, f"holds seq {record['seq']}, not {expected_seq}: a line before it was removed "
+                                     "or inserted, or lines were reordered"))
+        if record["prev"] != expected:
             before = "the start of the log" if number == 1 else f"line {number - 1}"
-            result.problems.append((number, f"does not follow {before} (its prev is not {before}'s hash): a line "
-                                            "was removed, inserted or moved here"))
+            problems.append((number, f"does not follow {before} (its prev is not {before}'s hash): a line was "
+                                     "removed, inserted or moved here"))
         previous = record
-        result.head = record["hash"]
+    if records:
+        result.head = records[-1]["hash"]
+    if cut:
+        problems.append((result.lines, "is cut short: the file does not end with a newline (a write was "
+                                       "interrupted, or the end of the file was removed)"))
     return records
 
 
