@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from client_app.node_config import SIMULATION_ENGINE_FIELDS, code_gate, hospital_audit, load_node_config
+from common.config import ConfigError, server_settable_keys
+from common.trust.argument_gate import DEFAULT_JOB_LIMITS
+from common.trust.code_gate import wide_patterns
+from common.trust.enforcer import enforcer_for
+
 
 def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -> list[tuple[str, str]]:
     """What a site's policy and node config allow, as (what, value) rows, read as the hospital reads them for every
     message: what ``fedmed policy check`` prints and ``fedmed console`` shows. The first row names the hospital and
     its policy file. ConfigError (or ValueError, OSError) when they cannot be read."""
-    from flwr.common.config import parse_config_args
-
-    from client_app.node_config import SIMULATION_ENGINE_FIELDS, code_gate, hospital_audit, load_node_config
-    from common.config import ConfigError, server_settable_keys
-    from common.trust.argument_gate import DEFAULT_JOB_LIMITS
-    from common.trust.code_gate import wide_patterns
-
     try:
-        raw = parse_config_args([node_config]) if node_config else {"hospital": "site", "data-dir": "."}
+        raw = {"hospital": "site", "data-dir": "."}
+        if node_config:  # Flower's parser (its import is most of what reading a policy alone costs)
+            from flwr.common.config import parse_config_args
+
+            raw = parse_config_args([node_config])
     except Exception as error:  # Flower's parser raises click's exception, with its own message
         raise ConfigError(f"--node-config {node_config!r}: {getattr(error, 'message', error)}") from None
     if policy_file:
@@ -26,8 +29,6 @@ def policy_rules(node_config: str = "", policy_file: Path | str | None = None) -
     node = load_node_config(raw)
     enforcer = None
     if node.policy_file:
-        from common.trust.enforcer import enforcer_for
-
         enforcer = enforcer_for(node.policy_file, None, hospital_audit(node, "state"))
     policy = enforcer.policy if enforcer is not None else None
     gate = code_gate(node, enforcer)

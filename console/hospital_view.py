@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client_app.policy_rules import policy_rules  # imported with the console: no page waits for its imports
 from common.trust.audit import AUDIT_HEAD_MARK, Verification, check_chain, cross_check, line_problem, verify
 from common.trust.ledger import LEDGER_FILE, RELEASE_EVENT, RELEASE_FIELDS, EpsilonCounter
 from common.trust.policy import PolicyRefusal
@@ -747,7 +748,6 @@ def read_policy_view(policy_file: Path | None, node_config: str, logged: str, na
         return PolicyView(None, [], "", logged, "")
     import hashlib
 
-    from client_app.policy_rules import policy_rules
     from common.settings import ConfigError
 
     config = node_config or f"hospital='{name}' data-dir='.'"
