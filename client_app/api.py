@@ -62,6 +62,9 @@ HOSPITAL_ERROR = 1  #: ``Error.code`` of a failure inside the hospital's answer
 #: config keys of fedmed's protocol, not the app's train config: left out of the message its own train handler gets
 PROTOCOL_PREFIXES = ("fedmed.", "secagg.")
 AUDIT_HEAD_KEY = "audit-head"  #: reply config key: the hash of the last line of the hospital's audit log
+#: the SuperLink's address as the hospital's SuperNode was told it (``fedmed-supernode --superlink``, which sets it for
+#: the ClientApp's process): each audit line of a message names it, so the hospital's log says to whom
+SUPERLINK_ENV = "FEDMED_SUPERLINK"
 
 
 class Hospital:
@@ -220,8 +223,8 @@ def with_audit_head(reason: str, audit: AuditLog | None) -> str:
 
 def message_about(message: Message, kind: str) -> dict[str, Any]:
     """What an audit line says of a message besides its digest: the run, round and method it names, its kind, the
-    secure-aggregation stage, the Flower run, the peer that sent it and the head of the server's audit log the
-    message carries."""
+    secure-aggregation stage, the Flower run, the peer that sent it (its node id and, under ``fedmed-supernode``, the
+    SuperLink's address) and the head of the server's audit log the message carries."""
     config: dict[str, Any] = {}
     if not message.has_error():
         for record in message.content.config_records.values():
@@ -231,6 +234,7 @@ def message_about(message: Message, kind: str) -> dict[str, Any]:
     return {"kind": kind, "run": config.get("run-name"), "round": config.get("server-round"),
             "method": config.get("strategy"), "stage": config.get(STAGE_KEY), "flower-run": message.metadata.run_id,
             "peer-node": message.metadata.src_node_id, "peer": "server",
+            "superlink": os.environ.get(SUPERLINK_ENV) or None,
             "peer-audit-head": head if isinstance(head, str) else None}
 
 

@@ -109,6 +109,7 @@ class Message:
     error: str
     flower_run: int | None = None  #: the Flower run id it belonged to
     peer_node: int | None = None  #: the node id of the other end (the SuperLink's, as Flower names it)
+    superlink: str = ""  #: the SuperLink's address as the hospital's SuperNode was told it ("": not recorded)
     verified: bool = True
 
 
@@ -442,7 +443,8 @@ class SiteLog:
                           intern(_text(get("method"))), intern(_text(get("stage"))), _int(get("bytes")) or 0,
                           [intern(str(m)) for m in metrics] if isinstance(metrics, list) else None,
                           masked if isinstance(masked, bool) else None,
-                          clean_reason(_text(error)) if error else "", _int(get("flower-run")), _int(get("peer-node")))
+                          clean_reason(_text(error)) if error else "", _int(get("flower-run")), _int(get("peer-node")),
+                          intern(_text(get("superlink"))))
         run = self._run(run_name)
         run["messages"].append(message)
         if message.method and message.method not in run["methods"]:
@@ -569,18 +571,22 @@ def read_log(path: Path) -> LogReader:
 
 
 def peers_of(messages: list[Message]) -> str:
-    """The other end of a run's messages in words: the server, by the Flower run and node ids the log holds."""
-    runs = sorted({m.flower_run for m in messages if m.flower_run is not None})
-    nodes = sorted({m.peer_node for m in messages if m.peer_node is not None})
-    parts = ([f"Flower run {', '.join(map(str, runs))}"] if runs else []) + \
-        ([f"node {', '.join(map(str, nodes))}"] if nodes else [])
-    return f"the server ({'; '.join(parts)})" if parts else "the server (no run or node id recorded)"
+    """The other end of a run's messages in words: the server, by the Flower run and node ids and the SuperLink's
+    address the log holds."""
+    return _peer_text({m.flower_run for m in messages if m.flower_run is not None},
+                      {m.peer_node for m in messages if m.peer_node is not None},
+                      {m.superlink for m in messages if m.superlink}, "SuperLink address not recorded")
 
 
 def peer_words(message: Message) -> str:
-    parts = ([f"Flower run {message.flower_run}"] if message.flower_run is not None else []) + \
-        ([f"node {message.peer_node}"] if message.peer_node is not None else [])
-    return f"the server ({', '.join(parts)})" if parts else "the server"
+    return _peer_text({message.flower_run} - {None}, {message.peer_node} - {None}, {message.superlink} - {""}, "")
+
+
+def _peer_text(runs: set[int], nodes: set[int], addresses: set[str], unrecorded: str) -> str:
+    parts = ([f"Flower run {', '.join(map(str, sorted(runs)))}"] if runs else []) + \
+        ([f"node {', '.join(map(str, sorted(nodes)))}"] if nodes else []) + \
+        ([f"SuperLink {', '.join(sorted(addresses))}"] if addresses else [unrecorded] if unrecorded else [])
+    return f"the server ({'; '.join(parts)})" if parts else "the server"
 
 
 def policy_limit(policy: PolicyView | None) -> int:

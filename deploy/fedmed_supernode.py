@@ -77,6 +77,10 @@ SUPERNODE_FLAG = "--fedmed-supernode"  # Flower's SuperNode with shorter waits, 
 #: where the ClientApp process runs: auto | namespace | host | container (see the module's docstring)
 NETWORK_FLAG = "--clientapp-network"
 NETWORKS = ("auto", "namespace", "host", "container")
+#: set for the ClientApp: the SuperLink's address as this SuperNode was told it (--superlink), which the hospital's
+#: audit log records on every message line (client_app/api.py: SUPERLINK_ENV)
+SUPERLINK_ENV = "FEDMED_SUPERLINK"
+FLOWER_SUPERLINK = "127.0.0.1:9092"  #: flower-supernode's --superlink when none is given
 #: "flower": the SuperNode keeps Flower's own waits (3 s between empty polls of the SuperLink, ...)
 POLL_MODE = os.environ.get("FEDMED_SUPERNODE_POLL", "short")
 
@@ -329,6 +333,7 @@ def supernode_flags(supernode_args: list[str]) -> argparse.Namespace:
     parser.add_argument("--isolation")
     parser.add_argument("--ssl-certfile")
     parser.add_argument("--superexec-auth-secret-file")
+    parser.add_argument("--superlink", default=FLOWER_SUPERLINK)
     return parser.parse_known_args(supernode_args)[0]
 
 
@@ -399,7 +404,8 @@ def supervise(supernode_args: list[str]) -> int:
         import json
 
         return subprocess.Popen([*(prefix or []), sys.executable, __file__, EXECUTOR_FLAG, "--runtime-api-address",
-                                 address, "--parent-pid", str(supernode.pid), "--node-config-json",
+                                 address, "--superlink", supernode_flags(supernode_args).superlink,
+                                 "--parent-pid", str(supernode.pid), "--node-config-json",
                                  json.dumps(node_config),
                                  *(["--runtime-api-socket", str(relay.path)] if relay else []),
                                  *(["--superexec-auth-secret-file", secret] if secret else []),
@@ -665,6 +671,8 @@ def run_executor(argv: list[str]) -> None:
     parser.add_argument("--superexec-auth-secret-file", type=Path, help="the SuperNode's, if it has one")
     parser.add_argument("--node-config-json", default="{}", help="the SuperNode's node config (approved apps)")
     parser.add_argument(ANY_APP_FLAG, action="store_true", help="run any app (a closed test network's opt-out)")
+    parser.add_argument("--superlink", default="", help="the SuperLink its SuperNode reaches, as the SuperNode's "
+                        "--superlink: recorded on the hospital's audit lines (the executor itself never reaches it)")
     args = parser.parse_args(argv)
     from flwr.supercore.app_utils import start_parent_process_monitor
 
@@ -675,6 +683,8 @@ def run_executor(argv: list[str]) -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     # the one address a closed hospital process still reaches (common/trust/sandbox.py: RUNTIME_API_ENV)
     os.environ["FEDMED_RUNTIME_API_ADDRESS"] = args.runtime_api_address
+    if args.superlink:
+        os.environ[SUPERLINK_ENV] = args.superlink
     secret = args.superexec_auth_secret_file.read_bytes() if args.superexec_auth_secret_file else None
     import json
 

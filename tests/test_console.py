@@ -294,6 +294,7 @@ def test_the_pages_show_the_files_numbers_and_write_nothing(federation):
     assert "yes (secure aggregation)" in detail and "privacy budget spent" in detail
     sent = [r for r in lines(federation / "state" / "hospital-00" / "audit.jsonl") if r.get("direction") == "sent"]
     assert f"Flower run {sent[0]['flower-run']}" in detail and f"node {sent[0]['peer-node']}" in detail
+    assert "superlink" not in sent[0] and "SuperLink address not recorded" in detail  # no fedmed-supernode here
     assert f'data-y="{logged[0]!r}"' in page.text or f'data-y="{float(logged[0])!r}"' in page.text
     assert 'class="limit" data-limit="20.0"' in page.text
     run = client.get("/runs/t")

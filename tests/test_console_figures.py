@@ -14,6 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from cli.main import main as fedmed
+from client_app.api import SUPERLINK_ENV
 from common.trust.audit import AuditLog
 from common.trust.ledger import EpsilonCounter, releases_epsilon
 from console import app as console_app
@@ -26,14 +27,18 @@ from .test_console import lines, secure_dp_federation, sources
 
 pytest.importorskip("dp_accounting")
 
+SUPERLINK = "superlink.consortium.example:9092"  #: the SuperLink the hospitals' SuperNodes were told to reach
+
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> Path:
     """Run ``t`` (3 rounds: hospital-00 and -01 spend their budget, -02 its one training) and then run ``t2`` on the
     same hospitals (2 rounds) from the same model: every hospital refuses (their replay memories), every round is
     skipped, nothing trains."""
-    root = secure_dp_federation(tmp_path_factory.mktemp("two"))
-    return secure_dp_federation(root, rounds=2, run="t2")
+    with pytest.MonkeyPatch.context() as env:  # the address fedmed-supernode gives its ClientApp (--superlink)
+        env.setenv(SUPERLINK_ENV, SUPERLINK)
+        root = secure_dp_federation(tmp_path_factory.mktemp("two"))
+        return secure_dp_federation(root, rounds=2, run="t2")
 
 
 @pytest.fixture
@@ -73,10 +78,16 @@ def test_each_run_names_the_policy_in_force_and_whom_it_answered(two_runs):
         assert run.policies == [digest] and recorded == {digest}  # its identity reply's line names it
         ids = {r["flower-run"] for r in log if r.get("run") == run.name and r.get("flower-run") is not None}
         assert run.peers.startswith(f"the server (Flower run {', '.join(map(str, sorted(ids)))}")
+        assert run.peers.endswith(f"; SuperLink {SUPERLINK})")  # to whom: the address its SuperNode reached
     query = next(r for r in log if r.get("run") == "t2" and r.get("direction") == "sent")  # t2 refused before any
     assert query["kind"] == "query" and query["policy-sha256"] == digest  # policy decision: its start names it
-    page = TestClient(create_app(sources(two_runs))).get("/hospital/hospital-02").text
-    assert page.count(f"{digest[:16]}… (strict.toml)") == 2
+    assert all(r["superlink"] == SUPERLINK for r in log if r["event"] == "message")
+    client = TestClient(create_app(sources(two_runs)))
+    page = client.get("/hospital/hospital-02").text
+    assert page.count(f"{digest[:16]}… (strict.toml)") == 2 and page.count(f"SuperLink {SUPERLINK}") == 2
+    detail = client.get("/hospital/hospital-02/run/1").text  # the run's page, and each of its messages
+    assert detail.count(f"SuperLink {SUPERLINK}") == 1 + sum(1 for r in log if r.get("run") == "t"
+                                                              and r["event"] == "message")
 
 
 def test_a_server_log_cut_within_a_run_is_named_with_its_run_and_line(copy, capsys):
@@ -284,6 +295,7 @@ def test_the_report_is_one_static_page_of_the_period_with_the_chains_head(two_ru
     assert log[-1]["hash"] in page and "Chain intact" in page
     assert f'id="epsilon-total">{view.privacy.epsilon:.2f}<' in page and "spent (one more training" in page
     assert page.count("<tr><td>t") == 2 and "privacy budget spent" in page
+    assert page.count(f"SuperLink {SUPERLINK}") == 2  # to whom, run by run
     import hashlib
 
     assert hashlib.sha256((two_runs / "state" / "hospital-00" / "audit.jsonl").read_bytes()).hexdigest() in page

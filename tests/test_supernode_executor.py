@@ -75,6 +75,40 @@ def test_tasks_of_the_loaded_fab_run_here_one_after_the_other(script):
     assert ran == ["token-1", "token-2"]
 
 
+@pytest.mark.parametrize("given, told", [(["--superlink", "link.example:9200"], "link.example:9200"),
+                                         ([], "127.0.0.1:9092")])  # flower-supernode's own default
+def test_the_clientapp_is_told_the_superlink_its_supernode_reaches(monkeypatch, given, told):
+    """To whom the hospital's audit log says it answered: the executor gets the SuperNode's --superlink and sets it
+    for the ClientApp (client_app/api.py records it on every message line)."""
+    from client_app.api import SUPERLINK_ENV
+
+    module = load_script()
+    started = []
+
+    class Process:
+        returncode, pid = 0, 0  # --parent-pid 0: no monitor of a parent to end with
+
+        def __init__(self, command):
+            started.append(command)
+
+        poll = wait = lambda self, timeout=None: 0
+        terminate = kill = lambda self: None
+
+    monkeypatch.setattr(module.subprocess, "Popen", Process)
+    monkeypatch.setattr(module.signal, "signal", lambda *_: None)
+    assert module.supervise([module.ANY_APP_FLAG, module.NETWORK_FLAG, "host", "--insecure", *given]) == 0
+    executor = next(command for command in started if module.EXECUTOR_FLAG in command)
+    assert executor[executor.index("--superlink") + 1] == told
+    assert module.SUPERLINK_ENV == SUPERLINK_ENV
+    for name in (SUPERLINK_ENV, "FEDMED_RUNTIME_API_ADDRESS", "FLWR_TELEMETRY_ENABLED"):
+        monkeypatch.setenv(name, "before")  # restored after the test
+    seen = []
+    monkeypatch.setattr(module, "Executor", lambda *_: type("E", (), {"serve": lambda self, token: seen.append(
+        module.os.environ[SUPERLINK_ENV])})())
+    module.run_executor(executor[executor.index(module.EXECUTOR_FLAG) + 1:])
+    assert seen == [told]
+
+
 def test_a_restart_keeps_the_command_line_and_hands_over_only_the_new_token(monkeypatch):
     module = load_script()
     calls = []

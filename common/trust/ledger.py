@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import functools
 import json
 import math
 import os
@@ -49,8 +50,14 @@ TIME_TOLERANCE_SECONDS = 120.0
 
 
 def _seconds(stamp: Any) -> float | None:
+    return _stamp_seconds(str(stamp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stamp_seconds(stamp: str) -> float | None:
+    """Remembered: a ledger's trainings share their seconds with its log's lines, and are checked at every read."""
     try:
-        return float(calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ")))
+        return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
     except ValueError:
         return None
 
