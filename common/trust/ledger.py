@@ -261,6 +261,7 @@ class EpsilonCounter:
         self._local = np.zeros(len(self._orders))  #: its RDP of the Gaussian releases (inf: one without noise)
         self._sums = False  #: a noised secure sum or DP-SGD among the entries: every one composed by ddp
         self._rdp = np.zeros(len(ddp.ORDERS))  #: the ddp composition of every entry
+        self._shift: np.ndarray | None = None  #: the orders' part of the epsilon bound (made once)
 
     def _rdp_of(self, entry: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         key = (entry.get("noise-multiplier"), *(json.dumps(entry[kind], sort_keys=True) if entry.get(kind) else None
@@ -302,7 +303,9 @@ class EpsilonCounter:
             return float(max(0.0, np.min(eps)))
         if not np.isfinite(self._local).all():
             return math.inf
-        return _rdp_to_epsilon(self._orders, self._local, self.delta)
+        if self._shift is None:
+            self._shift = _epsilon_shift(self._orders, self.delta)
+        return _rdp_to_epsilon(self._orders, self._local, self.delta, self._shift)
 
     def after(self, entry: dict[str, Any]) -> float:
         """The epsilon one more entry would make it (what the hospital checks before it trains)."""
@@ -311,11 +314,16 @@ class EpsilonCounter:
         return copy.copy(self).add(entry)
 
 
-def _rdp_to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float) -> float:
-    """dp-accounting's ``compute_epsilon`` (Balle et al. 2020, Proposition 12) over arrays: its branches, one
-    NumPy pass instead of a Python loop per order."""
+def _epsilon_shift(orders: np.ndarray, delta: float) -> np.ndarray:
+    """The part of :func:`_rdp_to_epsilon`'s bound that depends on the orders and delta only."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        bound = rdp + np.log1p(-1 / orders) - np.log(delta * orders) / (orders - 1)
+        return np.log1p(-1 / orders) - np.log(delta * orders) / (orders - 1)
+
+
+def _rdp_to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, shift: np.ndarray | None = None) -> float:
+    """dp-accounting's ``compute_epsilon`` (Balle et al. 2020, Proposition 12) over arrays: its branches, one
+    NumPy pass instead of a Python loop per order (``shift``: :func:`_epsilon_shift`, made once per counter)."""
+    bound = rdp + (_epsilon_shift(orders, delta) if shift is None else shift)
     eps = np.where(rdp < 0, 0.0, np.where(delta ** 2 + np.expm1(-rdp) > 0, 0.0,
                                           np.where(orders > 1.01, bound, math.inf)))
     return float(max(0.0, eps[int(np.argmin(eps))]))
