@@ -223,6 +223,22 @@ def test_epsilon_with_a_secure_sum_counted_in_one_pass_is_the_ledgers():
         assert counter.add(entry) == pytest.approx(releases_epsilon(entries[:number], 1e-5), rel=1e-9)
 
 
+def test_a_hospital_and_its_policy_are_read_without_torch(two_runs):
+    """The console's first page pays for no deep-learning import (torch: about 1 CPU s and 180 MB, which the first
+    page of a year of log once spent in reading the policy's rules)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from console.app import create_app; "
+            "from console.hospital_view import read_hospital; "
+            f"view = read_hospital(Path({str(two_runs / 'state' / 'hospital-00')!r}), "
+            f"policy_file=Path({str(two_runs / 'dp.toml')!r})); "
+            "assert view.policy.rows and not view.policy.problem, view.policy; print(sorted({'torch', 'monai'} & "
+            "set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_a_log_that_grew_is_read_in_its_new_lines_and_one_edited_is_read_whole(copy):
     path = copy / "state" / "hospital-01" / "audit.jsonl"
     reader = LogReader(path).read()
