@@ -22,7 +22,7 @@ from common.trust.identity import NONCE_KEY, SIGNATURE_KEY, sign_identity
 from common.trust.policy import PolicyRefusal
 from common.trust.sandbox import closed
 
-from .node_config import NodeConfig, code_gate, hospital_audit, load_node_config  # noqa: F401 (named here too)
+from .node_config import NodeConfig, code_gate, hospital_audit, load_node_config
 
 _SITES: "OrderedDict[tuple, Site]" = OrderedDict()  # loaded data, reused while this process lives
 _MAX_SITES = 32
