@@ -38,6 +38,7 @@ from common.trust.secure_aggregation.hospital import (
     dtype_problem,
     finished,
     hospital_stage,
+    model_digest,
     own_model,
     protocol_problem,
     round_plan,
@@ -222,6 +223,12 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     problem = dtype_problem(own_model(plan, rules.name), trained.arrays)
     if problem:
         raise SecureAggregationRefusal(f"the round plan: {problem}")
+    personal = method.personal(trained)  # received arrays its method keeps its own of: the replay memory keys on
+    if any(personal.values()):  # the rest, what it trained from (the same with other values for those)
+        inputs = {group: {name: value for name, value in named.items() if name not in set(personal.get(group, ()))}
+                  for group, named in arrays.items()}
+        digest = model_digest(inputs)
+        rules.memory.check_model(digest)
     layout = Layout.from_json(plan.get(LAYOUT_KEY))
     own = {OWN_NAME_KEY: rules.name, OWN_WEIGHT_CAP_KEY: policy.max_sample_weight if policy is not None else 0}
     problem = method.check_plan(plan, rules.name, received, trained)
