@@ -38,6 +38,7 @@ from common.trust.secure_aggregation.hospital import (
     dtype_problem,
     finished,
     hospital_stage,
+    model_digest,
     own_model,
     protocol_problem,
     round_plan,
@@ -127,13 +128,27 @@ def pinned_peers(node, policy) -> dict[str, str] | None:
     return {**policy.peers, **own}
 
 
+#: the state this process last stored for each context (id of its stored bytes -> those bytes, the state): the next
+#: stage reads it back without parsing it again, while the context still holds those very bytes
+_STORED: dict[int, tuple[bytes, HospitalRound]] = {}
+_STORED_KEPT = 256
+
+
 def load_state(context: Context) -> HospitalRound:
     record = context.state.config_records.get(STATE_RECORD)
-    return HospitalRound.from_bytes(record.get(STATE_KEY) if record is not None else None)
+    data = record.get(STATE_KEY) if record is not None else None
+    stored = _STORED.pop(id(data), None)  # taken: the stage that reads it changes it, then stores it again
+    if stored is not None and stored[0] is data:
+        return stored[1]
+    return HospitalRound.from_bytes(data)
 
 
 def save_state(context: Context, state: HospitalRound) -> None:
-    context.state[STATE_RECORD] = ConfigRecord({STATE_KEY: state.to_bytes()})
+    data = state.to_bytes()
+    context.state[STATE_RECORD] = ConfigRecord({STATE_KEY: data})
+    while len(_STORED) >= _STORED_KEPT:
+        del _STORED[next(iter(_STORED))]
+    _STORED[id(data)] = (data, state)
 
 
 def secure_train(message: Message, context: Context, train: TrainHandler, required: bool = False,
@@ -180,7 +195,7 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     masked contribution (what its method sums, its update bounded to the round's norm bound); what the method
     keeps at the hospital, and what its policy withholds, are left out."""
     check_turn(state, COLLECT, config)
-    _, plan = round_plan(config, rules)  # the same for every hospital, within its policy's bounds, before training
+    plan_digest, plan = round_plan(config, rules)  # the same for every hospital, within its bounds, before training
     problem = protocol_problem(state.flower, plan) or train_config_problem(state, plan)  # (masking checks it
     if problem:  # again; here nothing trains first)
         raise SecureAggregationRefusal(f"the round plan: {problem}")
@@ -208,6 +223,12 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
     problem = dtype_problem(own_model(plan, rules.name), trained.arrays)
     if problem:
         raise SecureAggregationRefusal(f"the round plan: {problem}")
+    personal = method.personal(trained)  # received arrays its method keeps its own of: the replay memory keys on
+    if any(personal.values()):  # the rest, what it trained from (the same with other values for those)
+        inputs = {group: {name: value for name, value in named.items() if name not in set(personal.get(group, ()))}
+                  for group, named in arrays.items()}
+        digest = model_digest(inputs)
+        rules.memory.check_model(digest)
     layout = Layout.from_json(plan.get(LAYOUT_KEY))
     own = {OWN_NAME_KEY: rules.name, OWN_WEIGHT_CAP_KEY: policy.max_sample_weight if policy is not None else 0}
     problem = method.check_plan(plan, rules.name, received, trained)
@@ -221,7 +242,8 @@ def masked_reply(message: Message, train: TrainHandler, context: Context, state:
 
         values = ddp.contribute(values, noise, plan, noise_rng())
     vector = encode(layout, values, state.flower.clipping_range, state.flower.target_range)
-    state, answer = hospital_stage(state, COLLECT, config, message.metadata.dst_node_id, rules, vector, digest)
+    state, answer = hospital_stage(state, COLLECT, config, message.metadata.dst_node_id, rules, vector, digest,
+                                   (plan_digest, plan))
     save_state(context, state)
     metrics = {**trained.metrics, **metrics, "secagg-seconds": round(time.perf_counter() - started, 3)}
     release = policy.metrics_released if policy is not None else "all"

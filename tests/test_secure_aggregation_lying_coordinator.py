@@ -317,7 +317,9 @@ def honest(method: str, hardened: bool, twice: bool):
     return HONEST[method, hardened]
 
 
-def check(method: str, hardened: bool, data, twice: bool = False) -> None:
+def check(method: str, hardened: bool, data, twice: bool = False) -> tuple[dict, set[int]]:
+    """One drawn change, run and checked; the contributions seen, and the rounds whose plan the target was told
+    alone."""
     round_, expected, targets = honest(method, hardened, twice)
     kind, stage, what = data.draw(st.sampled_from(targets), label="value")
     target = 101 + data.draw(st.integers(0, HOSPITALS - 1), label="hospital")
@@ -335,9 +337,12 @@ def check(method: str, hardened: bool, data, twice: bool = False) -> None:
         changed = copied(content)
         record = next(r for r in changed.values() if isinstance(r, ConfigRecord) and PLAN_KEY in r)
         try:
-            record[PLAN_KEY] = change_plan(record[PLAN_KEY], what, how)
+            text = change_plan(record[PLAN_KEY], what, how)
         except (KeyError, IndexError, TypeError):  # this round's plan has no such value (another model's digest)
             return None
+        if text == record[PLAN_KEY]:  # the change left the plan as it was (nothing was told to the target alone)
+            return None
+        record[PLAN_KEY] = text
         lied.add(record.get("server-round"))
         return changed
 
@@ -354,10 +359,19 @@ def check(method: str, hardened: bool, data, twice: bool = False) -> None:
     for (hospital, rnd), vector in seen.items():  # bit-identical, or not given (refused)
         if changed and rnd > changed[0]:
             continue  # trained from another model than the honest round's: nothing to compare with
-        if kind == "plan" and hospital == name and rnd in lied:  # its plan was its input: nobody may reveal the sum
+        if kind == "plan" and hospital == name and rnd in lied:  # masked under a plan the others were not told
+            asked = {m.metadata.message_id: m.metadata.dst_node_id for m in grid.sent
+                     if stage_of(m) == UNMASK and round_of[m.metadata.message_id] == rnd}
+            answers = {m.metadata.src_node_id: m for m in grid.replies if m.metadata.reply_to_message_id in asked}
+            # every hospital in the sum refuses at the start of unmask (the survivors' signatures of the survivor
+            # set and the plan do not all verify: the consistency check), so no share leaves; the reason names it
+            assert sorted(answers) == sorted(asked.values()) and len(answers) == len({h for h, r in seen if r == rnd})
+            assert all(m.has_error() and "the round plan" in str(m.error.reason) for m in answers.values()), \
+                (what, how, {n: str(m.error.reason)[:200] if m.has_error() else "shares" for n, m in answers.items()})
             assert rnd not in unmasked, (kind, what, how, rnd)
             continue
         assert np.array_equal(vector, expected[hospital, rnd]), (hospital, rnd, kind, stage, what, how)
+    return seen, lied
 
 
 FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
@@ -525,3 +539,62 @@ def test_the_replay_memory_keys_on_the_model_as_training_reads_it():
     widened = model_description({"model": {**model["model"], "w": weights.astype(np.float64)}})
     assert "the network holds it as float32" in dtype_problem(widened, model)
     assert dtype_problem(described, model) is None
+
+
+@pytest.mark.parametrize("variant", ["other-norm-layers", "other-shared-array"])
+def test_fedbn_trains_from_its_shared_model_alone(tmp_path, monkeypatch, variant):
+    """Item 3 for FedBN: a hospital keeps its own normalisation layers (its hospital half never loads the server's),
+    so what a server sends for them is no training input. The model of a sum already unmasked, sent again under a
+    new run name with normalisation layers of other values (described in the round plan, so the plan's model is
+    another), is the same training input: every hospital refuses it as a replay, before it masks anything. The same
+    model with one shared array changed is a new one: every hospital trains from it and adds to the sum."""
+    from strategies.fedbn.norm_layers import split_norm_layers
+    from strategies.fedbn.server import FedBNServer
+
+    round_ = Round("fedbn", True, tmp_path)
+    first, _ = round_.run(run="first", state="hospitals")
+    assert len(first) == HOSPITALS
+    shared_only = FedBNServer.downlink
+
+    def downlink(self, rnd, hospital):
+        payload = shared_only(self, rnd, hospital)
+        model = dict(payload.arrays["model"])
+        if variant == "other-norm-layers":
+            norms = split_norm_layers(self.global_arrays, self.norm_names)[1]
+            assert norms and not set(norms) & set(model)
+            model.update({k: v + np.asarray(0.5, v.dtype) if v.dtype.kind == "f" else v for k, v in norms.items()})
+        else:
+            name = next(k for k, v in model.items() if v.dtype.kind == "f")
+            model[name] = model[name] + np.asarray(1e-3, model[name].dtype)
+        payload.arrays = {**payload.arrays, "model": model}
+        return payload
+
+    monkeypatch.setattr(FedBNServer, "downlink", downlink)
+    seen, grid = round_.run(run="second", state="hospitals")
+    refused = refusals(grid)
+    if variant == "other-norm-layers":
+        assert seen == {}
+        assert sorted(refused) == [101, 102, 103, 104]
+        assert all("already helped unmask a sum trained from this model" in r for r in refused.values()), refused
+    else:
+        assert sorted(seen) == [(f"hospital-{pid:02d}", 1) for pid in range(HOSPITALS)] and not refused
+
+
+class Drawn:
+    """Hypothesis's ``data`` with the values chosen: the check of the harness for one given change."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def draw(self, strategy, label):
+        return self.values[label]
+
+
+@pytest.mark.parametrize("value", [("secagg.norm-bound",), ("secagg.train-config", "local-epochs")])
+def test_a_plan_value_told_to_one_hospital_alone_is_refused_by_every_hospital_at_unmask(value):
+    """Item 2's property for plan values the hospital told them accepts (within its policy's bounds): it masks under
+    its plan, and every hospital in the sum refuses at the start of the unmask stage, where the consistency check
+    (every survivor's signature of the survivor set and the plan) is verified, naming the round plan; no share
+    leaves (``check`` asserts each; the drawn examples of the harness assert it for any plan value)."""
+    seen, lied = check("fedavg", True, Drawn(value=("plan", COLLECT, value), hospital=3, change="other number"))
+    assert 1 in lied and ("hospital-03", 1) in seen  # it masked under the plan told to it alone

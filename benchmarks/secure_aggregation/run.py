@@ -289,9 +289,9 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
             f"{secure['hospital-cpu-seconds-per-round'] / plain['hospital-cpu-seconds-per-round']:.2f} |")
     if before:
         lines += ["", f"Before and after, on this machine: {before['label']} (`{before['command']}`, "
-                  f"{before['cpu']}) against this run. CPU s per round of the whole process, plain and secure; "
-                  "keys as each run had them (before: the deployment's peer keys, not pinned, ECDSA P-384 "
-                  "signatures).", "",
+                  f"{before['cpu']}) against this run, load average {before['load'][0]:.1f} and "
+                  f"{before['load'][1]:.1f} when it started and ended. CPU s per round of the whole process, plain "
+                  "and secure; keys as each run had them.", "",
                   "| hospitals | shares / threshold | keys | before: plain | secure | x | after: plain | secure | x |",
                   "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
         old_plain = {(r["hospitals"], r.get("signed", False)): r for r in before["rounds"] if r["kind"] == "plain"}
@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from common.trust import sandbox
+
+    sandbox.LIFETIME = "answer"  # the hospitals answer in this process, each closed only while it answers (as tests)
     torch.set_num_threads(1)
     logging.getLogger("fedmed").setLevel(logging.ERROR)
     logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -374,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         before = {**json.loads(args.before.read_text()), "label": args.before_label or str(args.before),
                   "command": "python -m benchmarks.secure_aggregation.run"}
     output.with_suffix(".md").write_text(table(rows, protocol, differencing, args.rounds, args.repeats, before))
-    output.with_suffix(".json").write_text(json.dumps({"cpu": cpu_name(), "rounds": rows, "protocol": protocol,
+    output.with_suffix(".json").write_text(json.dumps({"cpu": cpu_name(), "load": [LOAD[0], os.getloadavg()[0]],
+                                                       "rounds": rows, "protocol": protocol,
                                                        "differencing": differencing}, indent=1) + "\n")
     print(output.with_suffix(".md").read_text())
     return 0

@@ -15,14 +15,16 @@ from .norm_layers import NORM_GROUP, norm_layer_names, split_norm_layers
 class FedBNHospital(LocalTraining):
     def own_model(self, rnd: int, payload: Payload) -> torch.nn.Module:
         """The server's initial model (same seed) with the received shared weights and this hospital's last
-        normalisation layers."""
+        normalisation layers (the initial ones before it kept any): what the server sends for those layers is never
+        loaded, so it is no training input (a secure round's replay memory leaves it out, ``secure.py``)."""
         self.task.adopt_spec(payload.config)
         torch.manual_seed(self.cfg.seed)
         model = self.task.initial_model()
         arrays = model_arrays(model)
-        arrays.update(payload.arrays["model"])
+        norms = norm_layer_names(model)
+        arrays.update({k: v for k, v in payload.arrays["model"].items() if k not in norms})
         kept = self.site.state.load(before_round=rnd) or {}
-        arrays.update({k: v for k, v in kept.items() if k in norm_layer_names(model) and k in arrays})
+        arrays.update({k: v for k, v in kept.items() if k in norms and k in arrays})
         load_model_arrays(model, arrays)
         return model
 

@@ -15,6 +15,8 @@ from common.trust.secure_aggregation.methods import (
     weighted_update_contribution,
 )
 
+from .norm_layers import NORM_GROUP
+
 
 def fedbn_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
     return weighted_plan(method, hospitals, settings, norm_bound, method.shared())
@@ -29,5 +31,11 @@ def fedbn_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, 
     return {}
 
 
+def fedbn_personal(reply) -> dict[str, set[str]]:
+    """The received model's arrays a FedBN hospital keeps its own values of: its normalisation layers, which its
+    training reply names (its hospital half never loads the server's, :class:`~.hospital.FedBNHospital`)."""
+    return {"model": set(reply.arrays.get(NORM_GROUP, {}))}
+
+
 SECURE = SecureMethod(fedbn_plan, weighted_update_contribution, fedbn_apply, refuse=refuse_robust_aggregate,
-                      distributed_dp=True)
+                      distributed_dp=True, personal=fedbn_personal)

@@ -523,7 +523,8 @@ _SHARES = ("rd_seed_share_dict", "sk1_share_dict", "ss2_dict")
 
 
 def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], node_id: int, rules: HospitalRules,
-                   vector: np.ndarray | None = None, model: str = "") -> tuple[HospitalRound, dict[str, Any]]:
+                   vector: np.ndarray | None = None, model: str = "",
+                   plan: tuple[str, dict[str, Any]] | None = None) -> tuple[HospitalRound, dict[str, Any]]:
     """One stage at a hospital: its new state and its reply's keys (setup: its signed public keys; share keys: its
     key shares encrypted for each neighbour and its signed seed commitment; collect: ``{"masked": vector masked}``
     (``model``: the digest of the model it trained from); consistency: its signature of the survivor set; unmask:
@@ -551,12 +552,12 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
         if stage == COLLECT:
             if vector is None:
                 raise ValueError("the collect stage masks a vector: none was given")
-            digest, plan = round_plan(config, rules)
-            problem = protocol_problem(state.flower, plan)
+            digest, read = plan or round_plan(config, rules)  # (given: as round_plan read this config's plan)
+            problem = protocol_problem(state.flower, read)
             if problem:
                 raise SecureAggregationRefusal(problem)
             state.flower.current_stage, state.model, state.plan = COLLECT, model, digest
-            state.parts = plan.get(PARTS_KEY) or {}
+            state.parts = read.get(PARTS_KEY) or {}
             masked = mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY), digest.encode())
             contribution_masked(rules.name, state.rnd, vector)
             return state, {"masked": masked}

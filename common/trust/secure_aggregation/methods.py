@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -76,6 +76,9 @@ class SecureMethod:
     #: training config keys its server sets per hospital (each hospital's value is a row of the plan every hospital
     #: signs); every other key is one value for all
     own_config: frozenset[str] = frozenset()
+    #: hospital side: the received arrays (group -> names) its hospital half keeps its own values of, as its training
+    #: reply names them (FedBN: its normalisation layers): no training input, so no part of the replay memory's key
+    personal: Callable[[Payload], Mapping[str, Iterable[str]]] = lambda reply: {}
 
 
 def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
