@@ -9,13 +9,15 @@ enforces what a method declares and imports no method; a method that declares no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
-    from common.methods.base import HospitalMethod
-    from common.payload import Payload
+from common.payload import Payload
+
+#: ``method`` below: the hospital's ``common.methods.base.HospitalMethod`` (not imported: base imports the config,
+#: which reads the registry, which reads these rules)
+HospitalMethod = Any
 
 
 def update_noise_multiplier(noise_multiplier: float) -> float:
@@ -48,14 +50,14 @@ class PrivacyRules:
         statistic the reply carries counted); default: the clipped model update alone."""
         return update_noise_multiplier(sigma)
 
-    def before_local_dp(self, method: "HospitalMethod", payload: "Payload", reply: "Payload") -> set[str]:
+    def before_local_dp(self, method: HospitalMethod, payload: Payload, reply: Payload) -> set[str]:
         """Under local DP, before the model is noised: the array groups of ``reply`` besides the model that this
         made safe to release (FedBN sends the initial normalisation layers in place of its own); any other group
         makes the reply refused. Default: none."""
         return set()
 
-    def withhold_small(self, method: "HospitalMethod", payload: "Payload", reply: "Payload", k: int,
-                       sigma: float | None, rng: "np.random.Generator | None") -> dict[str, Any] | None:
+    def withhold_small(self, method: HospitalMethod, payload: Payload, reply: Payload, k: int,
+                       sigma: float | None, rng: np.random.Generator | None) -> dict[str, Any] | None:
         """Under min-samples ``k`` (``sigma``: the local-DP noise multiplier, None without; ``rng``: the hospital's
         noise): withhold from ``reply`` the statistics of fewer than ``k`` samples and say what was withheld, for the
         audit log (None: nothing). Default: nothing beyond the model, which the task trained on all its samples."""
