@@ -275,6 +275,11 @@ def secure_method_names() -> list[str]:
     return sorted(name for name, spec in methods().items() if spec.secure)
 
 
+def distributed_dp_method_names() -> list[str]:
+    """The methods whose secure sum distributed DP can noise (a weight and a model update)."""
+    return [name for name in secure_method_names() if secure_method(name).distributed_dp]
+
+
 def refuse_robust_aggregate(job: "JobConfig") -> str | None:
     if job.screening.robust_aggregate != "mean":
         return (f"screening.robust-aggregate={job.screening.robust_aggregate!r} needs every hospital's update; "
