@@ -79,6 +79,7 @@ def saved_run(tmp_path, image_size: int = 32, **extra) -> JobConfig:
     return cfg
 
 
+@pytest.mark.slow  # every engine built and timed (about 2 min); fast: the ONNX export-and-segment test below
 def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     """PT2E (a .pt2 asked for, torchao installed, as with the test extras): export, segment, evaluate."""
     pytest.importorskip("torchao")
@@ -213,7 +214,7 @@ def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_
     assert ((output > 0) == (reference > 0)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("model", ["", "monai.networks.nets:UNet"])
+@pytest.mark.parametrize("model", ["", pytest.param("monai.networks.nets:UNet", marks=pytest.mark.slow)])
 def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capfd, model):
     """`export-int8 --engine onnxruntime`: an .onnx model of the built-in U-Net or a network of the user's own that
     `segment` and `evaluate` run; a file name of the other type refused; `auto` takes the user's network too."""
@@ -256,6 +257,7 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
             assert mask.size == (40, 30)
 
 
+@pytest.mark.slow  # a full-size U-Net through PT2E (about 50 s); fast: the PT2E concatenation test
 def test_pt2e_int8_model_has_int8_weights_stays_close_to_fp32_and_round_trips(tmp_path):
     """PT2E (PyTorch's maintained path, torchao): a real int8 graph, calibrated; saved as .pt2 with its metadata and
     run compiled (int8 kernels) for any batch size, close to the float network; a file of another kind refused."""
@@ -329,6 +331,7 @@ def test_engine_auto_takes_every_installed_one_and_a_missing_one_names_the_extra
         int8.installed_engines("torch")
 
 
+@pytest.mark.slow  # five INT8 models built; fast: the engine-choice and installed-engine tests
 def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the_float_model_at_most(
         tmp_path, monkeypatch):
     """`export-int8` (engine auto): every INT8 model installed is built and timed at batch 1 and 8, the one with the
