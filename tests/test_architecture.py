@@ -206,6 +206,17 @@ def test_the_readmes_method_table_is_the_registry():
     assert text.split(marker, 1)[1].startswith(registry_table() + "\n"), registry_table()
 
 
+def test_the_swap_table_of_docs_own_serverapp_names_every_registered_strategy():
+    """docs/own-serverapp.md's table of what a swap from Flower's FedAvg takes names each registered strategy class
+    (and none that is not)."""
+    import re
+
+    text = (ROOT / "docs" / "own-serverapp.md").read_text()
+    table = text.split("| strategy | ServerApp | ClientApp | run config |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(\w+Strategy)`", table))
+    assert named == {spec.strategy.rpartition(":")[2] for spec in methods().values()}
+
+
 # --- the ground floor's tools ----------------------------------------------------------------------------------------
 def test_quantisation_is_plain_pytorch(import_graph):
     """common/quantization holds models and codecs only: what loads a run, its config, data or task (``fedmed
