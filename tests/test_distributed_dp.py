@@ -260,3 +260,17 @@ def test_a_hospital_requiring_distributed_dp_refuses_less_before_training(tmp_pa
     assert all(why in reason for reason in reasons.values()), reasons
     assert not any(m.content.config_records.get("config", {}).get("secagg.stage") == "collect_masked_vectors"
                    for m in grid.replies if not m.has_error())  # no masked update left a hospital
+
+
+def test_distributed_dp_with_a_sum_of_more_than_a_model_update_is_refused_naming_the_methods_it_runs_with():
+    """FedProIn sums counts beside its update, which the noise does not cover: refused when the strategy is built,
+    naming every method whose secure sum distributed DP noises (from the registry)."""
+    from common.settings import ConfigError
+    from common.trust.secure_aggregation.methods import distributed_dp_method_names, secure_method
+    from strategies import FedProInStrategy
+
+    names = distributed_dp_method_names()
+    assert "fedproin" not in names and all(secure_method(name).distributed_dp for name in names)
+    with pytest.raises(ConfigError, match=f"it runs with {', '.join(names)}$"):
+        FedProInStrategy(run_config={"secure-aggregation.enabled": True, "secure-aggregation.distributed-dp": "skellam",
+                                     "secure-aggregation.update-norm-bound": 1.0})
