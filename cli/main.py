@@ -53,7 +53,7 @@ def best_int8_model(run: Path) -> Path:
 
 def int8_command(args: argparse.Namespace) -> int:
     """``export-int8`` and ``segment``: a bad run folder, model file or image folder is one line on stderr."""
-    from common.quantization.int8 import describe_export, export_int8, segment_folder
+    from cli.int8_export import describe_export, export_int8, segment_folder
     from server_app.checkpoint import find_best, find_checkpoint, load_checkpoint
 
     try:

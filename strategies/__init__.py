@@ -24,6 +24,8 @@ def _exports() -> dict[str, str]:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__all__":  # ``from strategies import *``: the helpers and every registered method's strategy
+        return list(_exports())
     path = _exports().get(name)
     if path is None:
         raise AttributeError(f"module 'strategies' has no attribute {name!r}")
@@ -35,7 +37,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_exports()})
 
-
-__all__ = ["HospitalStrategy", "strategy_arguments", "FedAvgStrategy", "FedProxStrategy", "MoonStrategy",
-           "FedProtoStrategy", "FedProInStrategy", "FedBNStrategy", "QFedPolypStrategy", "FedMEPDStrategy",
-           "SharedEncoderFedAvgStrategy", "FederatedDecoderStrategy", "LocalOnlyStrategy"]

@@ -64,7 +64,7 @@ from common.trust.secure_aggregation.messages import (
     UNMASK,
     config_in_plan,
 )
-from common.trust.secure_aggregation.methods import MethodPlan, secure_method
+from common.trust.secure_aggregation.methods import MethodPlan, distributed_dp_method_names, secure_method
 from common.trust.secure_aggregation.server import (
     ServerRound,
     Verifier,
@@ -129,7 +129,7 @@ class SecureAggregation:
         if settings.distributed_dp != "off" and not self.method.distributed_dp:
             raise ConfigError(f"secure-aggregation.distributed-dp with strategy {strategy.job.strategy!r}: its sum is "
                               "more than a model update (counts, codes, per-filter parts), which the noise does not "
-                              "cover; it runs with fedavg, fedprox, moon, fedbn and fedmepd-fedavg")
+                              f"cover; it runs with {', '.join(distributed_dp_method_names())}")
         self.rounds: dict[int, SecureRound] = {}
         self.grid: Grid | None = None
         self.ahead: ServerRound | None = None  #: the next round's setup, answered with this round's unmask stage

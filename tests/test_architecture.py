@@ -127,4 +127,101 @@ def test_the_policy_enforces_what_each_method_declares():
         own = spec.privacy.startswith(f"strategies.{spec.strategy.split('.')[1]}.privacy:")
         assert own or rules in (MODEL_UPDATE, MODEL_UPDATE_WITH_TERM), spec.privacy
         assert rules.local_dp or rules.no_local_dp
-    assert local_dp_method_names() == ["fedavg", "fedbn", "fedproin", "fedprox", "moon"]
+    # a hospital's policy with local DP allows exactly the methods whose rules local DP can bound
+    from common.trust.policy import Policy
+
+    dp = {"clip-norm": 0.5, "noise-multiplier": 1.0, "delta": 1e-5}
+    allowed = []
+    for name in methods():
+        try:
+            Policy.model_validate({"methods": [name], "local-dp": dp})
+            allowed.append(name)
+        except ValueError as error:
+            assert privacy_rules(name).no_local_dp in str(error), name
+    assert sorted(allowed) == local_dp_method_names() and allowed
+
+
+# --- lists of methods follow the registry ---------------------------------------------------------------------------
+def registered_names() -> set[str]:
+    """Every method's run-config name and strategy class name."""
+    return set(methods()) | {spec.strategy.rpartition(":")[2] for spec in methods().values()}
+
+
+def hand_kept_lists(path: Path) -> list[tuple[int, list[str]]]:
+    """The literals in ``path`` that name three or more registered methods: a list, tuple or set of names, or a
+    message naming them (docstrings, which describe, are not counted); in a test, a list compared in an assert."""
+    import ast
+    import re
+
+    names, test = registered_names(), path.parent.name == "tests"
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    asserted = {id(child) for node in ast.walk(tree) if isinstance(node, ast.Assert) for child in ast.walk(node.test)}
+    found = []
+    for node in ast.walk(tree):
+        if test and id(node) not in asserted:
+            continue
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            named = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            named = sorted(set(re.findall(r"[A-Za-z][\w-]*", node.value)) & names)
+        else:
+            continue
+        if len(named) >= 3:
+            found.append((node.lineno, named))
+    return found
+
+
+def test_no_list_of_methods_is_kept_by_hand():
+    """``__all__``, settings texts, refusals and the tests' expected lists derive from the registry, so a method added
+    by docs/ARCHITECTURE.md's recipe (tests/test_adding_a_method.py) needs no edit elsewhere."""
+    kept = {str(path.relative_to(ROOT)): lists for package in [*FLOORS, "tests"]
+            for path in sorted((ROOT / package).rglob("*.py")) if (lists := hand_kept_lists(path))}
+    assert kept == {}
+
+
+def registry_table() -> str:
+    """The registry as README.md's method table."""
+    from common.methods.registry import load, privacy_rules
+
+    rows = ["| strategy | Flower strategy | tasks | secure aggregation | local DP | what it is |",
+            "|---|---|---|---|---|---|"]
+    for name, spec in methods().items():
+        secure = "yes" if spec.secure else "no"
+        if spec.secure and load(spec.secure).distributed_dp:
+            secure += ", distributed DP"
+        rows.append(f"| `{name}` | `{spec.strategy.rpartition(':')[2]}` | {', '.join(spec.tasks)} | {secure} | "
+                    f"{'no' if privacy_rules(name).no_local_dp else 'yes'} | {spec.summary} |")
+    return "\n".join(rows)
+
+
+def test_the_readmes_method_table_is_the_registry():
+    """README.md lists every registered method once, in the registry's order, with its strategy class, tasks, what it
+    runs under (secure aggregation, distributed DP, local DP) and its summary (the MethodSpec's)."""
+    text = (ROOT / "README.md").read_text()
+    marker = "<!-- methods: from the registry (tests/test_architecture.py's registry_table) -->\n"
+    assert marker in text
+    assert text.split(marker, 1)[1].startswith(registry_table() + "\n"), registry_table()
+
+
+def test_the_swap_table_of_docs_own_serverapp_names_every_registered_strategy():
+    """docs/own-serverapp.md's table of what a swap from Flower's FedAvg takes names each registered strategy class
+    (and none that is not)."""
+    import re
+
+    text = (ROOT / "docs" / "own-serverapp.md").read_text()
+    table = text.split("| strategy | ServerApp | ClientApp | run config |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(\w+Strategy)`", table))
+    assert named == {spec.strategy.rpartition(":")[2] for spec in methods().values()}
+
+
+# --- the ground floor's tools ----------------------------------------------------------------------------------------
+def test_quantisation_is_plain_pytorch(import_graph):
+    """common/quantization holds models and codecs only: what loads a run, its config, data or task (``fedmed
+    export-int8``, ``segment``) is a tool beside the command line (cli/int8_export.py)."""
+    tools = ("common.config", "common.data", "common.tasks", "common.methods", "common.engine")
+    reaching = sorted((a, b) for a, targets in import_graph.items() if a.startswith("common.quantization")
+                      for b in targets if b.startswith(tools))
+    assert reaching == []

@@ -445,9 +445,9 @@ def test_a_seg_out_covers_each_frame_or_a_whole_series_and_names_the_algorithm(c
     by method, run and checkpoint hash."""
     import highdicom as hd
 
+    from cli.int8_export import dicom_images
     from common.data.dicom_images import segment_instances
     from common.data.dicom_write import Algorithm
-    from common.quantization.int8 import dicom_images
 
     algorithm = Algorithm("fedavg", "run-1", "ab" * 32)
     frames = dicom_images(cvc / "dicom")

@@ -139,7 +139,7 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
     difference of the two sums is T's contribution plus two sums' noise: its correlation with T's contribution is
     what that noise allows (and far from the 0.99996 of noiseless sums), and every hospital's ledger counts the
     epsilon of each sum it was in."""
-    import dataclasses
+    import copy
     import importlib
     import json
 
@@ -160,7 +160,7 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
         seen.setdefault(params[OWN_NAME_KEY], []).append({k: np.asarray(v, np.float64) for k, v in values.items()})
         return values, metrics
 
-    monkeypatch.setattr(module, "SECURE", dataclasses.replace(module.SECURE, contribution=recording))
+    monkeypatch.setattr(module.SECURE, "contribution", recording)
     policy = tmp_path / "policy.toml"
     policy.write_text(POLICY)
     secure = {"secure-aggregation.distributed-dp": "skellam", "secure-aggregation.noise-multiplier": 1.0,
@@ -176,7 +176,8 @@ def test_two_sums_differenced_reveal_no_more_of_a_hospital_than_the_noise_allows
             sums.append({k: np.asarray(v, np.float64) for k, v in sums_.items()})
             return apply(method, rnd, sums_, plan, updates)
 
-        strategy.secure_aggregation.method = dataclasses.replace(strategy.secure_aggregation.method, apply=seeing)
+        strategy.secure_aggregation.method = copy.copy(strategy.secure_aggregation.method)  # not the shared one
+        strategy.secure_aggregation.method.apply = seeing
         nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 4,
                                                  "policy-file": str(policy)}, 101 + pid) for pid in range(count)}
         grid = FakeGrid(nodes)
@@ -259,3 +260,17 @@ def test_a_hospital_requiring_distributed_dp_refuses_less_before_training(tmp_pa
     assert all(why in reason for reason in reasons.values()), reasons
     assert not any(m.content.config_records.get("config", {}).get("secagg.stage") == "collect_masked_vectors"
                    for m in grid.replies if not m.has_error())  # no masked update left a hospital
+
+
+def test_distributed_dp_with_a_sum_of_more_than_a_model_update_is_refused_naming_the_methods_it_runs_with():
+    """FedProIn sums counts beside its update, which the noise does not cover: refused when the strategy is built,
+    naming every method whose secure sum distributed DP noises (from the registry)."""
+    from common.settings import ConfigError
+    from common.trust.secure_aggregation.methods import distributed_dp_method_names, secure_method
+    from strategies import FedProInStrategy
+
+    names = distributed_dp_method_names()
+    assert "fedproin" not in names and all(secure_method(name).distributed_dp for name in names)
+    with pytest.raises(ConfigError, match=f"it runs with {', '.join(names)}$"):
+        FedProInStrategy(run_config={"secure-aggregation.enabled": True, "secure-aggregation.distributed-dp": "skellam",
+                                     "secure-aggregation.update-norm-bound": 1.0})

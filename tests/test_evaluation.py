@@ -209,10 +209,10 @@ def forget_consortium_code() -> None:
 
 
 def test_post_run_tools_take_the_runs_own_network_loader_and_normalisation(tmp_path, consortium_code, capsys):
+    from cli.int8_export import calibration_batches
     from cli.main import main as fedmed
     from common.engine.round_engine import RoundEngine
     from common.methods.base import unpack_json
-    from common.quantization.int8 import calibration_batches
     from server_app.checkpoint import save_best, save_checkpoint
 
     app = consortium_code

@@ -17,6 +17,7 @@ from .flower_processes import TINY_JOB, run_to_completion, simulation_superlink
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # Flower's simulation engine in processes; fast: tests/test_fedproin.py's in-process rounds
 def test_two_round_fedproin_simulation(tmp_path):
     results, state = tmp_path / "results", tmp_path / "state"
     job = {**TINY_JOB, "strategy": "fedproin", "model": "small-cnn", "num-server-rounds": 2,

@@ -79,6 +79,7 @@ def saved_run(tmp_path, image_size: int = 32, **extra) -> JobConfig:
     return cfg
 
 
+@pytest.mark.slow  # every engine built and timed (about 2 min); fast: the ONNX export-and-segment test below
 def test_export_a_run_and_segment_a_folder(tmp_path, capsys):
     """PT2E (a .pt2 asked for, torchao installed, as with the test extras): export, segment, evaluate."""
     pytest.importorskip("torchao")
@@ -153,15 +154,16 @@ def test_the_quantisers_warnings_are_held_back_and_counted_and_fedmeds_own_log_i
     ("auto", "polyp-int8", ["onnxruntime"], "onnxruntime is the only INT8 engine installed"),
     ("auto", "polyp-int8", ["pt2e", "onnxruntime", "openvino"], "fastest here of 5 INT8 models")])
 def test_the_export_says_why_its_engine_was_chosen(monkeypatch, engine, out, installed, says):
+    from cli import int8_export
     from common.quantization import int8
 
-    monkeypatch.setattr(int8, "installed_engines", lambda asked: installed if asked == "auto" else [asked])
+    monkeypatch.setattr(int8_export, "installed_engines", lambda asked: installed if asked == "auto" else [asked])
     allowed = [e for e in installed if not Path(out).suffix or int8.SUFFIXES[e] == Path(out).suffix]
     labels = [label for label, (e, _) in int8.CANDIDATES.items() if e in allowed] if engine == "auto" else ["pt2e"]
     choice = {"chosen": labels[0], "median-ms-batch-1-and-8": {label: [1.0, 2.0] for label in labels},
               "input": [3, 64, 64], "cpu": "a CPU", "threads": 2}
     metadata = {"engine-choice": choice} if len(labels) > 1 else {}
-    assert says in int8.choice_reason(metadata, engine, Path(out), allowed)
+    assert says in int8_export.choice_reason(metadata, engine, Path(out), allowed)
 
 
 def test_the_first_int8_example_of_the_docs_lets_every_engine_be_timed():
@@ -212,7 +214,7 @@ def test_onnx_runtime_int8_model_keeps_weights_to_seven_bits_and_stays_close_to_
     assert ((output > 0) == (reference > 0)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("model", ["", "monai.networks.nets:UNet"])
+@pytest.mark.parametrize("model", ["", pytest.param("monai.networks.nets:UNet", marks=pytest.mark.slow)])
 def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_with_it(tmp_path, capfd, model):
     """`export-int8 --engine onnxruntime`: an .onnx model of the built-in U-Net or a network of the user's own that
     `segment` and `evaluate` run; a file name of the other type refused; `auto` takes the user's network too."""
@@ -255,6 +257,7 @@ def test_export_with_onnx_runtime_takes_any_segmentation_network_and_segments_wi
             assert mask.size == (40, 30)
 
 
+@pytest.mark.slow  # a full-size U-Net through PT2E (about 50 s); fast: the PT2E concatenation test
 def test_pt2e_int8_model_has_int8_weights_stays_close_to_fp32_and_round_trips(tmp_path):
     """PT2E (PyTorch's maintained path, torchao): a real int8 graph, calibrated; saved as .pt2 with its metadata and
     run compiled (int8 kernels) for any batch size, close to the float network; a file of another kind refused."""
@@ -328,6 +331,7 @@ def test_engine_auto_takes_every_installed_one_and_a_missing_one_names_the_extra
         int8.installed_engines("torch")
 
 
+@pytest.mark.slow  # five INT8 models built; fast: the engine-choice and installed-engine tests
 def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the_float_model_at_most(
         tmp_path, monkeypatch):
     """`export-int8` (engine auto): every INT8 model installed is built and timed at batch 1 and 8, the one with the
@@ -336,6 +340,7 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
     pytest.importorskip("torchao")
     pytest.importorskip("onnxruntime")
     pytest.importorskip("openvino")
+    from cli import int8_export
     from common.quantization import int8, timing
 
     saved_run(tmp_path, image_size=16)
@@ -346,14 +351,14 @@ def test_auto_export_writes_the_fastest_engine_measured_here_each_a_third_of_the
             "onnxruntime-qoperator": (0.003, 0.020), "openvino-qdq": (0.0025, 0.0100)}
     monkeypatch.setattr(timing, "latencies", lambda paths, x, **_: {k: fake[k][len(x) > 1] for k in paths})
     sizes = {}
-    real_fastest = int8.fastest
+    real_fastest = int8_export.fastest
 
     def recording(files, *args, **kwargs):
         sizes.update({label: path.stat().st_size for label, path in files.items()})
         return real_fastest(files, *args, **kwargs)
 
-    monkeypatch.setattr(int8, "fastest", recording)
-    path, metadata = int8.export_int8(state, tmp_path / "model", num_calibration=16)
+    monkeypatch.setattr(int8_export, "fastest", recording)
+    path, metadata = int8_export.export_int8(state, tmp_path / "model", num_calibration=16)
     assert path == tmp_path / "model.onnx" and metadata["engine"] == "onnxruntime" and metadata["format"] == "qdq"
     assert set(sizes) == set(int8.CANDIDATES) and all(size <= float_bytes / 3 for size in sizes.values()), sizes
     _, written = load_deployment(path)
@@ -370,12 +375,13 @@ def test_openvino_runs_every_convolution_in_int8_transposed_ones_included_and_st
     ones in int8), the float parts in FP32; a third of the float model at most; logits close to the float network's."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("openvino")
+    from cli import int8_export
     from common.quantization import int8
     from common.quantization.openvino_int8 import OpenVinoSegmenter
 
     saved_run(tmp_path)
     state = dict(np.load(tmp_path / "run" / "checkpoints" / "round-00001.npz"))
-    path, metadata = int8.export_int8(state, tmp_path / "u.onnx", num_calibration=16, engine="openvino")
+    path, metadata = int8_export.export_int8(state, tmp_path / "u.onnx", num_calibration=16, engine="openvino")
     assert metadata["engine"] == "openvino" and metadata["format"] == "qdq" and "engine-choice" not in metadata
     assert path.stat().st_size <= sum(v.nbytes for v in PolypUNet().state_dict().values()) / 3
     segmenter, written = load_deployment(path)

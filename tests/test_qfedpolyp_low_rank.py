@@ -131,6 +131,7 @@ def test_settings_refuse_low_rank_with_weights_sparsity_or_bit_widths_that_canno
             load_job_config({**BASE, "qfedpolyp.bit-widths": widths, "qfedpolyp.low-rank-bits": budget})
 
 
+@pytest.mark.slow  # whole U-Net rounds (over a minute); fast: the U-Net ratio test, payloads of another rank refused
 @pytest.mark.usefixtures("quick_training")
 def test_low_rank_rounds_are_over_64_times_below_32_bits_and_a_forged_rank_is_refused_while_the_round_goes_on():
     job = {**BASE, "qfedpolyp.bit-widths": "4", "qfedpolyp.error-feedback": True, "qfedpolyp.low-rank-bits": 0.45,
@@ -249,6 +250,7 @@ def low_rank_both_ways(**extra):
                             "evaluate-every": 100, **extra})
 
 
+@pytest.mark.slow  # whole U-Net rounds both ways; fast: the U-Net ratio test and the signs' both-ways test
 @pytest.mark.usefixtures("quick_training")
 def test_low_rank_both_ways_is_over_64_times_below_32_bits_up_and_32_times_both_ways():
     engine = run_rounds(cfg := low_rank_both_ways(), simulated_sites(cfg, 2))

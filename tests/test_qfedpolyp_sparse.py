@@ -637,7 +637,8 @@ def test_sparse_error_feedback_keeps_what_was_not_sent_and_replays_after_a_resta
     assert (second["enc2.conv2.weight"] != 0).sum() == kept_count(second["enc2.conv2.weight"].size, 0.1)
 
 
-@pytest.mark.parametrize("extra", [{"qfedpolyp.sparse-block": 1}, {"qfedpolyp.sparse-block": 8}, SIGNS, LOW_RANK],
+@pytest.mark.parametrize("extra", [{"qfedpolyp.sparse-block": 1}, {"qfedpolyp.sparse-block": 8}, SIGNS,
+                                   pytest.param(LOW_RANK, marks=pytest.mark.slow)],  # minutes: the long tier
                          ids=["entries", "blocks", "signs", "low-rank"])
 def test_hospitals_rebuild_the_servers_record_bit_for_bit_across_rounds_skips_and_late_joins(quick_training, extra):
     cfg = sparse_job(**{"num-server-rounds": 5, **extra})
@@ -748,7 +749,8 @@ def test_a_forged_or_mismatched_downlink_is_refused_by_the_hospital(quick_traini
     refused(full, "not the one the server recorded")  # the initial weights are not round 2's model
 
 
-@pytest.mark.parametrize("extra", [{}, SIGNS, LOW_RANK], ids=["2-bit", "signs", "low-rank"])
+@pytest.mark.parametrize("extra", [{}, SIGNS, pytest.param(LOW_RANK, marks=pytest.mark.slow)],  # low-rank: minutes
+                         ids=["2-bit", "signs", "low-rank"])
 def test_a_resumed_run_and_a_restarted_supernode_continue_exactly(tmp_path, quick_training, extra):
     from server_app.checkpoint import load_checkpoint, save_checkpoint
 

@@ -6,7 +6,7 @@ fedmed's ClientApp at the hospitals, on FedAvg and FedBN (both weigh hospitals b
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import importlib
 import json
 from pathlib import Path
@@ -82,7 +82,7 @@ def contributions(monkeypatch):
             seen[params[OWN_NAME_KEY]] = {k: np.asarray(v, np.float64) for k, v in values.items()}
             return values, metrics
 
-        monkeypatch.setattr(module, "SECURE", dataclasses.replace(module.SECURE, contribution=recording))
+        monkeypatch.setattr(module.SECURE, "contribution", recording)
     return seen
 
 
@@ -104,7 +104,8 @@ def lying_server(strategy, tamper) -> list[dict]:
         return apply(method, rnd, sums, plan, updates)
 
     secure.prepare = tampering
-    secure.method = dataclasses.replace(secure.method, apply=seeing)
+    secure.method = copy.copy(secure.method)  # its own: the methods' instances are shared
+    secure.method.apply = seeing
     return sums_seen
 
 

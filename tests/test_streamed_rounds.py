@@ -19,7 +19,7 @@ from common.engine.inprocess import simulated_sites
 from common.engine.reply_store import StoredArrays
 from common.engine.round_engine import RoundEngine, RoundReply
 from common.methods.base import HospitalInfo, Payload
-from common.methods.registry import hospital_class
+from common.methods.registry import hospital_class, methods
 from common.quantization.codec import decode_model, encode_model
 from common.quantization.low_rank import decode_low_rank, encode_low_rank
 from common.quantization.sparse import decode_sparse, encode_sparse
@@ -48,17 +48,14 @@ BRAIN = {"task": "brain-tumour-segmentation", "batch-size": 2, "brain.widths": "
          "brain.synthetic-size": 24, "brain.synthetic-cases": 24, "brain.crops-per-case": 1,
          "brain.hospital-modalities": "t1ce;flair,t2;t1,t1ce,flair,t2;t2;flair;t1ce,t2;t1,flair", "device": "cpu",
          "fedmepd.warmup-rounds": 0, "fedmepd.patience": 1, "fedmepd.num-anchors": 2}
+#: the run config of a method's first task (the one it is built for)
+TASK_SETTINGS = {"classification": CLASSIFICATION, "polyp-segmentation": POLYP, "brain-tumour-segmentation": BRAIN}
+#: every registered method on its first task, and the variants whose aggregation takes another path
 CASES = {
-    "fedavg": ("fedavg", CLASSIFICATION),
+    **{name: (name, TASK_SETTINGS[spec.tasks[0]]) for name, spec in methods().items()},
     "fedavg-median": ("fedavg", {**CLASSIFICATION, "screening.robust-aggregate": "median"}),
     "fedavg-trimmed-mean": ("fedavg", {**CLASSIFICATION, "screening.robust-aggregate": "trimmed-mean"}),
-    "fedprox": ("fedprox", CLASSIFICATION),
-    "moon": ("moon", CLASSIFICATION),
-    "fedbn": ("fedbn", CLASSIFICATION),
     "fedbn-median": ("fedbn", {**CLASSIFICATION, "screening.robust-aggregate": "median"}),
-    "fedproin": ("fedproin", CLASSIFICATION),
-    "fedproto": ("fedproto", CLASSIFICATION),
-    "qfedpolyp": ("qfedpolyp", POLYP),
     "qfedpolyp-update": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update"}),
     "qfedpolyp-delta": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update", "qfedpolyp.downlink": "delta"}),
     "qfedpolyp-sparse": ("qfedpolyp", {**POLYP, "qfedpolyp.quantise": "update", "qfedpolyp.sparsity": 0.25}),
@@ -68,10 +65,6 @@ CASES = {
                                       "qfedpolyp.statistics-bit-width": 8}),
     "qfedpolyp-low-rank": ("qfedpolyp", {**POLYP, "qfedpolyp.bit-widths": "4", "qfedpolyp.quantise": "update",
                                          "qfedpolyp.error-feedback": True, "qfedpolyp.low-rank-bits": 0.45}),
-    "fedmepd": ("fedmepd", BRAIN),
-    "fedmepd-fedavg": ("fedmepd-fedavg", BRAIN),
-    "fedmepd-federated-decoder": ("fedmepd-federated-decoder", BRAIN),
-    "fedmepd-local": ("fedmepd-local", BRAIN),
 }
 #: hospital-00, -01 and -05 are honest, -06 reports an error; the others:
 MALFORMED, UNCHANGED, OUTLIER, FAILED = "hospital-03", "hospital-02", "hospital-04", "hospital-06"

@@ -29,9 +29,9 @@ from typing import Callable
 import torch
 
 from benchmarks.qfedpolyp.eager_int8 import frozen_script, int8_model, quiet_deprecations
+from cli.int8_export import calibration_images, image_batches, model_from_checkpoint
 from common.data.sources import server_test_set
 from common.machine import cpu_flags, cpu_name
-from common.quantization.int8 import calibration_images, image_batches, model_from_checkpoint
 from common.quantization.timing import latencies
 from common.tasks import get_task
 
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     import tempfile
 
-    from common.quantization.int8 import SUFFIXES, export_int8, installed_engines, load_deployment
+    from cli.int8_export import export_int8
+    from common.quantization.int8 import SUFFIXES, installed_engines, load_deployment
     from common.quantization.onnx_int8 import OnnxSegmenter, export_float_model
     from common.quantization.openvino_int8 import OpenVinoSegmenter
     from server_app.checkpoint import find_checkpoint, load_checkpoint

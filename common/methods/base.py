@@ -70,12 +70,40 @@ class HospitalUpdate:
         return int(value) if np.isfinite(value) else 0
 
 
+@dataclass(frozen=True)
+class SecureMean:
+    """A secure round of the FedAvg family as the server may know it (``ServerMethod.aggregate_secure_mean``): the
+    global model moved by the hospitals' sample-weighted mean update, the hospitals in the sum (each update holding
+    only what it said in the clear: metrics and config, no arrays) and their samples as the protocol counts them
+    (each capped by the round plan's common cap and its policy's)."""
+
+    arrays: NamedArrays
+    hospitals: list[HospitalUpdate]
+    weight_total: float
+
+    @property
+    def count(self) -> int:
+        """How many hospitals the sum holds."""
+        return len(self.hospitals)
+
+
 class RejectedUpdate(Exception):
     """A reply the server will not aggregate; ``str(error)`` is the logged reason."""
 
 
 class ServerMethod(ABC):
-    """Server side of a method. Subclasses set ``name`` and implement the abstract methods."""
+    """Server side of a method. Subclasses set ``name`` and implement :meth:`aggregate`; the round engine
+    (``common/engine/round_engine.py``) calls, per round, in this order:
+
+    - :meth:`hospitals_available` (rnd, every connected hospital): before the round's hospitals are chosen, so a
+      method that counts hospitals (FedDyn's |P|/m) knows m;
+    - :meth:`downlink` (rnd, each chosen hospital), then per reply :meth:`check`, :meth:`screened_arrays`,
+      :meth:`reply_arrays`;
+    - :meth:`aggregate` (rnd, the accepted updates), or under secure aggregation its package's ``SecureMethod.apply``
+      (the FedAvg family's: :meth:`aggregate_secure_mean`, given a :class:`SecureMean`);
+    - :meth:`server_step` (rnd), then :meth:`evaluate`, and :meth:`state_dict` for the checkpoint.
+
+    :meth:`check_hospital` runs once per hospital when it joins."""
 
     name: ClassVar[str]
     #: reply metrics this method reads as lists (every other metric must be a number: ``common.engine.screening``)
@@ -118,7 +146,8 @@ class ServerMethod(ABC):
         joins, so that nothing it declared can fail a round later (default: any is fine)."""
 
     def hospitals_available(self, rnd: int, hospitals: list[HospitalInfo]) -> None:
-        """Told, before round ``rnd``'s hospitals are chosen, which hospitals are connected (default: ignored)."""
+        """Told, before round ``rnd``'s hospitals are chosen, which hospitals are connected (``len(hospitals)``: the
+        m of a method that scales by the share of hospitals taking part; default: ignored)."""
 
     def downlink(self, rnd: int, hospital: HospitalInfo) -> Payload:
         """What ``hospital`` receives to train in round ``rnd``: by default the global model."""
@@ -162,6 +191,14 @@ class ServerMethod(ABC):
         Each update's arrays may be on disk (``common.engine.reply_store.StoredArrays``: each tensor read from its file
         when asked for): go tensor by tensor, or hospital by hospital, never holding every reply's whole arrays at
         once, and copy what is kept beyond the round (``common.engine.reply_store.materialized``)."""
+
+    def aggregate_secure_mean(self, rnd: int, mean: SecureMean) -> dict[str, Any]:
+        """Under secure aggregation, for a method that sums as FedAvg does (``MEAN_UPDATE``): fold the round's
+        secure mean (the moved model, the hospitals in the sum and their samples: ``mean.count``,
+        ``mean.weight_total``) into the global state, as :meth:`aggregate` folds the updates; return round metrics.
+        A method that names ``MEAN_UPDATE`` must say what it does here (its config is refused before round 1
+        otherwise)."""
+        raise NotImplementedError(f"strategy {self.name!r} does not take a secure sum's mean update")
 
     def server_step(self, rnd: int) -> dict[str, Any]:
         """Work the server does on its own after aggregation (e.g. training on its data)."""

@@ -251,12 +251,10 @@ class Enforcer:
     def apply_min_samples(self, method, payload, reply, where: dict[str, Any]) -> None:
         """k: what the method declares rests on fewer than k samples is withheld (FedProIn's influence counts, noised
         first under local DP, and their prototypes; FedProto's class means)."""
-        withhold = privacy_rules(method.cfg.strategy).withhold_small
-        if withhold is None:
-            return
         k, dp = self.policy.min_samples, self.policy.local_dp
         sigma = dp.noise_multiplier if dp is not None else None
-        withheld = withhold(method, payload, reply, k, sigma, noise_rng() if sigma is not None else None)
+        withheld = privacy_rules(method.cfg.strategy).withhold_small(method, payload, reply, k, sigma,
+                                                                     noise_rng() if sigma is not None else None)
         if withheld:
             self.note("min-samples", k=k, **withheld, **where)
 
@@ -266,9 +264,7 @@ class Enforcer:
         array group makes the reply refused (fail closed)."""
         dp = self.policy.local_dp
         groups = set(reply.arrays) - {"model"}
-        prepare = privacy_rules(method.cfg.strategy).before_local_dp
-        if prepare is not None:
-            groups -= prepare(method, payload, reply)
+        groups -= privacy_rules(method.cfg.strategy).before_local_dp(method, payload, reply)
         if groups:
             raise self.refuse(f"local-dp: the reply carries array groups {sorted(groups)} besides the model, which "
                               "the policy cannot bound", **where)

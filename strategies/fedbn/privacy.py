@@ -10,19 +10,20 @@ from common.methods.privacy import PrivacyRules
 from .norm_layers import NORM_GROUP
 
 
-def initial_norm_layers(method, payload, reply) -> set[str]:
-    """The reply's normalisation layers replaced by the job's initial model's (the same seed as the server's)."""
-    import torch
+class FedBNRules(PrivacyRules):
+    def before_local_dp(self, method, payload, reply) -> set[str]:
+        """The reply's normalisation layers replaced by the job's initial model's (the same seed as the server's)."""
+        import torch
 
-    from common.arrays import model_arrays
+        from common.arrays import model_arrays
 
-    method.task.adopt_spec(payload.config)
-    torch.manual_seed(method.cfg.seed)
-    initial = model_arrays(method.task.initial_model())
-    reply.arrays[NORM_GROUP] = {name: initial[name] for name in reply.arrays[NORM_GROUP]}
-    return {NORM_GROUP}
+        method.task.adopt_spec(payload.config)
+        torch.manual_seed(method.cfg.seed)
+        initial = model_arrays(method.task.initial_model())
+        reply.arrays[NORM_GROUP] = {name: initial[name] for name in reply.arrays[NORM_GROUP]}
+        return {NORM_GROUP}
 
 
-RULES = PrivacyRules(before_local_dp=initial_norm_layers, no_patient_dp=(
+RULES = FedBNRules(no_patient_dp=(
     "FedBN keeps each hospital's own BatchNorm statistics, and BatchNorm mixes the samples of a batch, so no "
     "per-patient gradient exists (DP-SGD needs GroupNorm in its place, which is not FedBN)"))

@@ -24,7 +24,7 @@ METHODS = (
                hospital="strategies.fedmepd.baselines:SharedEncoderFedAvgHospital",
                strategy="strategies.fedmepd.strategy:SharedEncoderFedAvgStrategy",
                summary="Baseline: FedAvg of the whole model with one encoder shared by all modalities",
-               model_needs="multimodal", secure="strategies.fedmepd.secure:SHARED_ENCODER_FEDAVG",
+               model_needs="multimodal", secure="common.trust.secure_aggregation.methods:MEAN_UPDATE",
                privacy="strategies.fedmepd.privacy:BASELINE_RULES"),
     MethodSpec("fedmepd-federated-decoder", BRAIN, server="strategies.fedmepd.baselines:FederatedDecoderServer",
                hospital="strategies.fedmepd.baselines:FederatedDecoderHospital",

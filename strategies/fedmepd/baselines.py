@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.arrays import model_arrays, weighted_average
-from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate
+from common.methods.base import HospitalInfo, HospitalUpdate, Payload, RejectedUpdate, SecureMean
 from common.methods.local_training import LocalTraining
 
 from .harness import BrainHospital, ServerTraining, hospital_average, hospital_modalities
@@ -33,6 +33,11 @@ class SharedEncoderFedAvgServer(ServerTraining):
         self.global_arrays = weighted_average([u.payload.arrays["model"] for u in updates],
                                               [u.weight for u in updates])
         return {"hospital-average": hospital_average(updates)}
+
+    def aggregate_secure_mean(self, rnd: int, mean: SecureMean) -> dict[str, Any]:
+        """The secure mean update is the global model; the hospitals' own scores they state in the clear."""
+        self.global_arrays = dict(mean.arrays)
+        return {"hospital-average": hospital_average(mean.hospitals)}
 
 
 class SharedEncoderFedAvgHospital(LocalTraining):

@@ -21,33 +21,31 @@ from common.methods.privacy import PrivacyRules
 COUNT_NOISE_FACTOR = 2.0
 
 
-def noise_multiplier_with_counts(noise_multiplier: float) -> float:
-    """The model update (moved by at most 2C, noise sigma C) and the counts (moved by sqrt(2), noise
-    COUNT_NOISE_FACTOR sigma) released together: one Gaussian mechanism of this multiplier."""
-    ratio = (2.0 / noise_multiplier) ** 2 + (math.sqrt(2.0) / (COUNT_NOISE_FACTOR * noise_multiplier)) ** 2
-    return 1.0 / math.sqrt(ratio)
+class FedProInRules(PrivacyRules):
+    def noise_multiplier(self, sigma: float) -> float:
+        """The model update (moved by at most 2C, noise sigma C) and the counts (moved by sqrt(2), noise
+        COUNT_NOISE_FACTOR sigma) released together: one Gaussian mechanism of this multiplier."""
+        ratio = (2.0 / sigma) ** 2 + (math.sqrt(2.0) / (COUNT_NOISE_FACTOR * sigma)) ** 2
+        return 1.0 / math.sqrt(ratio)
+
+    def withhold_small(self, method, payload, reply, k: int, sigma: float | None, rng) -> dict[str, Any]:
+        """Influence counts noised (under local DP of multiplier ``sigma``), then those below ``k`` sent as 0 with
+        their prototypes as received."""
+        received = payload.arrays["model"]["prototypes"]
+        counts = np.asarray(reply.metrics["influence"], dtype=np.float64).reshape(received.shape[:2])
+        if sigma is not None:  # noised first: the threshold is then applied to noisy counts
+            counts = np.clip(np.rint(counts + rng.normal(0.0, COUNT_NOISE_FACTOR * sigma, counts.shape)), 0, None)
+            limit = float(len(method.site.train))
+            if counts.sum() > limit:  # the server refuses more than the declared samples (post-processing)
+                counts = np.floor(counts * limit / counts.sum())
+        small = counts < k
+        counts[small] = 0
+        prototypes = reply.arrays["model"]["prototypes"]
+        prototypes[small] = received[small]
+        reply.metrics["influence"] = [int(c) for c in counts.ravel()]
+        return {"prototypes-withheld": int(small.sum()), "of": int(small.size)}
 
 
-def withhold_small_counts(method, payload, reply, k: int, noise_multiplier: float | None, rng) -> dict[str, Any]:
-    """Influence counts noised (under local DP, ``noise_multiplier`` its sigma), then those below ``k`` sent as 0
-    with their prototypes as received."""
-    received = payload.arrays["model"]["prototypes"]
-    counts = np.asarray(reply.metrics["influence"], dtype=np.float64).reshape(received.shape[:2])
-    if noise_multiplier is not None:  # noised first: the threshold is then applied to noisy counts
-        sigma = COUNT_NOISE_FACTOR * noise_multiplier
-        counts = np.clip(np.rint(counts + rng.normal(0.0, sigma, counts.shape)), 0, None)
-        limit = float(len(method.site.train))
-        if counts.sum() > limit:  # the server refuses more than the declared samples (post-processing)
-            counts = np.floor(counts * limit / counts.sum())
-    small = counts < k
-    counts[small] = 0
-    prototypes = reply.arrays["model"]["prototypes"]
-    prototypes[small] = received[small]
-    reply.metrics["influence"] = [int(c) for c in counts.ravel()]
-    return {"prototypes-withheld": int(small.sum()), "of": int(small.size)}
-
-
-RULES = PrivacyRules(protocol_metrics=frozenset({"influence"}), noise_multiplier=noise_multiplier_with_counts,
-                     withhold_small=withhold_small_counts, no_patient_dp=(
-                         "FedProIn's prototype losses (FDL, PCL), its k-means prototype start and its influence "
-                         "counts are not taken through per-patient gradients yet"))
+RULES = FedProInRules(protocol_metrics=frozenset({"influence"}), no_patient_dp=(
+    "FedProIn's prototype losses (FDL, PCL), its k-means prototype start and its influence counts are not taken "
+    "through per-patient gradients yet"))

@@ -128,8 +128,14 @@ class FedProInServer(ServerMethod):
         if self.cfg.fedproin.aggregation == "nia":
             arrays["prototypes"] = normalised_influence_aggregation(
                 (m["prototypes"] for m in models), influences, self.global_arrays["prototypes"])
+        record = self.settle(rnd, arrays, np.sum(influences, axis=0))
+        return {"influence": {u.hospital.name: i.tolist() for u, i in zip(updates, influences)}, **record}
+
+    def settle(self, rnd: int, arrays: dict[str, np.ndarray], usage: np.ndarray) -> dict[str, Any]:
+        """The round's model (``arrays``) and how many samples used each prototype (``usage``, summed over the
+        hospitals, the same whether summed securely or not) into the global state: unused prototypes counted,
+        re-seeded when due."""
         self.global_arrays = arrays
-        usage = np.sum(influences, axis=0)
         unused = self.prototype_names(usage == 0)
         if unused:
             log.info("round %d: prototypes no hospital used (kept or averaged as configured): %s", rnd,
@@ -143,8 +149,7 @@ class FedProInServer(ServerMethod):
                                                              self.cfg.seed + rnd)
             reseeded = self.prototype_names(due)
             self.unused_rounds[due] = 0
-        return {"influence": {u.hospital.name: i.tolist() for u, i in zip(updates, influences)},
-                "prototype-usage": usage.tolist(), "unused-prototypes": unused,
+        return {"prototype-usage": usage.tolist(), "unused-prototypes": unused,
                 **({"reseeded-prototypes": reseeded} if reseeded else {})}
 
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -12,8 +12,9 @@ own sample count (:func:`own_weight`) and adds that weight to the sum, which the
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from .vector import Entry, Layout
 
 if TYPE_CHECKING:
     from common.config import JobConfig
-    from common.methods.base import HospitalInfo, ServerMethod
+    from common.methods.base import HospitalInfo, HospitalUpdate, ServerMethod
 
 
 @dataclass
@@ -53,32 +54,62 @@ class MethodPlan:
 Contribution = tuple[dict[str, np.ndarray], dict[str, float]]  #: the parts to sum, and metrics sent in the clear
 
 
-@dataclass(frozen=True)
-class SecureMethod:
-    """A method under secure aggregation: ``plan`` (server: what the round sums), ``contribution`` (hospital: its
-    parts, from the message it received and its method's reply), ``apply`` (server: the sums into its state, given
-    the hospitals in the sum as updates holding only what they said in the clear), ``hidden_metrics`` (reply metrics
-    that never leave the hospital in the clear), ``refuse`` (why a job's settings cannot run it securely),
-    ``sum_problem`` (why the survivors' sums must not be unmasked: a part only one of them contributed to),
-    ``check_plan`` (hospital side: why the round plan misstates this hospital's own row)."""
+class SecureMethod(ABC):
+    """A method under secure aggregation, as its package declares it (``strategies/<method>/secure.py``, named by its
+    ``MethodSpec.secure``): one instance, whose methods the server's round (``strategies/secure_aggregation.py``)
+    and the hospital's (``common/trust/secure_aggregation/hospital.py``) call with everything they need.
 
-    plan: Callable[..., MethodPlan]
-    contribution: Callable[[Payload, Payload, Mapping[str, Any], Layout], Contribution]
-    apply: Callable[..., dict[str, Any]]
-    hidden_metrics: frozenset[str] = frozenset()
-    refuse: Callable[["JobConfig"], str | None] = lambda job: None
-    sum_problem: Callable[[MethodPlan, list["HospitalInfo"]], str | None] = lambda plan, hospitals: None
-    #: hospital side: why the round plan misstates what this hospital (named) holds, e.g. FedMEPD's modalities
-    check_plan: Callable[[Mapping[str, Any], str, Payload, Payload], str | None] = \
-        lambda plan, name, received, reply: None
+    Server side: :meth:`plan` (what the round sums, from the chosen hospitals), :meth:`sum_problem` (why the
+    survivors' sums must not be unmasked), :meth:`apply` (the unmasked sums into the method's state, given the
+    hospitals in the sum: their count is ``len(updates)``, each update holding only what it said in the clear),
+    :meth:`refuse` (why a job's settings cannot run it, before round 1). Hospital side: :meth:`contribution` (its
+    parts, from the message it received and its method's reply), :meth:`check_plan` (why the round plan misstates
+    this hospital's own row)."""
+
+    #: reply metrics that never leave the hospital in the clear (they travel in the sum)
+    hidden_metrics: ClassVar[frozenset[str]] = frozenset()
     #: its sum is the FedAvg family's (weight and model update), which distributed DP noises
-    distributed_dp: bool = False
+    distributed_dp: ClassVar[bool] = False
     #: training config keys its server sets per hospital (each hospital's value is a row of the plan every hospital
     #: signs); every other key is one value for all
-    own_config: frozenset[str] = frozenset()
-    #: hospital side: the received arrays (group -> names) its hospital half keeps its own values of, as its training
-    #: reply names them (FedBN: its normalisation layers): no training input, so no part of the replay memory's key
-    personal: Callable[[Payload], Mapping[str, Iterable[str]]] = lambda reply: {}
+    own_config: ClassVar[frozenset[str]] = frozenset()
+
+    @abstractmethod
+    def plan(self, method: "ServerMethod", hospitals: list["HospitalInfo"], settings: SecureAggregationSettings,
+             norm_bound: float) -> MethodPlan:
+        """Server: what round's ``hospitals`` (the chosen ones, ``len(hospitals)`` of them) sum."""
+
+    @abstractmethod
+    def contribution(self, received: Payload, reply: Payload, params: Mapping[str, Any],
+                     layout: Layout) -> Contribution:
+        """Hospital: its parts to sum and its metrics in the clear, from the message it received, its method's reply
+        and the round plan (``params``: the plan every hospital signs, plus this hospital's own row and name)."""
+
+    @abstractmethod
+    def apply(self, method: "ServerMethod", rnd: int, sums: Mapping[str, np.ndarray], plan: MethodPlan,
+              updates: list["HospitalUpdate"]) -> dict[str, Any]:
+        """Server: the unmasked ``sums`` into ``method``'s state; ``updates``: every hospital in the sum (``len``: how
+        many), each holding only its metrics and config in the clear, never arrays. Returns the round's metrics;
+        ValueError: the sums cannot be used (the global model stays as it was)."""
+
+    def refuse(self, job: "JobConfig") -> str | None:
+        """Why ``job``'s settings cannot run this method securely (checked before round 1), or None."""
+        return None
+
+    def sum_problem(self, plan: MethodPlan, hospitals: list["HospitalInfo"]) -> str | None:
+        """Why the survivors' (``hospitals``) sums must not be unmasked (a part only one of them added to), or None."""
+        return None
+
+    def check_plan(self, plan: Mapping[str, Any], name: str, received: Payload, reply: Payload) -> str | None:
+        """Hospital side: why the round plan misstates what this hospital (``name``) holds, or None (FedMEPD's
+        modalities)."""
+        return None
+
+    def personal(self, reply: Payload) -> Mapping[str, Iterable[str]]:
+        """Hospital side: the received arrays (group -> names) its hospital half keeps its own values of, as its
+        training reply names them (FedBN: its normalisation layers): no training input, so no part of the replay
+        memory's key."""
+        return {}
 
 
 def float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
@@ -227,18 +258,6 @@ def mean_update(sums: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]
     return result
 
 
-def stand_in(updates: list, arrays: NamedArrays, metrics: dict[str, Any] | None = None):
-    """The round's secure sum as the one update a method's own ``aggregate`` is given (its weighted mean of one
-    update is that update): so the method's bookkeeping runs on what the server may know."""
-    from common.methods.base import HospitalInfo, HospitalUpdate
-
-    total = sum(u.hospital.num_examples for u in updates)
-    return HospitalUpdate(HospitalInfo("secure-sum", total), Payload(arrays={"model": arrays},
-                                                                       metrics={"num-examples": total,
-                                                                                **(metrics or {})}), share=1.0)
-
-
-
 def secure_method(name: str, job: "JobConfig | None" = None) -> SecureMethod:
     """The method's secure-aggregation functions (its package's ``MethodSpec.secure``); ValueError says why it has
     none (its ``MethodSpec.not_secure``), or why ``job``'s settings cannot use them."""
@@ -262,14 +281,9 @@ def secure_method_names() -> list[str]:
     return sorted(name for name, spec in methods().items() if spec.secure)
 
 
-def mean_update_plan(method, hospitals, settings, norm_bound) -> MethodPlan:
-    return weighted_plan(method, hospitals, settings, norm_bound, method.global_arrays)
-
-
-def mean_update_apply(method, rnd: int, sums, plan: MethodPlan, updates) -> dict[str, Any]:
-    """The checked mean update, then the method's own ``aggregate`` on it as the round's one update."""
-    check_bounds(sums, plan, updates)
-    return method.aggregate(rnd, [stand_in(updates, mean_update(sums, method.global_arrays))])
+def distributed_dp_method_names() -> list[str]:
+    """The methods whose secure sum distributed DP can noise (a weight and a model update)."""
+    return [name for name in secure_method_names() if secure_method(name).distributed_dp]
 
 
 def refuse_robust_aggregate(job: "JobConfig") -> str | None:
@@ -279,8 +293,45 @@ def refuse_robust_aggregate(job: "JobConfig") -> str | None:
     return None
 
 
-#: FedAvg under secure aggregation (also FedProx's and MOON's: their servers are FedAvg's): each hospital adds
-#: (n_i/W) x its update, clipped to the round's norm bound, and n_i/W; the server moves the global model by the
-#: ratio of the two sums, the sample-weighted mean update (docs/secure-aggregation.md, "What each method sums").
-MEAN_UPDATE = SecureMethod(mean_update_plan, weighted_update_contribution, mean_update_apply,
-                           refuse=refuse_robust_aggregate, distributed_dp=True)
+def weight_total(sums: Mapping[str, np.ndarray], plan: MethodPlan) -> float:
+    """The samples behind a FedAvg-family sum as the protocol knows them: the summed own weights times the plan's
+    common cap (each hospital's samples capped by it and by its policy)."""
+    return float(sums["weight"]) * float(plan.common[WEIGHT_CAP_KEY])
+
+
+class MeanUpdate(SecureMethod):
+    """FedAvg under secure aggregation (also FedProx's, MOON's and FedMEPD's FedAvg baseline's): each hospital adds
+    (n_i/W) x its update, clipped to the round's norm bound, and n_i/W; the server moves the global model by the
+    ratio of the two sums, the sample-weighted mean update (docs/secure-aggregation.md, "What each method sums"), and
+    hands it to the method's server half as a :class:`common.methods.base.SecureMean` (``aggregate_secure_mean``):
+    the model, the number of hospitals in the sum and their samples, never a stand-in hospital."""
+
+    distributed_dp = True
+
+    def plan(self, method, hospitals, settings, norm_bound) -> MethodPlan:
+        return weighted_plan(method, hospitals, settings, norm_bound, method.global_arrays)
+
+    def contribution(self, received, reply, params, layout) -> Contribution:
+        return weighted_update_contribution(received, reply, params, layout)
+
+    def apply(self, method, rnd, sums, plan, updates) -> dict[str, Any]:
+        """The checked mean update, then the method's ``aggregate_secure_mean`` on it."""
+        from common.methods.base import SecureMean
+
+        check_bounds(sums, plan, updates)
+        return method.aggregate_secure_mean(rnd, SecureMean(mean_update(sums, method.global_arrays), list(updates),
+                                                            weight_total(sums, plan)))
+
+    def refuse(self, job: "JobConfig") -> str | None:
+        from common.methods.base import ServerMethod
+        from common.methods.registry import server_class
+
+        server = server_class(job.strategy)
+        if server.aggregate_secure_mean is ServerMethod.aggregate_secure_mean:
+            return (f"its server half {server.__name__} does not say what it makes of a secure sum's mean update "
+                    "(ServerMethod.aggregate_secure_mean)")
+        return refuse_robust_aggregate(job)
+
+
+#: FedAvg's secure sum, which FedProx, MOON and FedMEPD's FedAvg baseline name too (their servers average as FedAvg's).
+MEAN_UPDATE = MeanUpdate()

@@ -20,8 +20,8 @@ class SecureAggregationSettings(Section):
 
     enabled: bool = Field(False, description=(
         "Run every training round as SecAgg+ (setup, share keys, collect masked vectors, consistency check, unmask): "
-        "the server sees sums, never one hospital's update. Methods: fedavg, fedprox, moon, fedbn, fedproin, "
-        "qfedpolyp, fedmepd."))
+        "the server sees sums, never one hospital's update. Methods: every one whose package declares what "
+        "it sums (its MethodSpec.secure); the others are refused before round 1, naming why."))
     num_shares: float = Field(1.0, gt=0.0, description=(
         "How many hospitals (itself included) each hospital shares its secrets with: a fraction (<= 1) of the "
         "round's hospitals, or a count (> 1, whole). 1.0: every hospital of the round (SecAgg); fewer: SecAgg+."))
