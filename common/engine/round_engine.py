@@ -9,7 +9,6 @@ to be read as a Flower "federation", which is a SuperLink connection.)
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import numpy as np
 from common.arrays import ArraysMismatch, check_like, is_exchanged
 from common.config import JobConfig
 from common.engine.reply_store import ReplyStore
+from common.engine.round_record import weighted_mean_metrics
 from common.engine.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.engine.screening import (
     batchnorm_problem,
@@ -83,16 +83,6 @@ def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: in
     count = min(len(ordered), max(minimum, int(fraction * len(ordered))))
     picked = np.random.default_rng([seed, rnd]).choice(len(ordered), size=count, replace=False)
     return [ordered[i] for i in sorted(picked)]
-
-
-def weighted_mean_metrics(items: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Per-key mean weighted by the first element (sample counts); keys missing somewhere are skipped."""
-    if not items:
-        return {}
-    keys = set.intersection(*(set(m) for _, m in items))
-    total = sum(w for w, _ in items) or 1.0
-    return {k: float(sum(w * m[k] for w, m in items) / total) for k in sorted(keys)
-            if all(isinstance(m[k], (int, float)) and math.isfinite(m[k]) for _, m in items)}
 
 
 class RoundEngine:
