@@ -39,7 +39,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from common.config import ConfigError
-from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
+from common.engine.round_engine import RoundEngine, RoundReply, describe
+from common.engine.round_record import round_record, screened_shares
 from common.engine.screening import brief, cut, metrics_problem, sample_count_problem
 from common.engine.wire import FLAT_LAYOUT, MalformedPayload, from_recorddict, to_recorddict
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
@@ -394,6 +395,8 @@ class SecureAggregation:
                 protocol.lost.setdefault(node_of[name], f"{COLLECT}: no reply before the round's timeout")
 
         method, method_record, mean_norm = engine.method, None, None
+        clear = [HospitalUpdate(r.hospital, Payload(config=r.payload.config, metrics=r.payload.metrics),
+                                weight_key=engine.weight_key) for r in accepted]  # what they said openly
         skipped = progress.skipped
         needed = max(2, engine.cfg.min_train_hospitals, protocol.threshold if protocol else 2)
         if skipped is None and len(accepted) < needed:
@@ -428,8 +431,6 @@ class SecureAggregation:
                 sums = expand(decode_sum(plan.layout, total, len(protocol.masked), protocol.clipping_range,
                                          protocol.quantization_range), plan.common)  # distributed DP's noised part
                 before = {k: v.copy() for k, v in method.global_arrays.items()}
-                clear = [HospitalUpdate(r.hospital, Payload(config=r.payload.config, metrics=r.payload.metrics),
-                                        weight_key=engine.weight_key) for r in accepted]  # what they said openly
                 method_record = self.method.apply(method, rnd, sums, plan, clear)
                 mean_norm = distance(method.global_arrays, before)
                 progress.stages[UNMASK]["sum-seconds"] = round(time.perf_counter() - computing, 3)
@@ -438,32 +439,17 @@ class SecureAggregation:
                 skipped = f"the unmasked sums cannot be used: {error}; the global model is unchanged"
             else:
                 method_record.update(method.server_step(rnd))
-        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
-                                  "aggregated": [r.hospital.name for r in accepted], "missing": missing,
-                                  "refused": refused, "update-norm": {}, "update-norm-vs-median": {}}
         for node, why in sorted(protocol.hostile.items()) if protocol is not None else ():
             log.warning("round %d: %s sent a share that does not fit: %s", rnd, progress.name(node), why)
-        if skipped is not None:
-            record["skipped"] = skipped
-            log.warning("round %d: %s", rnd, skipped)
-        else:
-            record["method"] = method_record
         bytes_down = bytes_down or {}
         bytes_up = {r.hospital.name: r.bytes_up for r in replies}
         keys = {h.name: progress.traffic.get(h.name, {}) for h in chosen}  # the key stages' bytes
-        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)) + keys[h.name].get("down", 0),
-                                      "up": int(bytes_up.get(h.name, 0)) + keys[h.name].get("up", 0)} for h in chosen}
-        record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
-        record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
-        record["hospital_metrics"] = {r.hospital.name: {k: v for k, v in r.payload.metrics.items()
-                                                        if not isinstance(v, (list, tuple))} for r in accepted}
-        record["devices"] = {r.hospital.name: brief(r.payload.config.get("device", "?"), 80).strip("'")
-                             for r in accepted}
-        record["train"] = weighted_mean_metrics([(float(r.payload.metrics.get(engine.weight_key, 1) or 1),
-                                                  dict(r.payload.metrics)) for r in accepted])
-        record["train"].pop("num-examples", None)
-        record["secure-aggregation"] = self.summary(progress, mean_norm)
-        record["seconds"] = round(time.time() - started, 3)
+        traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)) + keys[h.name].get("down", 0),
+                            "up": int(bytes_up.get(h.name, 0)) + keys[h.name].get("up", 0)} for h in chosen}
+        screened_shares(clear, engine.cfg.screening)  # the train metrics weighed as a plain round's: screened shares
+        record = round_record(rnd, chosen, clear, started=started, traffic=traffic, missing=missing, refused=refused,
+                              method=method_record, skipped=skipped,
+                              **{"secure-aggregation": self.summary(progress, mean_norm)})
         engine.history.append(record)
         self.rounds.pop(rnd, None)
         if evaluate:
