@@ -15,12 +15,11 @@ polling, resume) and under Flower's own loop, e.g. inside Flower's DP wrappers.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -57,6 +56,10 @@ from .legacy_api import legacy_argument, legacy_method
 from .outcome import why_nothing_aggregated
 from .records import arrays_of, into_arrayrecord, round_metricrecord
 from .replies import ReplyIntake
+from .round_workflow import PlainRounds
+
+if TYPE_CHECKING:
+    from .secure_aggregation import SecureAggregation
 from .run_folder import RunFolder
 from .wrappers import FlowerWrappers
 
@@ -87,29 +90,6 @@ class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
 
-def outermost_result_observed(aggregate_train: Callable) -> Callable:
-    """``aggregate_train`` that hands what the outermost call returns to :meth:`HospitalStrategy.aggregation_returned`.
-
-    Flower's contract is on that value: ``(None, ...)`` keeps the previous global model. A user's subclass may
-    override ``aggregate_train``, call ours through ``super()`` and still return ``None``; only the outermost call
-    knows, so every override in the class tree is wrapped (:meth:`HospitalStrategy.__init_subclass__`) and the
-    depth counted."""
-
-    @functools.wraps(aggregate_train)
-    def observed(self: "HospitalStrategy", server_round: int, replies: Iterable[Message]):
-        self._aggregating += 1
-        try:
-            arrays, metrics = aggregate_train(self, server_round, replies)
-        finally:
-            self._aggregating -= 1
-        if not self._aggregating:
-            self.aggregation_returned(server_round, arrays)
-        return arrays, metrics
-
-    observed.__fedmed_observed__ = True  # type: ignore[attr-defined]
-    return observed
-
-
 class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluation, RunFolder,
                        Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
@@ -128,13 +108,6 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
     settings_type: ClassVar[type | None] = None
     section: ClassVar[str | None] = None
     renamed: ClassVar[dict[str, str]] = {}  #: argument -> settings field, where Flower's name differs (proximal_mu)
-    _aggregating = 0  # calls of aggregate_train in progress (an override calling ours through super() makes 2)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("aggregate_train")
-        if own is not None and not getattr(own, "__fedmed_observed__", False):
-            cls.aggregate_train = outermost_result_observed(own)
 
     def __init__(self, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 1, min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
@@ -189,15 +162,21 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         self._warned_names = False
         self._warned_gpus = False
         self._warned_client_dp = False
-        self._warned_secure_weight = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
+        self._given: ArrayRecord | None = None  # the model configure_train was given: kept if a round is declined
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
         self.nothing_aggregated: str | None = None  # why start()'s rounds aggregated nobody (strategies/outcome.py)
         from strategies.secure_aggregation import SecureAggregation
 
-        self.secure_aggregation = SecureAggregation.of(self)  # None unless secure-aggregation.enabled
+        #: how the training rounds travel, chosen once: secure aggregation where the job enables it, else plain
+        self.workflow: PlainRounds = SecureAggregation.of(self) or PlainRounds(self)
+
+    @property
+    def secure_aggregation(self) -> SecureAggregation | None:
+        """The strategy's secure aggregation (its workflow), None for plain rounds."""
+        return None if type(self.workflow) is PlainRounds else self.workflow
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:
@@ -258,9 +237,7 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         """The method's round engine, built on first use (it loads the server's test set, and for
         FedMEPD its own training cases, from the run config)."""
         if self._engine is None:
-            secure = getattr(self, "secure_aggregation", None)
-            self._engine = (secure.round_engine() if secure is not None
-                            else RoundEngine(self.job, weight_key=self.weighted_by_key))
+            self._engine = self.workflow.round_engine()
         return self._engine
 
     def initial_arrays(self) -> ArrayRecord:
@@ -282,9 +259,10 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
                 **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
 
     def hospital_messages(self, server_round: int, hospitals: list[HospitalInfo], config: ConfigRecord,
-                          message_type: str) -> list[Message]:
+                          message_type: str, unlogged: list[tuple] | None = None) -> list[Message]:
         """The method's payload for each hospital, with the round config and ``config`` (Flower's
-        train or evaluate config) in its ConfigRecord."""
+        train or evaluate config) in its ConfigRecord; each logged as sent, or its audit line added to ``unlogged``
+        (the training messages: the round's workflow logs them as they leave)."""
         node_of = {info.name: node for node, info in self.hospitals.items()}
         layout = self.message_layout()
         messages = []
@@ -302,8 +280,11 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
             digest = message_digest(message)
             self._bytes_down[info.name] = digest["bytes"]
             messages.append(message)
-            if self.secure_aggregation is None:  # a secure round adds its collect stage's keys: logged then
-                self.audit_message("sent", message, server_round, info.name, node_of[info.name], digest=digest)
+            line = ("sent", message, server_round, info.name, node_of[info.name], False, digest)
+            if unlogged is None:
+                self.audit_messages([line])
+            else:
+                unlogged.append(line)
         return messages
 
     def flower_content(self, server_round: int, payload: Payload, config: Mapping[str, Any],
@@ -323,7 +304,7 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         """Whether a hospital that trains the model itself gets fedmed's messages rather than Flower's: the training
         rounds of a secure run, whose stages its HospitalClientApp's mod answers, masking what the app's own train
         handler returns (``client_app/hospital_mod.py``); its evaluate phase stays Flower's."""
-        return self.secure_aggregation is not None and message_type == MessageType.TRAIN
+        return self.workflow.masks_own_training and message_type == MessageType.TRAIN
 
     def flower_train_config(self) -> dict[str, Any]:
         """What a train message's config carries for the method beside the user's train config, as Flower's strategy
@@ -350,7 +331,7 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
             self.adopt_initial_arrays(arrays, f"arrays given for round {server_round}")
         elif len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), f"arrays given for round {server_round}")
-        self._grid = grid
+        self._grid, self._given = grid, arrays
         asked_from = time.time()
         self.discover(grid)
         if not self.engine.history and len(self.hospitals) < self.job.min_train_hospitals and self._refusals:
@@ -361,13 +342,11 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         self._identity_seconds = self._round_started - asked_from
         self._chosen = self.engine.select(server_round, list(self.hospitals.values()))
         self._bytes_down = {}
-        messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN)
+        sent: list[tuple] = []
+        messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN, unlogged=sent)
         log.info("round %d: training on %s", server_round, ", ".join(h.name for h in self._chosen))
-        if self.secure_aggregation is not None:  # setup and share keys; the messages carry the collect stage
-            messages = self.secure_aggregation.prepare(server_round, messages, grid)
-        return messages
+        return self.workflow.prepare(server_round, messages, grid, sent)  # secure: key stages first
 
-    @outermost_result_observed
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The next global model and the round's metrics, as Flower's: ``(None, None)`` when no reply was accepted,
@@ -376,7 +355,7 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         DP wrapper makes of these arrays is the model that is scored, saved and sent next; a subclass's
         ``aggregate_train`` that returns no arrays keeps the previous model (:meth:`aggregation_returned`)."""
         self._replies = {}
-        if self._aggregating > 1:  # called by an override, which may still decline the round: keep what to go back to
+        if type(self).aggregate_train is not HospitalStrategy.aggregate_train:  # an override may still decline
             self._state_before = {k: np.array(v, copy=True) for k, v in self.engine.method.state_dict().items()}
         folder = self.reply_folder()
         round_replies = self.round_replies(server_round, replies, keep_arrays=folder is None)
@@ -417,21 +396,25 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
                     ", ".join(on_cpu))
 
     def aggregation_returned(self, server_round: int, arrays: ArrayRecord | None) -> None:
-        """The outermost ``aggregate_train`` of round ``server_round`` returned ``arrays``. ``None`` is Flower's way to
-        skip a round: the previous global model stays, in the method too (whatever ours aggregated when an override
-        called it and then declined), and the round is recorded as skipped, with the reason. An override that
-        aggregated without ours has its round recorded too (``aggregated-by``); its arrays are released as any."""
+        """The outermost ``aggregate_train`` of round ``server_round`` (a subclass's override, a wrapper's, ours)
+        returned ``arrays``, as :meth:`release` learns from what it is handed. ``None`` is Flower's way to skip a
+        round: the previous global model stays, in the method too (whatever ours aggregated before an override or a
+        wrapper declined), and the round is recorded as skipped, with the reason. An override that aggregated without
+        ours has its round recorded too (``aggregated-by``); its arrays are released as any."""
         record = self._record if self._record is not None and self._record["round"] == server_round else None
         before, self._state_before = self._state_before, None
-        name = f"{type(self).__name__}.aggregate_train"
-        if record is None and arrays is None:  # an override that never called ours
+        overridden = type(self).aggregate_train is not HospitalStrategy.aggregate_train
+        name = f"{type(self).__name__}.aggregate_train" if overridden else "the aggregate_train wrapping ours"
+        if record is None and arrays is None and overridden:  # an override that never called ours
             self.round_record(server_round, f"{name} returned no arrays without fedmed's aggregation")
-        elif record is None and server_round == self.engine.next_round:  # one that aggregated on its own
+        elif record is None and arrays is not None and server_round == self.engine.next_round:  # on its own
             self._record = self.engine.unscreened_round(server_round, self._chosen, self._round_started,
                                                         self._bytes_down, aggregated_by=f"{name}, on its own")
         elif record is not None and arrays is None and "skipped" not in record:
             if before is not None:
                 self.engine.method.load_state_dict(before)
+            elif self._given is not None and len(self._given):  # a wrapper declined: at least its model back
+                self.engine.adopt_global_arrays(arrays_of(self._given, copy=False), "the kept model")
             record["discarded"], record["aggregated"] = record["aggregated"], []
             record.pop("method", None)
             record["skipped"] = (f"{name} returned no arrays: the aggregate of {', '.join(record['discarded'])} "
@@ -453,7 +436,12 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
 
     def release(self, server_round: int, arrays: ArrayRecord) -> None:
         """``arrays`` are round ``server_round``'s released global model (a wrapper's or a subclass's take on what
-        :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set."""
+        :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set. Handed the
+        very model ``configure_train`` was given, the round was declined: Flower's loop (and ours) keep the previous
+        model when the outermost ``aggregate_train`` returns no arrays, and pass that one on."""
+        declined = self._given is not None and arrays is self._given
+        self.aggregation_returned(server_round, None if declined else arrays)
+        self._given = None
         record = self.round_record(server_round)
         if record is None:
             return
@@ -590,9 +578,8 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         Flower's contract (masked by fedmed's mod under secure aggregation), fedmed's hospital step for the others."""
         method = self.job.strategy
         if method_spec(method).flower_contract:
-            secure = (": under secure aggregation a HospitalClientApp's mod masks what the app's own train handler "
-                      "returns, as Flower's secaggplus_mod does" if self.secure_aggregation is not None else "")
-            return f"a ClientApp that trains the model itself trains {method}'s rounds with its own train loop{secure}"
+            return (f"a ClientApp that trains the model itself trains {method}'s rounds with its own train loop"
+                    f"{self.workflow.who_trains_note()}")
         return (f"{method}'s hospitals run fedmed's {method} step (its own local training): a HospitalClientApp's own "
                 f"train handler is not asked for {method}'s rounds (docs/own-clientapp.md)")
 
@@ -664,8 +651,8 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
                     arrays = result.arrays = aggregated  # as in Flower's loop: the last aggregate, else none
                 if metrics is not None:
                     result.train_metrics_clientapp[rnd] = metrics
-                record = self.round_record(rnd)
                 evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
+                record = self.round_record(rnd)
                 evaluated = self.aggregate_evaluate(
                     rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
                 if evaluated is not None:

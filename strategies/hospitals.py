@@ -186,10 +186,9 @@ class HospitalDirectory:
             return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod: Flower's ClientApp with fedmed's hospital mod "
                     "and query handler; docs/own-clientapp.md)")
-        if self.secure_aggregation is not None and not signs:
-            return (f"{what}, but secure aggregation masks every reply at the hospital: make its ClientApp a "
-                    "HospitalClientApp (from client_app.hospital_mod), whose mod masks what its own train handler "
-                    "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
+        unsigned = None if signs else self.workflow.unsigned_problem(what)
+        if unsigned:
+            return unsigned
         if self.job.hospital_keys and not signs:
             return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
                     "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
@@ -208,13 +207,8 @@ class HospitalDirectory:
             problem = self.trains_itself_problem(f"{name} trains the model itself (its ClientApp's own train)")
             if problem:
                 raise ValueError(problem)
-            if count is None and self.secure_aggregation is not None and not self._warned_secure_weight:
-                self._warned_secure_weight = True
-                log.warning("%s trains the model itself and declares no sample count: under secure aggregation its "
-                            "weight counts at most screening.max-samples=%d samples, and each hospital's weight is "
-                            "its samples over the largest declared count (as Flower's SecAggPlusWorkflow's "
-                            "max_weight): set screening.max-samples near your hospitals' size, or the masked sum's "
-                            "quantisation swamps the update", name, self.job.screening.max_samples)
+            if count is None:
+                self.workflow.hospital_without_count(name)
             count = self.job.screening.max_samples if count is None else count
         problem = declared_count_problem(count, self.job.screening.max_samples)
         if problem:

@@ -80,7 +80,7 @@ class ReplyIntake:
         holds one reply at a time whatever the number of hospitals. None (every reply in memory) under Flower's
         own loop, whose ``Grid.send_and_receive`` has every reply in memory already, and with secure aggregation,
         whose masked vectors are summed as they come."""
-        if not self._in_own_loop or self.job.reply_store != "disk" or self.secure_aggregation is not None:
+        if not self._in_own_loop or self.job.reply_store != "disk" or not self.workflow.stores_replies:
             return None
         return self.job.run_dir
 

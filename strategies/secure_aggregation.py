@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.app import ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -115,10 +115,13 @@ class SecureRound:
 
 
 class SecureAggregation:
-    """SecAgg+ for one of our strategies (a ``strategies.base.HospitalStrategy``): :meth:`prepare` (from
-    ``configure_train``) runs setup and share keys and returns the training messages with the collect stage's keys;
-    :meth:`complete` (the round engine's ``complete_round``) takes the masked replies, runs the unmask stage and records
-    the round."""
+    """SecAgg+ for one of our strategies (a ``strategies.base.HospitalStrategy``), its round workflow (the interface
+    of ``strategies.round_workflow.PlainRounds``): :meth:`prepare` (from ``configure_train``) runs setup and share keys
+    and returns the training messages with the collect stage's keys; :meth:`complete` (the round engine's
+    ``complete_round``) takes the masked replies, runs the unmask stage and records the round."""
+
+    masks_own_training = True  #: a ClientApp that trains itself gets the stage messages; its mod masks its reply
+    stores_replies = False  #: masked vectors are summed as they come, never kept
 
     def __init__(self, strategy: Strategy, settings: SecureAggregationSettings):
         self.strategy = strategy
@@ -147,10 +150,37 @@ class SecureAggregation:
         """The strategy's round engine, with rounds completed by :meth:`complete`."""
         return SecureRoundEngine(self.strategy.job, weight_key=self.strategy.weighted_by_key, secure=self)
 
+    def unsigned_problem(self, what: str) -> str | None:
+        return (f"{what}, but secure aggregation masks every reply at the hospital: make its ClientApp a "
+                "HospitalClientApp (from client_app.hospital_mod), whose mod masks what its own train handler "
+                "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
+
+    def hospital_without_count(self, name: str) -> None:
+        if getattr(self, "_warned_weight", False):
+            return
+        self._warned_weight = True
+        log.warning("%s trains the model itself and declares no sample count: under secure aggregation its weight "
+                    "counts at most screening.max-samples=%d samples, and each hospital's weight is its samples over "
+                    "the largest declared count (as Flower's SecAggPlusWorkflow's max_weight): set "
+                    "screening.max-samples near your hospitals' size, or the masked sum's quantisation swamps the "
+                    "update", name, self.strategy.job.screening.max_samples)
+
+    def central_dp_problem(self) -> str | None:
+        return ("with secure aggregation (secure-aggregation.enabled): hospitals send masked sums, never the update "
+                "of one hospital that the wrapper clips (and that Flower's clipping mod would clip after masking). "
+                "Nothing was sent to the hospitals. For DP with secure aggregation use each hospital's own local DP "
+                "(its policy's local-dp, docs/privacy.md)")
+
+    def who_trains_note(self) -> str:
+        return (": under secure aggregation a HospitalClientApp's mod masks what the app's own train handler returns, "
+                "as Flower's secaggplus_mod does")
+
     # --- configure_train: setup, share keys, the training messages ---------------------------------------------
-    def prepare(self, server_round: int, messages: Iterable[Message], grid: Grid) -> list[Message]:
+    def prepare(self, server_round: int, messages: Iterable[Message], grid: Grid,
+                sent: list[tuple] | None = None) -> list[Message]:
         """Run the setup and share-keys stages with the hospitals ``messages`` go to, and return those messages (to
-        the hospitals that shared their keys) with the collect stage's keys; none when the round cannot run."""
+        the hospitals that shared their keys) with the collect stage's keys, logged as they leave then (``sent``, the
+        lines of the messages as built, are not written); none when the round cannot run."""
         messages = list(messages)
         strategy = self.strategy
         if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages) \
@@ -553,18 +583,7 @@ class SecureAggregationMixin:
             base = table.model_dump(by_alias=True) if table is not None else {}
             given = {key.replace("_", "-"): value for key, value in dict(secure_aggregation or {}).items()}
             settings = SecureAggregationSettings.model_validate({**base, "enabled": True, **given})
-        self.secure_aggregation = SecureAggregation(self, settings)
-
-    @property
-    def engine(self) -> RoundEngine:
-        if self._engine is None:
-            self._engine = self.secure_aggregation.round_engine()
-        return self._engine
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> list[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
-        return self.secure_aggregation.prepare(server_round, messages, grid)
+        self.workflow = SecureAggregation(self, settings)  # the strategy's rounds, chosen once
 
 
 def with_secure_aggregation(strategy_type: type) -> type:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
-import sys
+from collections.abc import Iterator
 
 from flwr.serverapp.strategy import Strategy
 
@@ -12,22 +13,38 @@ from common.methods.registry import method_spec, methods
 
 log = logging.getLogger("fedmed")
 
+
+def wrappers_of(strategy: Strategy) -> list[Strategy]:
+    """The strategies wrapping ``strategy``, outermost last. A Flower wrapper (its DP wrappers, a user's own) is built
+    around a strategy without telling it and holds it as ``wrapper.strategy``: so the wrappers are the strategies that
+    hold this one there (and their own wrappers in turn), found by what refers to it, whichever of them is calling.
+    (One pass over Python's tracked objects per wrapper level: it runs at ``summary`` and each ``configure_train``.)"""
+    found: list[Strategy] = []
+    inner = strategy
+    while True:
+        outer = next((holder for holder in holders_of(inner) if holder is not inner
+                      and getattr(holder, "strategy", None) is inner and holder not in found), None)
+        if outer is None:
+            return found
+        found.append(outer)
+        inner = outer
+
+
+def holders_of(value: object) -> Iterator[Strategy]:
+    """The strategies that refer to ``value``: directly, or through their instance ``__dict__``."""
+    for referrer in gc.get_referrers(value):
+        if isinstance(referrer, dict):  # an instance's attributes, once Python made them a dict
+            yield from (owner for owner in gc.get_referrers(referrer)
+                        if isinstance(owner, Strategy) and vars(owner) is referrer)
+        elif isinstance(referrer, Strategy):
+            yield referrer
+
+
 class FlowerWrappers:
     # --- Flower's wrappers --------------------------------------------------------------------------
     def wrappers(self) -> list[Strategy]:
-        """The strategies wrapping this one (``wrapper.strategy is self``, and their own wrappers), found on the call
-        stack: a wrapper such as Flower's DP wrappers is built around a strategy without telling it, and calls the
-        strategy's hooks (``summary``, ``configure_train``) from its own."""
-        found: list[Strategy] = []
-        inner: Strategy = self
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if owner is not inner and isinstance(owner, Strategy) and getattr(owner, "strategy", None) is inner:
-                found.append(owner)
-                inner = owner
-            frame = frame.f_back
-        return found
+        """The strategies wrapping this one, outermost last: :func:`wrappers_of`."""
+        return wrappers_of(self)
 
     def refuse_unfit_wrappers(self) -> None:
         """A ConfigError, before round 1 (Flower's loop calls ``summary`` first), when one of Flower's DP wrappers
@@ -50,12 +67,9 @@ class FlowerWrappers:
             raise ConfigError(f"{wrapper}: {why}. Nothing was sent to the hospitals. Central DP fits the methods whose "
                               f"reply is the model ({fit}); for this method use each hospital's own local DP (its "
                               "policy's local-dp, docs/privacy.md)")
-        if self.secure_aggregation is not None:
-            raise ConfigError(f"{wrapper} with secure aggregation (secure-aggregation.enabled): hospitals send "
-                              "masked sums, never the update of one hospital that the wrapper clips (and that Flower's "
-                              "clipping mod would clip after masking). Nothing was sent to the hospitals. For DP with "
-                              "secure aggregation use each hospital's own local DP (its policy's local-dp, "
-                              "docs/privacy.md)")
+        why = self.workflow.central_dp_problem()
+        if why:
+            raise ConfigError(f"{wrapper} {why}")
         client_side = [w for w in dp if isinstance(w, (ClientFixed, ClientAdaptive))]
         if client_side and not self._warned_client_dp:
             self._warned_client_dp = True
