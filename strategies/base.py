@@ -82,7 +82,7 @@ class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
 
-class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluation, RunFolder,
+class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluation, RunFolder,
                        OwnRoundLoop, Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
@@ -138,8 +138,10 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         self.on_round_end = on_round_end
         self.wait_for_nodes = wait_for_nodes
-        self.hospitals: dict[int, HospitalInfo] = {}  # node id -> identity
-        self.unusable: dict[int, float] = {}  # node id -> when its identity query failed (retried after a while)
+        self.directory = HospitalDirectory(self)  # which hospital each node is (strategies/hospitals.py); its dicts:
+        self.hospitals = self.directory.hospitals  # node id -> identity
+        self.contested = self.directory.contested  # hospital name -> the nodes claiming it (no hospital-keys)
+        self._refusals = self.directory.refusals  # node id -> why it could not say which hospital it is
         self._engine: RoundEngine | None = None
         self._bytes_down: dict[str, int] = {}
         self._chosen: list[HospitalInfo] = []
@@ -148,10 +150,6 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         self._identity_seconds = 0.0
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
         self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
-        self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
-        self._refusals: dict[int, str] = {}  # node id -> why it could not say which hospital it is
-        self.contested: dict[str, set[int]] = {}  # hospital name -> the nodes claiming it (no hospital-keys)
-        self._warned_names = False
         self._warned_gpus = False
         self._warned_client_dp = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
@@ -249,6 +247,10 @@ class HospitalStrategy(HospitalDirectory, AuditTrail, ReplyIntake, FlowerWrapper
         return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
                 **self.records.as_config(), "weighted-by-key": self.weighted_by_key,
                 **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
+
+    def discover(self, grid: Grid) -> None:
+        """Learn the identity of every connected node not seen before (:meth:`HospitalDirectory.discover`)."""
+        self.directory.discover(grid)
 
     def hospital_messages(self, server_round: int, hospitals: list[HospitalInfo], config: ConfigRecord,
                           message_type: str, unlogged: list[tuple] | None = None) -> list[Message]:
