@@ -161,12 +161,12 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
         from strategies.secure_aggregation import SecureAggregation
 
         #: how the training rounds travel, chosen once: secure aggregation where the job enables it, else plain
-        self.workflow: PlainRounds = SecureAggregation.of(self) or PlainRounds(self)
+        self.workflow: PlainRounds | SecureAggregation = SecureAggregation.of(self) or PlainRounds(self)
 
     @property
     def secure_aggregation(self) -> SecureAggregation | None:
         """The strategy's secure aggregation (its workflow), None for plain rounds."""
-        return None if type(self.workflow) is PlainRounds else self.workflow
+        return None if isinstance(self.workflow, PlainRounds) else self.workflow
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:

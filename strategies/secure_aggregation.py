@@ -135,6 +135,7 @@ class SecureAggregation:
                               "more than a model update (counts, codes, per-filter parts), which the noise does not "
                               "cover; it runs with fedavg, fedprox, moon, fedbn and fedmepd-fedavg")
         self.rounds: dict[int, SecureRound] = {}
+        self._warned_weight = False  # hospital_without_count: once per run
         self.grid: Grid | None = None
         self.ahead: ServerRound | None = None  #: the next round's setup, answered with this round's unmask stage
 
@@ -156,7 +157,7 @@ class SecureAggregation:
                 "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
 
     def hospital_without_count(self, name: str) -> None:
-        if getattr(self, "_warned_weight", False):
+        if self._warned_weight:
             return
         self._warned_weight = True
         log.warning("%s trains the model itself and declares no sample count: under secure aggregation its weight "
@@ -185,7 +186,7 @@ class SecureAggregation:
         strategy = self.strategy
         if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages) \
                 or (not messages and server_round in self.rounds):
-            return messages  # prepared already (the hook and a mixin both asked; a skipped round returned none)
+            return messages  # prepared already (asked twice for one round; a skipped round returned none)
         self.grid = grid
         progress = SecureRound(server_round, {m.metadata.dst_node_id: strategy.hospitals[m.metadata.dst_node_id]
                                               for m in messages})
