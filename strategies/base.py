@@ -15,61 +15,53 @@ polling, resume) and under Flower's own loop, e.g. inside Flower's DP wrappers.
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.superlink.grid import InMemoryGrid
 
-from common.config import SAFE_RUN_NAME, ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
-from common.engine.round_engine import RoundEngine, RoundReply, select_hospitals, weighted_mean_metrics
-from common.engine.run_lock import claim_run_name, release
-from common.engine.screening import brief, cut, declared_count_problem
+from common.config import ConfigError, JobConfig, fedmed_keys_of, hospital_keys, load_job_config
+from common.engine.round_engine import RoundEngine, select_hospitals, weighted_mean_metrics
+from common.engine.screening import cut
 from common.engine.wire import (
     MalformedPayload,
     RecordKeys,
-    from_flower_reply,
-    from_recorddict,
     to_recorddict,
 )
 from common.logs import fedmed_logger_prints
-from common.methods.base import CROSS_SITE_KEY, FLOWER_ONLY, TRAINS_ITSELF, HospitalInfo
-from common.methods.registry import method_spec, method_tasks, methods
+from common.methods.base import TRAINS_ITSELF, HospitalInfo
+from common.methods.registry import method_spec, method_tasks
 from common.payload import Payload
-from common.trust.audit import RUN_ENDED_QUERY, SERVER_HEAD_KEY, AuditLog, head_in_reason, message_digest
-from common.trust.identity import IDENTITY_QUERY, NONCE_KEY, SIGNATURE_KEY, identity_problem, new_nonce
+from common.trust.audit import SERVER_HEAD_KEY, message_digest
 
-from .grid_messages import (
-    collect_replies,
-    messages_in_flight,
-    replies_as_they_arrive,
-    retry_unavailable_objects_sooner,
-    send_and_receive,
-    warn_unsent,
-)
+from .audit_trail import AuditTrail
+from .cross_site import CrossSiteEvaluation
+from .hospitals import HospitalDirectory
 from .legacy_api import ARGUMENTS as LEGACY_ARGUMENTS
 from .legacy_api import METHODS as LEGACY_METHODS
 from .legacy_api import legacy_argument, legacy_method
-from .outcome import why_nothing_aggregated
-from .records import arrays_of, into_arrayrecord, round_metricrecord
+from .records import arrays_of, into_arrayrecord, numbers, round_metricrecord
+from .replies import ReplyIntake
+from .round_loop import EvaluateFn, OwnRoundLoop
+from .round_workflow import PlainRounds
+
+if TYPE_CHECKING:
+    from .secure_aggregation import SecureAggregation
+from .run_folder import RunFolder
+from .wrappers import FlowerWrappers
 
 log = logging.getLogger("fedmed")
 
 RoundCallback = Callable[[RoundEngine, dict[str, Any]], None]
-EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
 MetricsAggregation = Callable[[list[RecordDict], str], "MetricRecord | None"]
 
 
-#: Bytes of replies a streamed round pulls from the SuperLink at once (:meth:`HospitalStrategy.pull_at_once`).
-PULL_BYTES = 64 * 2**20
 
 
 def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **settings: Any) -> JobConfig:
@@ -86,62 +78,12 @@ def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **
     return load_job_config(flat)
 
 
-#: Flower's ClientApp error for a message type it has no handler for (``flwr/clientapp/client_app.py``): a node that
-#: answers the identity query with it is a standard Flower ClientApp that trains the model itself.
-NO_QUERY_HANDLER = "No query function registered"
-
-
-class ExpectedNoQueryHandler(logging.Filter):
-    """Drops Flower's log records of a ClientApp's "No query function registered". Flower's simulation engine
-    (``vce_api``, in the process that runs this ServerApp) logs every exception a ClientApp raises twice, the error
-    and its traceback, and a Flower ClientApp without a query handler raises that one at our identity query: it is
-    how such an app says it trains the model itself, which :meth:`HospitalStrategy.learn_flower_clientapp` logs once
-    per node in words. (A deployment's SuperNode logs it in its own process, once per node: the run's end is not
-    announced to such nodes.)"""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return NO_QUERY_HANDLER not in record.getMessage()
-
-
-def quiet_expected_no_query_handler() -> None:
-    """Install :class:`ExpectedNoQueryHandler` on Flower's logger, once per process."""
-    flower = logging.getLogger("flwr")
-    if not any(isinstance(existing, ExpectedNoQueryHandler) for existing in flower.filters):
-        flower.addFilter(ExpectedNoQueryHandler())
-
-#: What a hospital may declare about itself besides its name and size (modalities, bit-width...), and how long.
-MAX_PROPERTIES = 32
-MAX_PROPERTY_TEXT = 256
-
-
 class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
 
-def outermost_result_observed(aggregate_train: Callable) -> Callable:
-    """``aggregate_train`` that hands what the outermost call returns to :meth:`HospitalStrategy.aggregation_returned`.
-
-    Flower's contract is on that value: ``(None, ...)`` keeps the previous global model. A user's subclass may
-    override ``aggregate_train``, call ours through ``super()`` and still return ``None``; only the outermost call
-    knows, so every override in the class tree is wrapped (:meth:`HospitalStrategy.__init_subclass__`) and the
-    depth counted."""
-
-    @functools.wraps(aggregate_train)
-    def observed(self: "HospitalStrategy", server_round: int, replies: Iterable[Message]):
-        self._aggregating += 1
-        try:
-            arrays, metrics = aggregate_train(self, server_round, replies)
-        finally:
-            self._aggregating -= 1
-        if not self._aggregating:
-            self.aggregation_returned(server_round, arrays)
-        return arrays, metrics
-
-    observed.__fedmed_observed__ = True  # type: ignore[attr-defined]
-    return observed
-
-
-class HospitalStrategy(Strategy):
+class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluation, RunFolder,
+                       OwnRoundLoop, Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
     Flower's arguments mean what they mean in ``FedAvg`` and come in its order, so they may be given by position
@@ -158,15 +100,6 @@ class HospitalStrategy(Strategy):
     settings_type: ClassVar[type | None] = None
     section: ClassVar[str | None] = None
     renamed: ClassVar[dict[str, str]] = {}  #: argument -> settings field, where Flower's name differs (proximal_mu)
-    RETRY_FAILED_NODES_AFTER = 600.0  # seconds before a node whose identity query failed is asked again
-    QUERY_PATIENCE = 45.0  # seconds before an identity query without reply is sent again
-    _aggregating = 0  # calls of aggregate_train in progress (an override calling ours through super() makes 2)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("aggregate_train")
-        if own is not None and not getattr(own, "__fedmed_observed__", False):
-            cls.aggregate_train = outermost_result_observed(own)
 
     def __init__(self, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 1, min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
@@ -205,8 +138,10 @@ class HospitalStrategy(Strategy):
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         self.on_round_end = on_round_end
         self.wait_for_nodes = wait_for_nodes
-        self.hospitals: dict[int, HospitalInfo] = {}  # node id -> identity
-        self.unusable: dict[int, float] = {}  # node id -> when its identity query failed (retried after a while)
+        self.directory = HospitalDirectory(self)  # which hospital each node is (strategies/hospitals.py); its dicts:
+        self.hospitals = self.directory.hospitals  # node id -> identity
+        self.contested = self.directory.contested  # hospital name -> the nodes claiming it (no hospital-keys)
+        self._refusals = self.directory.refusals  # node id -> why it could not say which hospital it is
         self._engine: RoundEngine | None = None
         self._bytes_down: dict[str, int] = {}
         self._chosen: list[HospitalInfo] = []
@@ -215,21 +150,23 @@ class HospitalStrategy(Strategy):
         self._identity_seconds = 0.0
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
         self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
-        self._nonces: dict[int, list[str]] = {}  # node id -> identity nonces sent and not yet answered
-        self._refusals: dict[int, str] = {}  # node id -> why it could not say which hospital it is
-        self.contested: dict[str, set[int]] = {}  # hospital name -> the nodes claiming it (no hospital-keys)
-        self._warned_names = False
         self._warned_gpus = False
         self._warned_client_dp = False
-        self._warned_secure_weight = False
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
+        self._given: ArrayRecord | None = None  # the model configure_train was given: kept if a round is declined
         self.cross_site: dict[str, Any] | None = None  # the end-of-run cross-site scores (cross_site_evaluation)
         self.nothing_aggregated: str | None = None  # why start()'s rounds aggregated nobody (strategies/outcome.py)
         from strategies.secure_aggregation import SecureAggregation
 
-        self.secure_aggregation = SecureAggregation.of(self)  # None unless secure-aggregation.enabled
+        #: how the training rounds travel, chosen once: secure aggregation where the job enables it, else plain
+        self.workflow: PlainRounds | SecureAggregation = SecureAggregation.of(self) or PlainRounds(self)
+
+    @property
+    def secure_aggregation(self) -> SecureAggregation | None:
+        """The strategy's secure aggregation (its workflow), None for plain rounds."""
+        return None if isinstance(self.workflow, PlainRounds) else self.workflow
 
     @classmethod
     def own_arguments(cls) -> dict[str, str]:
@@ -290,9 +227,7 @@ class HospitalStrategy(Strategy):
         """The method's round engine, built on first use (it loads the server's test set, and for
         FedMEPD its own training cases, from the run config)."""
         if self._engine is None:
-            secure = getattr(self, "secure_aggregation", None)
-            self._engine = (secure.round_engine() if secure is not None
-                            else RoundEngine(self.job, weight_key=self.weighted_by_key))
+            self._engine = self.workflow.round_engine()
         return self._engine
 
     def initial_arrays(self) -> ArrayRecord:
@@ -313,235 +248,15 @@ class HospitalStrategy(Strategy):
                 **self.records.as_config(), "weighted-by-key": self.weighted_by_key,
                 **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
 
-    # --- the audit log ------------------------------------------------------------------------------
-    def audit_log(self) -> AuditLog | None:
-        """The server's audit log (run config ``audit-log``; default: audit.jsonl in the run's results folder), None
-        for 'none'. It holds no state: every line is appended after the file's last line, checked."""
-        path = self.job.audit_log.strip()
-        if path.lower() == "none":
-            return None
-        return AuditLog(path or self.job.run_dir / "audit.jsonl", "server")
-
-    def audit_message(self, direction: str, message: Message, server_round: int, hospital: str | None = None,
-                      node: int | None = None, cross_site: bool = False, digest: dict | None = None) -> None:
-        """A line of the audit log for a message sent or received: run, round, method, kind, bytes and SHA-256 of
-        the content, the hospital and its node, and the hospital's own audit head where its reply carries one.
-        An AuditError (a damaged log, a full disk) stops the run: nothing is exchanged unlogged."""
-        audit = self.audit_log()
-        if audit is not None:
-            audit.append_many([self.audit_line(direction, message, server_round, hospital, node, cross_site, digest)])
-
-    def audit_messages(self, lines: list[tuple]) -> None:
-        """Lines of :meth:`audit_message` (each its arguments as a tuple) under one lock and one ``fsync``: a key
-        stage's messages to every hospital, or their replies (the same chain, written at once)."""
-        audit = self.audit_log()
-        if audit is not None:
-            audit.append_many([self.audit_line(*line) for line in lines])
-
-    def audit_line(self, direction: str, message: Message, server_round: int, hospital: str | None = None,
-                   node: int | None = None, cross_site: bool = False,
-                   digest: dict | None = None) -> tuple[str, dict[str, Any]]:
-        """The audit event and fields that record a message sent or received (``digest``: its
-        ``common.trust.audit.message_digest``, where the caller measured it already)."""
-        received = direction == "received"
-        head = None
-        if received and message.has_error():  # a refusal: the hospital put its head at the end of the reason
-            head = head_in_reason(str(message.error.reason))
-        elif received:
-            heads = [record.get("audit-head") for record in message.content.values()  # not .config_records, whose
-                     if isinstance(record, ConfigRecord)]  # view holds the message in a cycle until Python's collector
-            head = next((h for h in heads if isinstance(h, str)), None)
-        return "message", {"direction": direction, "kind": message.metadata.message_type.split(".")[0],
-                           "run": self.job.run_name, "round": server_round, "method": self.job.strategy,
-                           "peer": hospital, "peer-node": message.metadata.src_node_id if received
-                           else node or message.metadata.dst_node_id,
-                           "flower-run": message.metadata.run_id if received else None, "peer-audit-head": head,
-                           "cross-site": cross_site or None, **(digest or message_digest(message))}
-
-    # --- hospitals --------------------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
-        """Learn the identity of every connected node not seen before (one query message each)."""
-        deadline = time.time() + self.wait_for_nodes
-        while True:
-            nodes = list(grid.get_node_ids())
-            if self.hospitals or len(nodes) >= self.job.min_available_hospitals or time.time() > deadline:
-                break  # the minimum gates the start of the run; later rounds go on with whoever is connected
-            log.info("waiting for hospitals: %d connected, %d needed", len(nodes), self.job.min_available_hospitals)
-            time.sleep(2.0)
-        connected = set(nodes)
-        for node in list(self.hospitals):
-            if node not in connected:
-                log.info("hospital %s (node %d) disconnected", self.hospitals.pop(node).name, node)
-        for name, claimants in list(self.contested.items()):  # an operator stopped all claimants but one
-            claimants &= connected
-            if len(claimants) <= 1:
-                del self.contested[name]
-                for node in claimants:
-                    self.unusable.pop(node, None)  # asked again below, and it holds the name alone
-                log.warning("hospital name %s is no longer contested%s", name,
-                            f": node {min(claimants)} alone claims it" if claimants else "")
-        if not self.job.hospital_keys and not self._warned_names and not isinstance(grid, InMemoryGrid):
-            self._warned_names = True
-            log.warning("hospital names are not authenticated (no hospital-keys): any node can claim any hospital's "
-                        "name and its place in the rounds; set hospital-keys to the folder of the hospitals' "
-                        "registered <hospital>.pub keys")
-        retry_after = time.time() - self.RETRY_FAILED_NODES_AFTER
-        new = [node for node in nodes if node not in self.hospitals and self.unusable.get(node, 0.0) < retry_after]
-        give_up = time.time() + self.job.round_timeout
-        asked: set[str] = set()  # every query still unanswered: a late reply to an earlier one counts too
-        in_flight = messages_in_flight(self.job, grid, queries=True)
-        if new:
-            quiet_expected_no_query_handler()
-        while new and time.time() < give_up:
-            windows = -(-len(new) // in_flight) if in_flight else 1  # a query's patience starts when it is sent
-            patience = min(self.QUERY_PATIENCE * windows, give_up - time.time())
-            for reply in collect_replies(grid, asked, patience, len(new), self.identity_queries(new), in_flight):
-                node = reply.metadata.src_node_id
-                if node in new:
-                    new.remove(node)
-                    self.learn_identity(node, reply)
-            if new:  # a reply lost on the way (e.g. to a run stopped meanwhile) is not waited for forever
-                log.info("asking node(s) %s again which hospital they are", ", ".join(map(str, new)))
-        if new:  # slow, not broken (a first answer loads torch and the data): asked again next round
-            log.warning("node(s) %s did not say which hospital they are within %.0f s; asked again next round",
-                        ", ".join(map(str, new)), self.job.round_timeout)
-
-    def identity_queries(self, nodes: list[int]) -> list[Message]:
-        """One query per node, each with a fresh nonce the hospital signs when ``hospital-keys`` is set."""
-        messages = []
-        for node in nodes:
-            nonce = new_nonce()
-            self._nonces.setdefault(node, []).append(nonce)  # a late reply to an earlier query still verifies
-            config = ConfigRecord({"query": IDENTITY_QUERY, **self.hospital_config(0), NONCE_KEY: nonce})
-            messages.append(Message(RecordDict({self.records.config: config}), message_type=MessageType.QUERY,
-                                    dst_node_id=node))
-            self.audit_message("sent", messages[-1], 0, node=node)
-        return messages
-
-    def learn_identity(self, node: int, reply: Message) -> None:
-        """Record which hospital ``node`` is; a reply without a usable identity, a claim the hospital cannot
-        sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
-        claimed = None if reply.has_error() else reply.content.config_records.get("hospital", {}).get("name")
-        self.audit_message("received", reply, 0, claimed if isinstance(claimed, str) else None, node)
-        if reply.has_error() and NO_QUERY_HANDLER in str(reply.error.reason):
-            self.learn_flower_clientapp(node)
-            return
-        if reply.has_error():
-            log.warning("node %d did not say which hospital it is: %s", node, cut(reply.error.reason))
-            self.unusable[node] = time.time()
-            self._refusals[node] = cut(reply.error.reason)
-            return
-        try:
-            hospital = self.identity_of(node, reply)
-        except ValueError as error:
-            log.warning("node %d gave no usable identity (%s); it is not asked to train", node, error)
-            self.unusable[node] = time.time()
-            self._refusals[node] = str(error)
-            return
-        self._refusals.pop(node, None)
-        if hospital.name in self.contested:
-            self.contested[hospital.name].add(node)
-            log.warning("node %d claims to be %s too; the name is contested by nodes %s: none of them trains until "
-                        "an operator stops all but one (or sets hospital-keys)", node, hospital.name,
-                        sorted(self.contested[hospital.name]))
-            self.unusable[node] = time.time()
-            return
-        for old_node, old in list(self.hospitals.items()):
-            if old.name != hospital.name:
-                continue
-            if not self.job.hospital_keys:  # names are self-declared: two claimants are both refused
-                del self.hospitals[old_node]
-                self.contested[hospital.name] = {old_node, node}
-                self.unusable.update({old_node: time.time(), node: time.time()})
-                log.warning("node %d claims to be %s, which node %d (still connected) is: names are not authenticated "
-                            "(no hospital-keys), so neither trains until an operator stops one of them (or sets "
-                            "hospital-keys to bind names to the hospitals' keys)", node, hospital.name, old_node)
-                return
-            log.info("hospital %s is back as node %d (was %d)", hospital.name, node, old_node)  # signed: a restart
-            del self.hospitals[old_node]
-        self.hospitals[node] = hospital
-        self._nonces.pop(node, None)
-        log.info("hospital %s on node %d: %d training samples %s", hospital.name, node, hospital.num_examples,
-                 hospital.properties or "")
-
-    def learn_flower_clientapp(self, node: int) -> None:
-        """``node`` answered the identity query with Flower's "No query function registered": a standard Flower
-        ClientApp that trains the model itself. For a method whose hospital step is plain local training
-        (``MethodSpec.flower_contract``) it is hospital ``node-<id>``, sent Flower's own messages, its sample count
-        bounded by ``screening.max-samples``; for the others it is refused, saying what to add."""
-        problem = self.trains_itself_problem("a Flower ClientApp that trains the model itself (it answered the "
-                                             f"identity query with Flower's '{NO_QUERY_HANDLER}')", signs=False)
-        if problem:
-            log.warning("node %d is not asked to train: %s", node, problem)
-            self.unusable[node] = time.time()
-            self._refusals[node] = problem
-            return
-        self._refusals.pop(node, None)
-        self.hospitals[node] = HospitalInfo(f"node-{node}", self.job.screening.max_samples,
-                                            {TRAINS_ITSELF: True, FLOWER_ONLY: True})
-        log.info("node %d is a Flower ClientApp that trains the model itself: hospital node-%d, sent Flower's own "
-                 "messages", node, node)
-
-    def trains_itself_problem(self, what: str, signs: bool = True) -> str | None:
-        """Why a hospital that trains the model itself under Flower's contract cannot serve this job (None: it can);
-        ``signs``: whether it can sign its name (HospitalClientApp can, a ClientApp with nothing of fedmed cannot)."""
-        method = self.job.strategy
-        if not method_spec(method).flower_contract:
-            return (f"{what}, but {method}'s hospitals run fedmed's {method} step: make its ClientApp a "
-                    "HospitalClientApp (from client_app.hospital_mod: Flower's ClientApp with fedmed's hospital mod "
-                    "and query handler; docs/own-clientapp.md)")
-        if self.secure_aggregation is not None and not signs:
-            return (f"{what}, but secure aggregation masks every reply at the hospital: make its ClientApp a "
-                    "HospitalClientApp (from client_app.hospital_mod), whose mod masks what its own train handler "
-                    "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
-        if self.job.hospital_keys and not signs:
-            return (f"{what}, but hospital-keys is set and it cannot sign its name: make its ClientApp a "
-                    "HospitalClientApp (from client_app.hospital_mod), which signs with the node's identity-key")
-        return None
-
-    def identity_of(self, node: int, reply: Message) -> HospitalInfo:
-        """The hospital an identity reply describes, every field checked (ValueError says which is wrong)."""
-        try:
-            info = reply.content.config_records["hospital"]
-        except KeyError:
-            raise ValueError("no 'hospital' ConfigRecord") from None
-        name, count = info.get("name"), info.get("num-examples")
-        if not isinstance(name, str) or not SAFE_RUN_NAME.match(name) or len(name) > 120:
-            raise ValueError(f"name={brief(name)} is not a hospital name (letters, digits, '.', '_', '-')")
-        if info.get(f"property.{TRAINS_ITSELF}") is True:  # fedmed's mod in a ClientApp that trains itself
-            problem = self.trains_itself_problem(f"{name} trains the model itself (its ClientApp's own train)")
-            if problem:
-                raise ValueError(problem)
-            if count is None and self.secure_aggregation is not None and not self._warned_secure_weight:
-                self._warned_secure_weight = True
-                log.warning("%s trains the model itself and declares no sample count: under secure aggregation its "
-                            "weight counts at most screening.max-samples=%d samples, and each hospital's weight is "
-                            "its samples over the largest declared count (as Flower's SecAggPlusWorkflow's "
-                            "max_weight): set screening.max-samples near your hospitals' size, or the masked sum's "
-                            "quantisation swamps the update", name, self.job.screening.max_samples)
-            count = self.job.screening.max_samples if count is None else count
-        problem = declared_count_problem(count, self.job.screening.max_samples)
-        if problem:
-            raise ValueError(f"{name}: {problem}")
-        if self.job.hospital_keys:
-            signature = info.get(SIGNATURE_KEY)
-            problems = [identity_problem(self.job.hospital_keys, self.job.run_name, nonce, name, signature)
-                        for nonce in self._nonces.get(node, [])] or ["it was never asked who it is"]
-            if all(problems):
-                raise ValueError(problems[-1])
-        properties = {k.removeprefix("property."): v for k, v in info.items() if k.startswith("property.")}
-        if len(properties) > MAX_PROPERTIES or any(len(str(v)) > MAX_PROPERTY_TEXT or len(k) > MAX_PROPERTY_TEXT
-                                                   for k, v in properties.items()):
-            raise ValueError(f"{name}: {len(properties)} properties, or one longer than {MAX_PROPERTY_TEXT} characters "
-                             f"({brief(properties)}); a hospital declares at most {MAX_PROPERTIES} short ones")
-        hospital = HospitalInfo(name, count, properties)
-        self.engine.method.check_hospital(hospital)
-        return hospital
+        """Learn the identity of every connected node not seen before (:meth:`HospitalDirectory.discover`)."""
+        self.directory.discover(grid)
 
     def hospital_messages(self, server_round: int, hospitals: list[HospitalInfo], config: ConfigRecord,
-                          message_type: str) -> list[Message]:
+                          message_type: str, unlogged: list[tuple] | None = None) -> list[Message]:
         """The method's payload for each hospital, with the round config and ``config`` (Flower's
-        train or evaluate config) in its ConfigRecord."""
+        train or evaluate config) in its ConfigRecord; each logged as sent, or its audit line added to ``unlogged``
+        (the training messages: the round's workflow logs them as they leave)."""
         node_of = {info.name: node for node, info in self.hospitals.items()}
         layout = self.message_layout()
         messages = []
@@ -559,8 +274,11 @@ class HospitalStrategy(Strategy):
             digest = message_digest(message)
             self._bytes_down[info.name] = digest["bytes"]
             messages.append(message)
-            if self.secure_aggregation is None:  # a secure round adds its collect stage's keys: logged then
-                self.audit_message("sent", message, server_round, info.name, node_of[info.name], digest=digest)
+            line = ("sent", message, server_round, info.name, node_of[info.name], False, digest)
+            if unlogged is None:
+                self.audit_messages([line])
+            else:
+                unlogged.append(line)
         return messages
 
     def flower_content(self, server_round: int, payload: Payload, config: Mapping[str, Any],
@@ -580,7 +298,7 @@ class HospitalStrategy(Strategy):
         """Whether a hospital that trains the model itself gets fedmed's messages rather than Flower's: the training
         rounds of a secure run, whose stages its HospitalClientApp's mod answers, masking what the app's own train
         handler returns (``client_app/hospital_mod.py``); its evaluate phase stays Flower's."""
-        return self.secure_aggregation is not None and message_type == MessageType.TRAIN
+        return self.workflow.masks_own_training and message_type == MessageType.TRAIN
 
     def flower_train_config(self) -> dict[str, Any]:
         """What a train message's config carries for the method beside the user's train config, as Flower's strategy
@@ -595,57 +313,6 @@ class HospitalStrategy(Strategy):
             return self.job.message_arrays
         return "flat" if self._in_own_loop else "per-tensor"
 
-    # --- Flower's wrappers --------------------------------------------------------------------------
-    def wrappers(self) -> list[Strategy]:
-        """The strategies wrapping this one (``wrapper.strategy is self``, and their own wrappers), found on the call
-        stack: a wrapper such as Flower's DP wrappers is built around a strategy without telling it, and calls the
-        strategy's hooks (``summary``, ``configure_train``) from its own."""
-        found: list[Strategy] = []
-        inner: Strategy = self
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if owner is not inner and isinstance(owner, Strategy) and getattr(owner, "strategy", None) is inner:
-                found.append(owner)
-                inner = owner
-            frame = frame.f_back
-        return found
-
-    def refuse_unfit_wrappers(self) -> None:
-        """A ConfigError, before round 1 (Flower's loop calls ``summary`` first), when one of Flower's DP wrappers
-        wraps a method whose replies it cannot clip tensor by tensor against the model it sent
-        (``MethodSpec.not_for_central_dp``) or a strategy with secure aggregation; where a client-side wrapper is
-        fit, a warning that hospitals must clip with Flower's mod."""
-        from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping as ClientAdaptive
-        from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping as ClientFixed
-        from flwr.serverapp.strategy.dp_adaptive_clipping import DifferentialPrivacyAdaptiveBase
-        from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
-
-        dp = [w for w in self.wrappers() if isinstance(w, (DifferentialPrivacyFixedClippingBase,
-                                                            DifferentialPrivacyAdaptiveBase))]
-        if not dp:
-            return
-        wrapper = f"Flower's {type(dp[0]).__name__} cannot wrap {type(self).__name__} (method {self.job.strategy!r})"
-        why = method_spec(self.job.strategy).not_for_central_dp
-        if why:
-            fit = ", ".join(name for name, spec in methods().items() if not spec.not_for_central_dp)
-            raise ConfigError(f"{wrapper}: {why}. Nothing was sent to the hospitals. Central DP fits the methods whose "
-                              f"reply is the model ({fit}); for this method use each hospital's own local DP (its "
-                              "policy's local-dp, docs/privacy.md)")
-        if self.secure_aggregation is not None:
-            raise ConfigError(f"{wrapper} with secure aggregation (secure-aggregation.enabled): hospitals send "
-                              "masked sums, never the update of one hospital that the wrapper clips (and that Flower's "
-                              "clipping mod would clip after masking). Nothing was sent to the hospitals. For DP with "
-                              "secure aggregation use each hospital's own local DP (its policy's local-dp, "
-                              "docs/privacy.md)")
-        client_side = [w for w in dp if isinstance(w, (ClientFixed, ClientAdaptive))]
-        if client_side and not self._warned_client_dp:
-            self._warned_client_dp = True
-            mod = "adaptiveclipping_mod" if isinstance(client_side[0], ClientAdaptive) else "fixedclipping_mod"
-            log.warning("%s expects every hospital to clip its update with Flower's %s; fedmed's own ClientApp does "
-                        "not install it: give the hospitals a ClientApp of their own with it (docs/own-clientapp.md), "
-                        "or the noise is not calibrated to any clipping", type(client_side[0]).__name__, mod)
-
     # --- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -658,7 +325,7 @@ class HospitalStrategy(Strategy):
             self.adopt_initial_arrays(arrays, f"arrays given for round {server_round}")
         elif len(arrays):
             self.engine.adopt_global_arrays(arrays_of(arrays, copy=False), f"arrays given for round {server_round}")
-        self._grid = grid
+        self._grid, self._given = grid, arrays
         asked_from = time.time()
         self.discover(grid)
         if not self.engine.history and len(self.hospitals) < self.job.min_train_hospitals and self._refusals:
@@ -669,94 +336,11 @@ class HospitalStrategy(Strategy):
         self._identity_seconds = self._round_started - asked_from
         self._chosen = self.engine.select(server_round, list(self.hospitals.values()))
         self._bytes_down = {}
-        messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN)
+        sent: list[tuple] = []
+        messages = self.hospital_messages(server_round, self._chosen, config, MessageType.TRAIN, unlogged=sent)
         log.info("round %d: training on %s", server_round, ", ".join(h.name for h in self._chosen))
-        if self.secure_aggregation is not None:  # setup and share keys; the messages carry the collect stage
-            messages = self.secure_aggregation.prepare(server_round, messages, grid)
-        return messages
+        return self.workflow.prepare(server_round, messages, grid, sent)  # secure: key stages first
 
-    def round_replies(self, server_round: int, replies: Iterable[Message],
-                      keep_arrays: bool = True) -> Iterator[RoundReply]:
-        """Replies by hospital, each decoded when asked for (so the round engine screens one while the next is on its
-        way, and none is held here after): from unknown nodes ignored, errors and undecodable ones with their
-        reason. The replies' contents are kept for ``train_metrics_aggr_fn``, without their arrays unless
-        ``keep_arrays``."""
-        chosen, limit, tensors = {h.name for h in self._chosen}, self.reply_limit(), self.reply_tensor_limit()
-        for message in replies:
-            reply = self.round_reply(server_round, message, chosen, limit, tensors, keep_arrays)
-            del message
-            if reply is not None:
-                yield reply
-                del reply  # not held while the next one is pulled and decoded
-
-    def round_reply(self, server_round: int, message: Message, chosen: set[str], limit: int, tensors: int,
-                    keep_arrays: bool) -> RoundReply | None:
-        """One reply of :meth:`round_replies`, decoded (None: not from a chosen hospital)."""
-        hospital = self.hospitals.get(message.metadata.src_node_id)
-        digest = message_digest(message)  # one serialisation: the audit line and the traffic count share it
-        self.audit_message("received", message, server_round, hospital.name if hospital else None, digest=digest)
-        if hospital is None and message.has_error():  # the SuperLink's own: the message never reached a reply
-            log.warning("round %d: a training message was not answered: %s", server_round, message.error.reason)
-            return None
-        if hospital is None or hospital.name not in chosen:
-            log.warning("round %d: reply from node %d, which was not asked to train, ignored", server_round,
-                        message.metadata.src_node_id)
-            return None
-        if message.has_error():
-            return RoundReply(hospital, None, cut(message.error.reason), 0)
-        up = digest["bytes"]
-        try:  # streamed (not keep_arrays): views into the message, which is released once the reply is screened
-            payload = self.decode_reply(hospital, message.content, limit, tensors, copy=keep_arrays)
-        except MalformedPayload as error:
-            return RoundReply(hospital, None, f"malformed reply: {error}", up)
-        self._replies[hospital.name] = message.content if keep_arrays else RecordDict(
-            {name: record for name, record in message.content.items() if not isinstance(record, ArrayRecord)})
-        return RoundReply(hospital, payload, None, up)
-
-    def decode_reply(self, hospital: HospitalInfo, content: RecordDict, limit: int, tensors: int,
-                     copy: bool = True, training: bool = True) -> Payload:
-        """A reply's payload: fedmed's records, or for a hospital that trains the model itself Flower's contract (one
-        ArrayRecord, one MetricRecord, any names), its model's tensors sorted into the method's array groups
-        (``ServerMethod.flower_reply_arrays``). MalformedPayload says what does not fit."""
-        if not hospital.properties.get(TRAINS_ITSELF) or self.masks_own_training(MessageType.TRAIN if training
-                                                                                 else MessageType.EVALUATE):
-            return from_recorddict(content, limit, self.records, tensors, copy=copy)
-        payload = from_flower_reply(content, limit, tensors, copy, with_arrays=training)
-        if training:
-            payload.arrays = self.engine.method.flower_reply_arrays(payload.arrays["model"])
-        return payload
-
-    def reply_folder(self) -> Path | None:
-        """Where a round's accepted replies wait, on disk, for the round to close (``<run>/.round-<n>``, removed
-        then): the run folder in our own round loop (:meth:`start`) with ``reply-store='disk'``, so the ServerApp
-        holds one reply at a time whatever the number of hospitals. None (every reply in memory) under Flower's
-        own loop, whose ``Grid.send_and_receive`` has every reply in memory already, and with secure aggregation,
-        whose masked vectors are summed as they come."""
-        if not self._in_own_loop or self.job.reply_store != "disk" or self.secure_aggregation is not None:
-            return None
-        return self.job.run_dir
-
-    def pull_at_once(self) -> int:
-        """Most replies pulled from the SuperLink at once in a streamed round: as many as fit in
-        :data:`PULL_BYTES` at the size of this round's largest message to a hospital (at least one), since Flower
-        holds every reply of a pull whole in memory until the pull returns."""
-        largest = max(self._bytes_down.values(), default=0)
-        return max(1, PULL_BYTES // largest) if largest else 0
-
-    def reply_limit(self) -> int:
-        """The most bytes a reply's arrays may take once decoded: ``screening.max-reply-mb``, or 4x the method's
-        whole state plus 64 MB (a hospital sends back at most its part of the global model and a few extras)."""
-        if self.job.screening.max_reply_mb > 0:
-            return int(self.job.screening.max_reply_mb * 1e6)
-        state = sum(a.nbytes for a in self.engine.method.global_arrays.values())
-        return 4 * state + 64_000_000
-
-    def reply_tensor_limit(self) -> int:
-        """The most tensors a reply may hold, counted before any is decoded: twice the method's whole state (a
-        hospital sends back at most its part of the global model and a few extras) and 64."""
-        return 2 * len(self.engine.method.global_arrays) + 64
-
-    @outermost_result_observed
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The next global model and the round's metrics, as Flower's: ``(None, None)`` when no reply was accepted,
@@ -765,7 +349,7 @@ class HospitalStrategy(Strategy):
         DP wrapper makes of these arrays is the model that is scored, saved and sent next; a subclass's
         ``aggregate_train`` that returns no arrays keeps the previous model (:meth:`aggregation_returned`)."""
         self._replies = {}
-        if self._aggregating > 1:  # called by an override, which may still decline the round: keep what to go back to
+        if type(self).aggregate_train is not HospitalStrategy.aggregate_train:  # an override may still decline
             self._state_before = {k: np.array(v, copy=True) for k, v in self.engine.method.state_dict().items()}
         folder = self.reply_folder()
         round_replies = self.round_replies(server_round, replies, keep_arrays=folder is None)
@@ -806,21 +390,25 @@ class HospitalStrategy(Strategy):
                     ", ".join(on_cpu))
 
     def aggregation_returned(self, server_round: int, arrays: ArrayRecord | None) -> None:
-        """The outermost ``aggregate_train`` of round ``server_round`` returned ``arrays``. ``None`` is Flower's way to
-        skip a round: the previous global model stays, in the method too (whatever ours aggregated when an override
-        called it and then declined), and the round is recorded as skipped, with the reason. An override that
-        aggregated without ours has its round recorded too (``aggregated-by``); its arrays are released as any."""
+        """The outermost ``aggregate_train`` of round ``server_round`` (a subclass's override, a wrapper's, ours)
+        returned ``arrays``, as :meth:`release` learns from what it is handed. ``None`` is Flower's way to skip a
+        round: the previous global model stays, in the method too (whatever ours aggregated before an override or a
+        wrapper declined), and the round is recorded as skipped, with the reason. An override that aggregated without
+        ours has its round recorded too (``aggregated-by``); its arrays are released as any."""
         record = self._record if self._record is not None and self._record["round"] == server_round else None
         before, self._state_before = self._state_before, None
-        name = f"{type(self).__name__}.aggregate_train"
-        if record is None and arrays is None:  # an override that never called ours
+        overridden = type(self).aggregate_train is not HospitalStrategy.aggregate_train
+        name = f"{type(self).__name__}.aggregate_train" if overridden else "the aggregate_train wrapping ours"
+        if record is None and arrays is None and overridden:  # an override that never called ours
             self.round_record(server_round, f"{name} returned no arrays without fedmed's aggregation")
-        elif record is None and server_round == self.engine.next_round:  # one that aggregated on its own
+        elif record is None and arrays is not None and server_round == self.engine.next_round:  # on its own
             self._record = self.engine.unscreened_round(server_round, self._chosen, self._round_started,
                                                         self._bytes_down, aggregated_by=f"{name}, on its own")
         elif record is not None and arrays is None and "skipped" not in record:
             if before is not None:
                 self.engine.method.load_state_dict(before)
+            elif self._given is not None and len(self._given):  # a wrapper declined: at least its model back
+                self.engine.adopt_global_arrays(arrays_of(self._given, copy=False), "the kept model")
             record["discarded"], record["aggregated"] = record["aggregated"], []
             record.pop("method", None)
             record["skipped"] = (f"{name} returned no arrays: the aggregate of {', '.join(record['discarded'])} "
@@ -842,7 +430,12 @@ class HospitalStrategy(Strategy):
 
     def release(self, server_round: int, arrays: ArrayRecord) -> None:
         """``arrays`` are round ``server_round``'s released global model (a wrapper's or a subclass's take on what
-        :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set."""
+        :meth:`aggregate_train` returned): the method holds them, and the round is scored on the test set. Handed the
+        very model ``configure_train`` was given, the round was declined: Flower's loop (and ours) keep the previous
+        model when the outermost ``aggregate_train`` returns no arrays, and pass that one on."""
+        declined = self._given is not None and arrays is self._given
+        self.aggregation_returned(server_round, None if declined else arrays)
+        self._given = None
         record = self.round_record(server_round)
         if record is None:
             return
@@ -961,70 +554,11 @@ class HospitalStrategy(Strategy):
                 self.round_ended(record)
         return MetricRecord(aggregated) if aggregated else None
 
-    def cross_site_evaluation(self, grid: Grid, timeout: float) -> dict[str, Any]:
-        """Every connected hospital scores the final models on its own validation data (Flower evaluate
-        messages; ``HospitalMethod.cross_site``): ``scores[hospital][model][metric]``, with the hospitals that
-        failed (and why) or did not answer within ``timeout`` named. Also kept as ``self.cross_site``."""
-        self.discover(grid)
-        hospitals = sorted((h for h in self.hospitals.values() if not h.properties.get(TRAINS_ITSELF)),
-                           key=lambda h: h.name)  # a ClientApp that trains itself has no cross-site handler
-        rnd = self.engine.next_round  # what the hospitals would receive next: the final models
-        self._evaluated = hospitals
-        messages = self.hospital_messages(rnd, hospitals, ConfigRecord({CROSS_SITE_KEY: True}), MessageType.EVALUATE)
-        scores: dict[str, dict[str, dict[str, float]]] = {}
-        failed: dict[str, str] = {}
-        for message in send_and_receive(grid, messages, timeout, messages_in_flight(self.job, grid)):
-            hospital = self.hospitals.get(message.metadata.src_node_id)
-            self.audit_message("received", message, rnd, hospital.name if hospital else None, cross_site=True)
-            if hospital is None or hospital not in hospitals:
-                continue
-            try:
-                if message.has_error():
-                    raise MalformedPayload(cut(message.error.reason))
-                metrics = from_recorddict(message.content, self.reply_limit(), self.records,
-                                          self.reply_tensor_limit()).metrics
-                scores[hospital.name] = models_of(metrics)
-            except (MalformedPayload, ValueError) as error:
-                failed[hospital.name] = str(error)
-        missing = [h.name for h in hospitals if h.name not in scores and h.name not in failed]
-        for name, reason in failed.items():
-            log.warning("cross-site evaluation: %s could not score the final models: %s", name, reason)
-        if missing:
-            log.warning("cross-site evaluation: no answer from %s within %.0f s", ", ".join(missing), timeout)
-        self.cross_site = {"after-round": rnd - 1, "scores": scores, "failed": failed, "missing": missing}
-        return self.cross_site
-
     def change_job(self, **changes: Any) -> None:
         """The job with ``changes``, for the method's server half too where it is built already (initial_arrays())."""
         self.job = self.job.model_copy(update=changes)
         if self._engine is not None:
             self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
-
-    def claim_run_folder(self) -> None:
-        """Hold the run folder (results-dir/run-name: the reply store, the audit log, checkpoints) for this run, before
-        round 1 (common/engine/run_lock.py): a run name chosen for it moves to the next free one where another run holds
-        it, one the user chose is refused (ConfigError)."""
-        if self._run_folder is not None:
-            return
-        name = claim_run_name(Path(self.job.results_dir), self.job.run_name, self._name_chosen_for_it)
-        if name != self.job.run_name:
-            log.warning("run %s is in progress in %s: this run is %s", self.job.run_name, self.job.results_dir, name)
-            self.change_job(run_name=name)
-        self._run_folder = self.job.run_dir
-
-    def release_run_folder(self) -> None:
-        if self._run_folder is not None:
-            release(self._run_folder)
-            self._run_folder = None
-
-    def record_nothing_aggregated(self, reason: str) -> None:
-        """The run aggregated nobody: why, logged, kept as ``nothing_aggregated`` and written to the audit log."""
-        self.nothing_aggregated = reason
-        log.error("%s: %s; the Result holds no arrays, as Flower's", self.job.run_name, reason)
-        audit = self.audit_log()
-        if audit is not None:
-            audit.append("run", run=self.job.run_name, method=self.job.strategy, outcome="nothing aggregated",
-                         reason=reason)
 
     def summary(self) -> None:
         self.refuse_unfit_wrappers()  # Flower's loop begins with summary(): before evaluate_fn and round 1
@@ -1038,9 +572,8 @@ class HospitalStrategy(Strategy):
         Flower's contract (masked by fedmed's mod under secure aggregation), fedmed's hospital step for the others."""
         method = self.job.strategy
         if method_spec(method).flower_contract:
-            secure = (": under secure aggregation a HospitalClientApp's mod masks what the app's own train handler "
-                      "returns, as Flower's secaggplus_mod does" if self.secure_aggregation is not None else "")
-            return f"a ClientApp that trains the model itself trains {method}'s rounds with its own train loop{secure}"
+            return (f"a ClientApp that trains the model itself trains {method}'s rounds with its own train loop"
+                    f"{self.workflow.who_trains_note()}")
         return (f"{method}'s hospitals run fedmed's {method} step (its own local training): a HospitalClientApp's own "
                 f"train handler is not asked for {method}'s rounds (docs/own-clientapp.md)")
 
@@ -1069,108 +602,6 @@ class HospitalStrategy(Strategy):
         finally:
             self.release_run_folder()
 
-    def run_rounds(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
-                   timeout: float | None, train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
-                   evaluate_fn: EvaluateFn | None) -> Result:
-        """:meth:`start` once the run folder is this run's."""
-        num_rounds = num_rounds or self.job.num_server_rounds
-        timeout = timeout or self.job.round_timeout
-        if num_rounds != self.job.num_server_rounds or timeout != self.job.round_timeout:
-            self.change_job(num_server_rounds=num_rounds, round_timeout=timeout)
-        if initial_arrays is not None and len(initial_arrays) and self.engine.next_round == 1:
-            self.adopt_initial_arrays(initial_arrays, "initial_arrays")
-        train_config = train_config or ConfigRecord()
-        evaluate_config = evaluate_config or ConfigRecord()
-        self.nothing_aggregated = None
-        self.summary()
-        result = Result()
-        arrays = self.initial_arrays()
-        if evaluate_fn is not None and self.engine.next_round == 1:
-            central = evaluate_fn(0, arrays)
-            if central is not None:
-                result.evaluate_metrics_serverapp[0] = central
-        first = self.engine.next_round
-        self._in_own_loop = True
-        in_flight = messages_in_flight(self.job, grid)
-        retry_unavailable_objects_sooner()
-        try:
-            for rnd in range(first, num_rounds + 1):
-                log.info("[ROUND %d/%d]", rnd, num_rounds)  # as Flower's Strategy.start announces each round
-                messages = list(self.configure_train(rnd, arrays, train_config, grid))
-                streamed = self.reply_folder() is not None
-                if streamed:  # handed to aggregate_train as they arrive
-                    replies = replies_as_they_arrive(grid, set(), timeout, queued=messages, in_flight=in_flight,
-                                                     pull_at_once=self.pull_at_once())
-                else:  # every reply at once, as Flower's loop hands them
-                    replies = drain(send_and_receive(grid, messages, timeout, in_flight))
-                aggregated, metrics = self.aggregate_train(rnd, replies)
-                for _ in replies:  # an override that took only some: the round waits for all, as Flower's loop does
-                    pass
-                if streamed:
-                    warn_unsent(messages, timeout, in_flight)
-                if aggregated is not None:
-                    arrays = result.arrays = aggregated  # as in Flower's loop: the last aggregate, else none
-                if metrics is not None:
-                    result.train_metrics_clientapp[rnd] = metrics
-                record = self.round_record(rnd)
-                evaluation = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
-                evaluated = self.aggregate_evaluate(
-                    rnd, send_and_receive(grid, evaluation, timeout, in_flight) if evaluation else [])
-                if evaluated is not None:
-                    result.evaluate_metrics_clientapp[rnd] = evaluated
-                    log.info("round %d: the hospitals' evaluation: %s", rnd, metrics_text(evaluated))
-                central = numbers(record.get("test", {}))
-                if evaluate_fn is not None:
-                    own = evaluate_fn(rnd, arrays)
-                    if own is not None:
-                        record["central"] = dict(own)
-                        central.update(dict(own))
-                        log.info("round %d: evaluate_fn: %s", rnd, metrics_text(own))
-                if central:
-                    result.evaluate_metrics_serverapp[rnd] = MetricRecord(central)
-                self.round_ended(record)
-        finally:
-            self._in_own_loop = False
-        ran = [r for r in self.engine.history if r["round"] >= first]
-        if ran and not any(r["aggregated"] for r in ran):
-            self.record_nothing_aggregated(why_nothing_aggregated(ran, first, num_rounds))
-        if self.job.cross_site_evaluation:
-            self.cross_site_evaluation(grid, timeout)
-        self.announce_end(grid, timeout)
-        return result
-
-    def announce_end(self, grid: Grid, timeout: float) -> None:
-        """Tell every hospital of the run that it ended, twice. The first closing query and its replies are logged
-        as every message is (so each hospital's log is anchored at the server up to its receipt); then the server
-        writes its final line (``run-ended``, naming the hospitals told) and sends the second, which carries that
-        line's head and is not logged, nor are its replies: the last line a hospital records is the server's final
-        line, so a tail the server's operator cut off and rechained fails ``fedmed audit verify --peer``.
-        Hospitals that do not answer within a few seconds are not waited for."""
-        audit = self.audit_log()
-        if audit is None or not self.hospitals:
-            return
-        told = {node: hospital for node, hospital in sorted(self.hospitals.items())
-                if not hospital.properties.get(FLOWER_ONLY)}  # no audit log there, and no query handler to answer
-        if not told:
-            return
-        rnd, wait = self.engine.next_round - 1, min(timeout, 30.0)
-
-        def closing() -> list[Message]:
-            return [Message(RecordDict({self.records.config: ConfigRecord({"query": RUN_ENDED_QUERY,
-                                                                           **self.hospital_config(rnd)})}),
-                            message_type=MessageType.QUERY, dst_node_id=node) for node in told]
-
-        messages = closing()
-        for message in messages:
-            self.audit_message("sent", message, rnd, told[message.metadata.dst_node_id].name,
-                               message.metadata.dst_node_id)
-        for reply in send_and_receive(grid, messages, wait, messages_in_flight(self.job, grid, True)):
-            hospital = self.hospitals.get(reply.metadata.src_node_id)
-            self.audit_message("received", reply, rnd, hospital.name if hospital else None)
-        audit.append("run-ended", run=self.job.run_name, round=rnd, method=self.job.strategy,
-                     hospitals=[hospital.name for hospital in told.values()])  # the server's final line
-        for _ in send_and_receive(grid, closing(), wait, messages_in_flight(self.job, grid, True)):
-            pass  # each hospital's log records the final head; nothing more is written here
 
 
 def kept(server_round: int) -> str:
@@ -1182,33 +613,6 @@ def kept(server_round: int) -> str:
 class NoHospitalAggregated(RuntimeError):
     """A run none of whose rounds aggregated any hospital: what fedmed's own ServerApp makes of it (a failed run)."""
 
-
-def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The finite numbers of a metrics dict, as a MetricRecord takes them."""
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and v == v and abs(v) != float("inf")}
-
-
-def metrics_text(metrics: Mapping[str, Any]) -> str:
-    """``accuracy=0.8125, loss=0.4310``: a round's numbers for its log line (lists left out)."""
-    return ", ".join(f"{key}={value:.4g}" for key, value in numbers(metrics).items()) or "no numbers"
-
-
-def drain(messages: list[Message]) -> Iterator[Message]:
-    """The messages one by one, each dropped from the list as it is handed out (so it can be freed once used)."""
-    while messages:
-        yield messages.pop(0)
-
-
-def models_of(metrics: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-    """``{'global.dice': .8, 'own.dice': .9}`` -> ``{'global': {'dice': .8}, 'own': {'dice': .9}}`` (numbers only)."""
-    models: dict[str, dict[str, float]] = {}
-    for key, value in metrics.items():
-        model, _, metric = key.partition(".")
-        if not metric or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"cross-site metric {key!r}={value!r} is not '<model>.<metric>' = a number")
-        models.setdefault(model, {})[metric] = float(value)
-    return models
 
 
 def strategy_arguments(strategy: type[HospitalStrategy], cfg: JobConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -68,3 +69,9 @@ def round_metricrecord(record: dict[str, Any]) -> MetricRecord:
         flat[f"bytes-up.{hospital}"] = int(traffic["up"])
         flat[f"bytes-down.{hospital}"] = int(traffic["down"])
     return MetricRecord(flat)
+
+
+def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics dict, as a MetricRecord takes them."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v == v and abs(v) != float("inf")}

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.app import ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from common.config import ConfigError
-from common.engine.round_engine import RoundEngine, RoundReply, describe, weighted_mean_metrics
+from common.engine.round_engine import RoundEngine, RoundReply, describe
+from common.engine.round_record import round_record, screened_shares
 from common.engine.screening import brief, cut, metrics_problem, sample_count_problem
 from common.engine.wire import FLAT_LAYOUT, MalformedPayload, from_recorddict, to_recorddict
 from common.methods.base import HospitalInfo, HospitalUpdate, Payload
@@ -114,10 +115,13 @@ class SecureRound:
 
 
 class SecureAggregation:
-    """SecAgg+ for one of our strategies (a ``strategies.base.HospitalStrategy``): :meth:`prepare` (from
-    ``configure_train``) runs setup and share keys and returns the training messages with the collect stage's keys;
-    :meth:`complete` (the round engine's ``complete_round``) takes the masked replies, runs the unmask stage and records
-    the round."""
+    """SecAgg+ for one of our strategies (a ``strategies.base.HospitalStrategy``), its round workflow (the interface
+    of ``strategies.round_workflow.PlainRounds``): :meth:`prepare` (from ``configure_train``) runs setup and share keys
+    and returns the training messages with the collect stage's keys; :meth:`complete` (the round engine's
+    ``complete_round``) takes the masked replies, runs the unmask stage and records the round."""
+
+    masks_own_training = True  #: a ClientApp that trains itself gets the stage messages; its mod masks its reply
+    stores_replies = False  #: masked vectors are summed as they come, never kept
 
     def __init__(self, strategy: Strategy, settings: SecureAggregationSettings):
         self.strategy = strategy
@@ -131,6 +135,7 @@ class SecureAggregation:
                               "more than a model update (counts, codes, per-filter parts), which the noise does not "
                               f"cover; it runs with {', '.join(distributed_dp_method_names())}")
         self.rounds: dict[int, SecureRound] = {}
+        self._warned_weight = False  # hospital_without_count: once per run
         self.grid: Grid | None = None
         self.ahead: ServerRound | None = None  #: the next round's setup, answered with this round's unmask stage
 
@@ -146,15 +151,42 @@ class SecureAggregation:
         """The strategy's round engine, with rounds completed by :meth:`complete`."""
         return SecureRoundEngine(self.strategy.job, weight_key=self.strategy.weighted_by_key, secure=self)
 
+    def unsigned_problem(self, what: str) -> str | None:
+        return (f"{what}, but secure aggregation masks every reply at the hospital: make its ClientApp a "
+                "HospitalClientApp (from client_app.hospital_mod), whose mod masks what its own train handler "
+                "returns, as Flower's secaggplus_mod does (docs/own-clientapp.md)")
+
+    def hospital_without_count(self, name: str) -> None:
+        if self._warned_weight:
+            return
+        self._warned_weight = True
+        log.warning("%s trains the model itself and declares no sample count: under secure aggregation its weight "
+                    "counts at most screening.max-samples=%d samples, and each hospital's weight is its samples over "
+                    "the largest declared count (as Flower's SecAggPlusWorkflow's max_weight): set "
+                    "screening.max-samples near your hospitals' size, or the masked sum's quantisation swamps the "
+                    "update", name, self.strategy.job.screening.max_samples)
+
+    def central_dp_problem(self) -> str | None:
+        return ("with secure aggregation (secure-aggregation.enabled): hospitals send masked sums, never the update "
+                "of one hospital that the wrapper clips (and that Flower's clipping mod would clip after masking). "
+                "Nothing was sent to the hospitals. For DP with secure aggregation use each hospital's own local DP "
+                "(its policy's local-dp, docs/privacy.md)")
+
+    def who_trains_note(self) -> str:
+        return (": under secure aggregation a HospitalClientApp's mod masks what the app's own train handler returns, "
+                "as Flower's secaggplus_mod does")
+
     # --- configure_train: setup, share keys, the training messages ---------------------------------------------
-    def prepare(self, server_round: int, messages: Iterable[Message], grid: Grid) -> list[Message]:
+    def prepare(self, server_round: int, messages: Iterable[Message], grid: Grid,
+                sent: list[tuple] | None = None) -> list[Message]:
         """Run the setup and share-keys stages with the hospitals ``messages`` go to, and return those messages (to
-        the hospitals that shared their keys) with the collect stage's keys; none when the round cannot run."""
+        the hospitals that shared their keys) with the collect stage's keys, logged as they leave then (``sent``, the
+        lines of the messages as built, are not written); none when the round cannot run."""
         messages = list(messages)
         strategy = self.strategy
         if any(STAGE_KEY in message.content.config_records.get(strategy.records.config, {}) for message in messages) \
                 or (not messages and server_round in self.rounds):
-            return messages  # prepared already (the hook and a mixin both asked; a skipped round returned none)
+            return messages  # prepared already (asked twice for one round; a skipped round returned none)
         self.grid = grid
         progress = SecureRound(server_round, {m.metadata.dst_node_id: strategy.hospitals[m.metadata.dst_node_id]
                                               for m in messages})
@@ -394,6 +426,8 @@ class SecureAggregation:
                 protocol.lost.setdefault(node_of[name], f"{COLLECT}: no reply before the round's timeout")
 
         method, method_record, mean_norm = engine.method, None, None
+        clear = [HospitalUpdate(r.hospital, Payload(config=r.payload.config, metrics=r.payload.metrics),
+                                weight_key=engine.weight_key) for r in accepted]  # what they said openly
         skipped = progress.skipped
         needed = max(2, engine.cfg.min_train_hospitals, protocol.threshold if protocol else 2)
         if skipped is None and len(accepted) < needed:
@@ -428,8 +462,6 @@ class SecureAggregation:
                 sums = expand(decode_sum(plan.layout, total, len(protocol.masked), protocol.clipping_range,
                                          protocol.quantization_range), plan.common)  # distributed DP's noised part
                 before = {k: v.copy() for k, v in method.global_arrays.items()}
-                clear = [HospitalUpdate(r.hospital, Payload(config=r.payload.config, metrics=r.payload.metrics),
-                                        weight_key=engine.weight_key) for r in accepted]  # what they said openly
                 method_record = self.method.apply(method, rnd, sums, plan, clear)
                 mean_norm = distance(method.global_arrays, before)
                 progress.stages[UNMASK]["sum-seconds"] = round(time.perf_counter() - computing, 3)
@@ -438,32 +470,17 @@ class SecureAggregation:
                 skipped = f"the unmasked sums cannot be used: {error}; the global model is unchanged"
             else:
                 method_record.update(method.server_step(rnd))
-        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
-                                  "aggregated": [r.hospital.name for r in accepted], "missing": missing,
-                                  "refused": refused, "update-norm": {}, "update-norm-vs-median": {}}
         for node, why in sorted(protocol.hostile.items()) if protocol is not None else ():
             log.warning("round %d: %s sent a share that does not fit: %s", rnd, progress.name(node), why)
-        if skipped is not None:
-            record["skipped"] = skipped
-            log.warning("round %d: %s", rnd, skipped)
-        else:
-            record["method"] = method_record
         bytes_down = bytes_down or {}
         bytes_up = {r.hospital.name: r.bytes_up for r in replies}
         keys = {h.name: progress.traffic.get(h.name, {}) for h in chosen}  # the key stages' bytes
-        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)) + keys[h.name].get("down", 0),
-                                      "up": int(bytes_up.get(h.name, 0)) + keys[h.name].get("up", 0)} for h in chosen}
-        record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
-        record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
-        record["hospital_metrics"] = {r.hospital.name: {k: v for k, v in r.payload.metrics.items()
-                                                        if not isinstance(v, (list, tuple))} for r in accepted}
-        record["devices"] = {r.hospital.name: brief(r.payload.config.get("device", "?"), 80).strip("'")
-                             for r in accepted}
-        record["train"] = weighted_mean_metrics([(float(r.payload.metrics.get(engine.weight_key, 1) or 1),
-                                                  dict(r.payload.metrics)) for r in accepted])
-        record["train"].pop("num-examples", None)
-        record["secure-aggregation"] = self.summary(progress, mean_norm)
-        record["seconds"] = round(time.time() - started, 3)
+        traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)) + keys[h.name].get("down", 0),
+                            "up": int(bytes_up.get(h.name, 0)) + keys[h.name].get("up", 0)} for h in chosen}
+        screened_shares(clear, engine.cfg.screening)  # the train metrics weighed as a plain round's: screened shares
+        record = round_record(rnd, chosen, clear, started=started, traffic=traffic, missing=missing, refused=refused,
+                              method=method_record, skipped=skipped,
+                              **{"secure-aggregation": self.summary(progress, mean_norm)})
         engine.history.append(record)
         self.rounds.pop(rnd, None)
         if evaluate:
@@ -567,18 +584,7 @@ class SecureAggregationMixin:
             base = table.model_dump(by_alias=True) if table is not None else {}
             given = {key.replace("_", "-"): value for key, value in dict(secure_aggregation or {}).items()}
             settings = SecureAggregationSettings.model_validate({**base, "enabled": True, **given})
-        self.secure_aggregation = SecureAggregation(self, settings)
-
-    @property
-    def engine(self) -> RoundEngine:
-        if self._engine is None:
-            self._engine = self.secure_aggregation.round_engine()
-        return self._engine
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> list[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
-        return self.secure_aggregation.prepare(server_round, messages, grid)
+        self.workflow = SecureAggregation(self, settings)  # the strategy's rounds, chosen once
 
 
 def with_secure_aggregation(strategy_type: type) -> type:

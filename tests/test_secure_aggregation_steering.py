@@ -92,8 +92,8 @@ def lying_server(strategy, tamper) -> list[dict]:
     secure = strategy.secure_aggregation
     prepare, sums_seen = secure.prepare, []
 
-    def tampering(server_round, messages, grid):
-        prepared = prepare(server_round, messages, grid)
+    def tampering(server_round, messages, grid, *sent):
+        prepared = prepare(server_round, messages, grid, *sent)
         for message in prepared:
             tamper(strategy.hospitals[message.metadata.dst_node_id].name,
                    message.content.config_records[strategy.records.config])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import MessageType
 
-import strategies.base
+import strategies.replies
 from benchmarks.memory.grid import SyntheticGrid
 from common.config import load_job_config
 from common.engine.inprocess import simulated_sites
@@ -239,7 +239,7 @@ def test_the_servers_memory_does_not_grow_with_the_hospitals_when_replies_are_st
     grows by about two models per hospital (the message and its decoded copy); streamed, not at all."""
     import tracemalloc
 
-    monkeypatch.setattr(strategies.base, "PULL_BYTES", 1)  # one reply per pull (by default, 64 MB of them)
+    monkeypatch.setattr(strategies.replies, "PULL_BYTES", 1)  # one reply per pull (by default, 64 MB of them)
     model = {"model": "resnet18", "resnet-width": 0.25, "image-size": 16, "synthetic-samples": 30,
              "audit-log": "none"}
     growth, model_bytes = {}, 0

@@ -9,7 +9,6 @@ to be read as a Flower "federation", which is a SuperLink connection.)
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,16 +20,14 @@ import numpy as np
 from common.arrays import ArraysMismatch, check_like, is_exchanged
 from common.config import JobConfig
 from common.engine.reply_store import ReplyStore
+from common.engine.round_record import round_record, screened_shares, weighted_mean_metrics  # noqa: F401
 from common.engine.run_imports import IMPORT_PATHS_KEY, import_roots
 from common.engine.screening import (
     batchnorm_problem,
     brief,
-    capped_shares,
     cut,
     metrics_problem,
     norm_outliers,
-    ratio_capped_weights,
-    relative_norms,
     sample_count_problem,
     update_distance,
 )
@@ -83,16 +80,6 @@ def select_hospitals(hospitals: list[HospitalInfo], fraction: float, minimum: in
     count = min(len(ordered), max(minimum, int(fraction * len(ordered))))
     picked = np.random.default_rng([seed, rnd]).choice(len(ordered), size=count, replace=False)
     return [ordered[i] for i in sorted(picked)]
-
-
-def weighted_mean_metrics(items: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Per-key mean weighted by the first element (sample counts); keys missing somewhere are skipped."""
-    if not items:
-        return {}
-    keys = set.intersection(*(set(m) for _, m in items))
-    total = sum(w for w, _ in items) or 1.0
-    return {k: float(sum(w * m[k] for w, m in items) / total) for k in sorted(keys)
-            if all(isinstance(m[k], (int, float)) and math.isfinite(m[k]) for _, m in items)}
 
 
 class RoundEngine:
@@ -213,32 +200,19 @@ class RoundEngine:
         if missing:
             log.warning("round %d: no reply from %s before the timeout", rnd, ", ".join(missing))
 
-        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
-                                  "aggregated": [u.hospital.name for u in accepted], "missing": missing,
-                                  "refused": refused, "update-norm": dict(self.update_norms),
-                                  "update-norm-vs-median": relative_norms(self.update_norms)}
-        if self.weight_cuts:
-            record["weight-cut"] = dict(self.weight_cuts)
+        method, skipped = None, None
         if len(accepted) >= self.cfg.min_train_hospitals:
-            record["method"] = self.method.aggregate(rnd, accepted)
-            record["method"].update(self.method.server_step(rnd))
+            method = self.method.aggregate(rnd, accepted)
+            method.update(self.method.server_step(rnd))
         else:
-            record["skipped"] = (f"{len(accepted)} accepted update(s), fewer than min-train-hospitals="
-                                 f"{self.cfg.min_train_hospitals}; the global model is unchanged")
-            log.warning("round %d: %s", rnd, record["skipped"])
+            skipped = (f"{len(accepted)} accepted update(s), fewer than min-train-hospitals="
+                       f"{self.cfg.min_train_hospitals}; the global model is unchanged")
         bytes_down = bytes_down or {}
-        record["traffic"] = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": int(inbox.bytes_up.get(h.name, 0))}
-                             for h in chosen}
-        record["bytes_down"] = int(sum(t["down"] for t in record["traffic"].values()))
-        record["bytes_up"] = int(sum(t["up"] for t in record["traffic"].values()))
-        record["hospital_metrics"] = {u.hospital.name: {k: v for k, v in u.payload.metrics.items()  # numbers only:
-                                                        if not isinstance(v, (list, tuple))}  # lists go to "method"
-                                      for u in accepted}
-        record["devices"] = {u.hospital.name: brief(u.payload.config.get("device", "?"), 80).strip("'")
-                             for u in accepted}
-        record["train"] = weighted_mean_metrics([(u.weight, dict(u.payload.metrics)) for u in accepted])
-        record["train"].pop("num-examples", None)
-        record["seconds"] = round(time.time() - started, 3)
+        traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": int(inbox.bytes_up.get(h.name, 0))}
+                   for h in chosen}
+        record = round_record(rnd, chosen, accepted, started=started, traffic=traffic, missing=missing,
+                              refused=refused, method=method, skipped=skipped, update_norms=self.update_norms,
+                              weight_cuts=self.weight_cuts)
         self.history.append(record)
         if evaluate:
             self.evaluate_round(record)
@@ -252,16 +226,9 @@ class RoundEngine:
         else aggregated by ``aggregated_by`` from the chosen hospitals' replies."""
         bytes_down = bytes_down or {}
         traffic = {h.name: {"down": int(bytes_down.get(h.name, 0)), "up": 0} for h in chosen}
-        record: dict[str, Any] = {"round": rnd, "chosen": [h.name for h in chosen],
-                                  "aggregated": [] if skipped else [h.name for h in chosen], "missing": [],
-                                  "refused": {}, "update-norm": {}, "update-norm-vs-median": {}, "traffic": traffic,
-                                  "bytes_down": int(sum(t["down"] for t in traffic.values())), "bytes_up": 0,
-                                  "hospital_metrics": {}, "devices": {}, "train": {},
-                                  "seconds": round(time.time() - started, 3) if started else 0.0}
-        if skipped:
-            record["skipped"] = skipped
-            log.warning("round %d: %s", rnd, skipped)
-        else:
+        record = round_record(rnd, chosen, [], started=started, traffic=traffic, skipped=skipped or None,
+                              aggregated=[] if skipped else [h.name for h in chosen])
+        if not skipped:
             record["aggregated-by"] = aggregated_by
         self.history.append(record)
         return record
@@ -293,18 +260,9 @@ class RoundEngine:
                                   "(screening.refuse-unchanged)" for name, d in distances.items() if d == 0.0})
         inbox.refused = refused
         accepted = [u for u, _ in screened if u.hospital.name not in refused]
-        self.weight_cuts = {}
-        if accepted:
-            counts = [float(u.num_examples) for u in accepted]
-            weights, cut_index = ratio_capped_weights(counts, self.cfg.screening.sample_ratio_limit)
-            for i in cut_index:
-                self.weight_cuts[accepted[i].hospital.name] = (
-                    f"weighs {weights[i]:.6g} samples, not the {counts[i]:.6g} it reported: "
-                    f"screening.sample-ratio-limit={self.cfg.screening.sample_ratio_limit:g} x the others' median")
-                log.warning("%s %s", accepted[i].hospital.name, self.weight_cuts[accepted[i].hospital.name])
-            shares = capped_shares(weights, self.cfg.screening.max_hospital_weight)
-            for update, share in zip(accepted, shares):
-                update.share = float(share)
+        self.weight_cuts = screened_shares(accepted, self.cfg.screening)
+        for name, why in self.weight_cuts.items():
+            log.warning("%s %s", name, why)
         return accepted
 
     def screen_one(self, update: HospitalUpdate, rnd: int | None = None) -> tuple[str | None, float | None]:
