@@ -151,7 +151,7 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
         self._in_own_loop = False  # our start() calls on_round_end after the whole round
         self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
         self._warned_gpus = False
-        self._warned_client_dp = False
+        self._wrappers_checked = False  # Flower wrappers found and checked (once)
         self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation

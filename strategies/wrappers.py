@@ -18,7 +18,7 @@ def wrappers_of(strategy: Strategy) -> list[Strategy]:
     """The strategies wrapping ``strategy``, outermost last. A Flower wrapper (its DP wrappers, a user's own) is built
     around a strategy without telling it and holds it as ``wrapper.strategy``: so the wrappers are the strategies that
     hold this one there (and their own wrappers in turn), found by what refers to it, whichever of them is calling.
-    (One pass over Python's tracked objects per wrapper level: it runs at ``summary`` and each ``configure_train``.)"""
+    (One pass over Python's tracked objects per wrapper level: it runs once, before round 1.)"""
     found: list[Strategy] = []
     inner = strategy
     while True:
@@ -47,6 +47,13 @@ class FlowerWrappers:
         return wrappers_of(self)
 
     def refuse_unfit_wrappers(self) -> None:
+        """:meth:`check_wrappers` once per strategy (its search of the heap costs a fraction of a second in a large
+        process): at ``summary``, or at the first ``configure_train`` under a loop that skips it."""
+        if not self._wrappers_checked:
+            self.check_wrappers()
+            self._wrappers_checked = True
+
+    def check_wrappers(self) -> None:
         """A ConfigError, before round 1 (Flower's loop calls ``summary`` first), when one of Flower's DP wrappers
         wraps a method whose replies it cannot clip tensor by tensor against the model it sent
         (``MethodSpec.not_for_central_dp``) or a strategy with secure aggregation; where a client-side wrapper is
@@ -71,8 +78,7 @@ class FlowerWrappers:
         if why:
             raise ConfigError(f"{wrapper} {why}")
         client_side = [w for w in dp if isinstance(w, (ClientFixed, ClientAdaptive))]
-        if client_side and not self._warned_client_dp:
-            self._warned_client_dp = True
+        if client_side:
             mod = "adaptiveclipping_mod" if isinstance(client_side[0], ClientAdaptive) else "fixedclipping_mod"
             log.warning("%s expects every hospital to clip its update with Flower's %s; fedmed's own ClientApp does "
                         "not install it: give the hospitals a ClientApp of their own with it (docs/own-clientapp.md), "
