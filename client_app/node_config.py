@@ -187,12 +187,30 @@ class NodeConfig(Section):
         return props
 
 
+#: node configs as validated: their (key, type, value)s -> the NodeConfig (a hospital has one; a process a few)
+_VALIDATED: dict[tuple, NodeConfig] = {}
+_VALIDATED_KEPT = 64
+
+
 def load_node_config(raw: Mapping[str, Any]) -> NodeConfig:
+    """The node config, validated once per distinct content (a hospital reads it at every message, a secure round
+    at each of its stages); the folders and files it names are checked at every call. Callers must not change the
+    NodeConfig returned."""
     try:
-        node = NodeConfig.model_validate(dict(raw))
-    except ValidationError as error:
-        where = raw.get("hospital") or (f"hospital-{raw['partition-id']}" if "partition-id" in raw else "this node")
-        raise ConfigError(describe_validation_error(error, what=f"node config of {where}")) from None
+        key: tuple | None = tuple(sorted((str(k), type(v).__name__, v) for k, v in raw.items()))
+        node = _VALIDATED.get(key)
+    except TypeError:  # a value that is no Flower node-config scalar: validation names it
+        key, node = None, None
+    if node is None:
+        try:
+            node = NodeConfig.model_validate(dict(raw))
+        except ValidationError as error:
+            where = raw.get("hospital") or (f"hospital-{raw['partition-id']}" if "partition-id" in raw else "this node")
+            raise ConfigError(describe_validation_error(error, what=f"node config of {where}")) from None
+        if key is not None:
+            while len(_VALIDATED) >= _VALIDATED_KEPT:
+                del _VALIDATED[next(iter(_VALIDATED))]
+            _VALIDATED[key] = node
     if node.identity_key and not Path(node.identity_key).is_file():
         raise ConfigError(f"node config of {node.name} key 'identity-key': {node.identity_key!r} is not a file")
     if node.peer_keys and (not Path(node.peer_keys).is_dir() or not node.identity_key):

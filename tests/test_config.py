@@ -79,6 +79,21 @@ def test_node_config_needs_data_and_names_bad_keys(tmp_path):
     assert load_node_config({"partition-id": 3, "num-partitions": 5}).name == "hospital-03"
 
 
+def test_node_config_validated_once_still_checks_its_folders_at_every_read(tmp_path):
+    """A hospital reads its node config at every message (validated once per content): a folder it names that is
+    gone is refused at the next read, and a value of another type is validated as itself, not as the one seen."""
+    data = tmp_path / "data"
+    data.mkdir()
+    raw = {"hospital": "st-olav", "data-dir": str(data)}
+    assert load_node_config(raw) is load_node_config(dict(raw))
+    data.rmdir()
+    with pytest.raises(ConfigError, match="st-olav key 'data-dir'.*does not exist"):
+        load_node_config(raw)
+    assert load_node_config({"partition-id": 1, "num-partitions": 2}).partition_id == 1
+    with pytest.raises(ConfigError, match="partition-id"):  # strict: True is no partition number, though True == 1
+        load_node_config({"partition-id": True, "num-partitions": 2})
+
+
 def test_a_path_the_file_system_cannot_take_is_named_by_its_key(tmp_path):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
