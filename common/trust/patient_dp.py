@@ -113,6 +113,20 @@ def plan_release(table: PatientDP, cfg, data) -> Release:
     return Release(sigma, rate, steps, table.unit, units)
 
 
+#: How a method's extra loss term (``common.tasks.base.ExtraLoss``) goes through DP-SGD, set as its ``patient_dp``
+#: attribute by :func:`loss_term`. PER_SAMPLE: the batch mean of a term of each image alone (MOON's contrastive term);
+#: its per-sample gradients are clipped with the task loss's. DATA_FREE: a term of the parameters alone (FedProx's
+#: proximal term), called with no data; its gradient is added after the noise. A term that declares neither is refused.
+PER_SAMPLE, DATA_FREE = "per-sample", "data-free"
+
+
+def loss_term(term, kind: str):
+    """``term`` declared as a PER_SAMPLE or DATA_FREE extra loss (how DP-SGD takes it)."""
+    assert kind in (PER_SAMPLE, DATA_FREE), kind
+    term.patient_dp = kind
+    return term
+
+
 def check_network(model) -> None:
     """Refuse a network Opacus cannot take per-sample gradients of (BatchNorm), with the reason and the fix."""
     from opacus.validators import ModuleValidator
@@ -137,8 +151,11 @@ class DPSGD:
         import torch
         from opacus import GradSampleModule
 
-        if extra_loss is not None:
-            raise PolicyRefusal("patient-dp: the method adds a loss term that per-patient gradients do not cover")
+        kind = getattr(extra_loss, "patient_dp", None) if extra_loss is not None else None
+        if extra_loss is not None and kind not in (PER_SAMPLE, DATA_FREE):
+            raise PolicyRefusal("patient-dp: the method adds a loss term that declares neither per-sample nor "
+                                "data-free (common/trust/patient_dp.py), so per-patient clipping cannot bound it")
+        per_sample = extra_loss if kind == PER_SAMPLE else None
         plan, release = task.cfg.patient_dp, self.release
         clip = self.table.max_grad_norm
         torch.manual_seed(seed)
@@ -166,11 +183,16 @@ class DPSGD:
                 summed = [torch.zeros_like(p) for p in params]
                 for chunk in _whole_units(chosen, starts, plan.physical_batch):
                     loss = self._clipped_sum(task, sampled, params, data, members, starts, chunk, device, private,
-                                             summed, clip)
+                                             summed, clip, per_sample)
                     total, count = total + loss, count + len(chunk)
                 for p, s in zip(params, summed):
                     s += torch.normal(0.0, release.noise_multiplier * clip, p.shape, generator=noise).to(device)
                     p.grad = s / expected
+                if kind == DATA_FREE:  # its gradient reads no patient: added after the noise, at no privacy cost
+                    for p, g in zip(params, torch.autograd.grad(extra_loss(model, None, None, None), params,
+                                                                allow_unused=True)):
+                        if g is not None:
+                            p.grad += g
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 self.steps_done += 1
@@ -186,7 +208,8 @@ class DPSGD:
             sampled._close()
         return {"train-loss": total / max(count, 1)}
 
-    def _clipped_sum(self, task, sampled, params, data, members, starts, chunk, device, rng, summed, clip) -> float:
+    def _clipped_sum(self, task, sampled, params, data, members, starts, chunk, device, rng, summed, clip,
+                     per_sample=None) -> float:
         """Adds to ``summed`` the clipped gradients of the patients in ``chunk``; their mean loss per patient."""
         import torch
 
@@ -199,7 +222,11 @@ class DPSGD:
         (x,) = random_flips(rng, x)
         y = torch.from_numpy(np.repeat(data.labels[index], k)).to(device)
         owner = owner.repeat_interleave(k)
-        loss = task.loss(sampled(x), y) * len(y) / k  # the sum over images of the mean over their augmentations
+        output = sampled(x)
+        loss = task.loss(output, y)
+        if per_sample is not None:  # a mean over the batch of each image's own term (MOON's), clipped with it
+            loss = loss + per_sample(sampled, x, y, output)
+        loss = loss * len(y) / k  # the sum over images of the mean over their augmentations
         with warnings.catch_warnings():  # torch's note that the first layer's input needs no gradient
             warnings.filterwarnings("ignore", "Full backward hook is firing")
             loss.backward()
