@@ -195,6 +195,20 @@ def test_fedprox_and_moon_train_under_dp_sgd_with_their_terms_and_are_charged(tm
     assert [r["patient-dp"]["unit"] for r in releases] == ["patient", "patient"]
 
 
+@pytest.mark.parametrize("layers", ["all", "head"])
+def test_a_group_norm_resnet_trains_under_dp_sgd_whole_or_head_only(tmp_path, layers):
+    """The built-in ResNet-18 (MONAI's blocks add their residual in place, which Opacus's hooks refuse) trains under
+    DP-SGD; with train-layers = head only its last linear layer moves (the frozen pretrained encoder's start)."""
+    strategy, history = federation(tmp_path, PATIENT_DP, model="resnet18", **{
+        "resnet-width": 0.125, **GROUP_NORM, "patient-dp.train-layers": layers})
+    assert history[0]["aggregated"] == ["hospital-00", "hospital-01"]
+    trained = strategy.engine.method.evaluation_model().state_dict()
+    start = type(strategy)(min_train_nodes=1, min_available_nodes=2, run_config=strategy.job.to_flat())
+    moved = {k for k, v in start.engine.method.evaluation_model().state_dict().items()
+             if not torch.equal(v, trained[k])}
+    assert moved == {"fc.weight", "fc.bias"} if layers == "head" else len(moved) > 2
+
+
 def test_an_extra_loss_that_declares_no_kind_is_refused():
     dp_sgd = DPSGD(PatientDP(noise_multiplier=1.0, max_grad_norm=1.0), Release(1.0, 1.0, 1, "patient", 1))
     cfg = load_job_config({**SMALL_CLASSIFICATION, **GROUP_NORM})

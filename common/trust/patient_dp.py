@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -169,7 +170,15 @@ class DPSGD:
         for module in model.modules():  # Opacus's backward hooks cannot see through in-place activations
             if getattr(module, "inplace", False):
                 module.inplace = False
+        residuals = _out_of_place_residuals(model)
         sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        if plan.train_layers == "head":
+            from common.models.representations import classifier_head
+
+            head = classifier_head(model, method="patient-dp.train-layers = 'head'")[1]
+            for p in model.parameters():
+                p.requires_grad_(False)
+            head.requires_grad_(True)
         params = [p for p in model.parameters() if p.requires_grad]
         if optimizer is None:
             optimizer = (torch.optim.SGD(params, lr=plan.learning_rate, momentum=plan.momentum) if plan.learning_rate
@@ -206,6 +215,8 @@ class DPSGD:
                         p.copy_(a)
         finally:
             sampled._close()
+            for block in residuals:
+                del block.forward
         return {"train-loss": total / max(count, 1)}
 
     def _clipped_sum(self, task, sampled, params, data, members, starts, chunk, device, rng, summed, clip,
@@ -242,6 +253,25 @@ class DPSGD:
         for s, g in zip(summed, per_unit):
             s += torch.einsum("u,u...->...", scale, g)
         return float(loss.detach())
+
+
+def _residual_block_forward(self, x):
+    """MONAI's ``ResNetBlock.forward`` with ``out + residual`` for its in-place ``out += residual``: Opacus's hooks
+    hand back their layer's output as a view, which autograd refuses to modify in place."""
+    out = self.act(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    return self.act(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+def _out_of_place_residuals(model) -> list:
+    """The network's MONAI ResNet blocks (the built-in ``resnet18``), each given :func:`_residual_block_forward` for
+    the training (``del block.forward`` restores its own)."""
+    from monai.networks.nets.resnet import ResNetBlock
+
+    blocks = [m for m in model.modules() if type(m) is ResNetBlock]
+    for block in blocks:
+        block.forward = types.MethodType(_residual_block_forward, block)
+    return blocks
 
 
 def _whole_units(chosen: np.ndarray, starts: np.ndarray, physical: int):
