@@ -170,8 +170,6 @@ class DPSGD:
         for module in model.modules():  # Opacus's backward hooks cannot see through in-place activations
             if getattr(module, "inplace", False):
                 module.inplace = False
-        residuals = _out_of_place_residuals(model)
-        sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         if plan.train_layers == "head":
             from common.models.representations import classifier_head
 
@@ -179,6 +177,8 @@ class DPSGD:
             for p in model.parameters():
                 p.requires_grad_(False)
             head.requires_grad_(True)
+        residuals = _out_of_place_residuals(model)
+        sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         params = [p for p in model.parameters() if p.requires_grad]
         if optimizer is None:
             optimizer = (torch.optim.SGD(params, lr=plan.learning_rate, momentum=plan.momentum) if plan.learning_rate
