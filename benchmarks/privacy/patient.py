@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -103,6 +104,7 @@ def run(cfg: JobConfig, epsilon: float | None) -> dict[str, Any]:
     trained = sum(len(r.get("aggregated") or []) for r in history)
     curve = [[r["round"], round(r["test"]["accuracy"], 4)] for r in history if "accuracy" in (r.get("test") or {})]
     return {"test": history[-1].get("test", {}) if trained else {}, "curve": curve, "seconds": time.time() - started,
+            "load": round(os.getloadavg()[1], 1),
             "spent": max((ledger.epsilon(1e-5) for ledger in ledgers.values()), default=None),
             "refused": refused[:1]}
 
@@ -158,7 +160,11 @@ def report(out: Path, command: str) -> str:
         spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
         return f"{mean:.3f}{spread} (n={len(values)})", mean
 
-    lines = [f"# Patient-level DP-SGD: what it costs\n\nMade by `{command}` on {cpu_name()}. Accuracy for blood "
+    loads = [r["load"] for r in records if "load" in r]
+    load = (f" (2 cores shared with other work: 5-minute load average {min(loads)}-{max(loads)} at the runs' ends)"
+            if loads else "")
+    lines = [f"# Patient-level DP-SGD: what it costs\n\nLast made by `{command}` on {cpu_name()}{load}; each run's "
+             "own command is in its file under runs/. Accuracy for blood "
              "cells, weighted F1 for HAM10000, final round, mean ± std over the seeds run (n); in brackets each DP "
              "row's share of its no-DP row; epsilon per patient at delta 1e-5, the most any hospital's ledger "
              f"holds. {HOSPITALS} hospitals, every one trains every round; "
