@@ -186,13 +186,17 @@ def report(out: Path, command: str) -> str:
         lines.append("| " + " | ".join(row) + " |")
     tricks = [k for k in groups if k[4]]
     if tricks:
-        base = cell(("blood", "dirichlet", "fedavg", "scratch", "", 8.0))
+        plan_key = ("blood", "dirichlet", "fedavg", "scratch", "", 8.0)
+        base = cell(plan_key)
         lines += ["", "What each trick adds (blood cells, Dir(0.5), FedAvg, from scratch, epsilon 8; one change from "
                   "the plan each):", "", "| change | accuracy | against the plan |", "|---|---|---|",
                   f"| the plan | {base[0]} | |"]
+        plan_runs = {r["seed"]: headline(r) for r in groups.get(plan_key, [])}
         for key in sorted(tricks, key=lambda k: k[4]):
             text, mean = cell(key)
-            moved = f"{mean - base[1]:+.3f}" if mean is not None and base[1] is not None else ""
+            pairs = [(headline(r), plan_runs.get(r["seed"])) for r in groups[key]]
+            pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+            moved = (f"{statistics.mean(a - b for a, b in pairs):+.3f} (the plan's same seeds)" if pairs else "")
             lines.append(f"| {key[4]} | {text} | {moved} |")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
