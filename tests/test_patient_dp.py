@@ -16,8 +16,17 @@ from hypothesis import strategies as st
 from common.config import load_job_config
 from common.data.containers import LabelledImages
 from common.trust.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger, releases_epsilon
-from common.trust.patient_dp import DPSGD, Release, plan_epsilon, plan_release, unit_ids
-from common.trust.policy import PatientDP, read_policy
+from common.trust.patient_dp import (
+    DATA_FREE,
+    DPSGD,
+    PER_SAMPLE,
+    Release,
+    loss_term,
+    plan_epsilon,
+    plan_release,
+    unit_ids,
+)
+from common.trust.policy import PatientDP, PolicyRefusal, read_policy
 
 from .test_policy import federation, policy_file
 from .test_strategies import SMALL_CLASSIFICATION
@@ -61,10 +70,11 @@ def test_target_epsilon_sets_the_noise_the_whole_plan_stays_within():
 
 @settings(max_examples=20, deadline=None)
 @given(owners=st.lists(st.integers(0, 3), min_size=1, max_size=8), clip=st.sampled_from([0.01, 0.3, 100.0]),
-       physical=st.integers(1, 8), unit=st.sampled_from(["patient", "image"]))
-def test_a_patients_images_are_clipped_together(owners, clip, physical, unit):
+       physical=st.integers(1, 8), unit=st.sampled_from(["patient", "image"]), term=st.booleans())
+def test_a_patients_images_are_clipped_together(owners, clip, physical, unit, term):
     """One patient's gradient is the sum of its images' gradients, clipped as one (each image alone under 'image'),
-    whatever the grouping and however the physical batches split the patients."""
+    whatever the grouping and however the physical batches split the patients; a method's per-sample loss term
+    (MOON's) is in each image's gradient before the clip."""
     from opacus import GradSampleModule
 
     from common.tasks.base import images_to_tensor
@@ -85,7 +95,9 @@ def test_a_patients_images_are_clipped_together(owners, clip, physical, unit):
         members = [i for i in range(n) if (owners[i] if unit == "patient" else i) == patient]
         model.zero_grad()
         x = images_to_tensor(data.images[members], torch.device("cpu"))
-        torch.nn.functional.cross_entropy(model(x), torch.from_numpy(data.labels[members]), reduction="sum").backward()
+        output = model(x)
+        loss = torch.nn.functional.cross_entropy(output, torch.from_numpy(data.labels[members]), reduction="sum")
+        (loss + (output.pow(2).sum() if term else 0)).backward()
         grads = [p.grad.clone() for p in model.parameters()]
         norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
         for total, g in zip(want, grads):
@@ -100,9 +112,10 @@ def test_a_patients_images_are_clipped_together(owners, clip, physical, unit):
     no_flips = type("NoFlips", (), {"random": lambda self, k: np.ones(k)})()  # the sums above see no flip
     dp_sgd = DPSGD(PatientDP(noise_multiplier=1.0, max_grad_norm=clip, unit=unit),
                    Release(1.0, 1.0, 1, unit, len(patients)))
+    squares = loss_term(lambda _model, _x, _y, output: output.pow(2).sum(1).mean(), PER_SAMPLE) if term else None
     for chunk in _whole_units(np.arange(len(patients)), starts, physical):
         dp_sgd._clipped_sum(task, sampled, params, data, members, starts, chunk, torch.device("cpu"), no_flips, got,
-                            clip)
+                            clip, squares)
     sampled._close()
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5)
@@ -165,8 +178,47 @@ def test_local_dp_and_patient_dp_compose_in_one_ledger():
                             1e-5) == float("inf")  # a training without any noise still makes it infinite
 
 
+@pytest.mark.parametrize("method,kind", [("fedprox", DATA_FREE), ("moon", PER_SAMPLE)])
+def test_fedprox_and_moon_train_under_dp_sgd_with_their_terms_and_are_charged(tmp_path, monkeypatch, method, kind):
+    """FedProx's proximal term (data-free: its gradient after the noise) and MOON's contrastive term (per sample:
+    clipped with the task loss) go through DP-SGD; every round is charged per patient."""
+    from common.methods.registry import strategy_class
+
+    seen = []
+    fit = DPSGD.fit
+    monkeypatch.setattr(DPSGD, "fit", lambda self, task, *a, extra_loss=None, **k: (
+        seen.append(getattr(extra_loss, "patient_dp", None)), fit(self, task, *a, extra_loss=extra_loss, **k))[1])
+    _, history = federation(tmp_path, PATIENT_DP, rounds=2, strategy=strategy_class(method), **GROUP_NORM)
+    assert [r["aggregated"] for r in history] == [["hospital-00", "hospital-01"]] * 2
+    assert kind in seen  # MOON's term starts in round 2, once a hospital has its previous model
+    releases = PrivacyLedger(tmp_path / "state" / "hospital-00").releases()
+    assert [r["patient-dp"]["unit"] for r in releases] == ["patient", "patient"]
+
+
+@pytest.mark.parametrize("layers", ["all", "head"])
+def test_a_group_norm_resnet_trains_under_dp_sgd_whole_or_head_only(tmp_path, layers):
+    """The built-in ResNet-18 (MONAI's blocks add their residual in place, which Opacus's hooks refuse) trains under
+    DP-SGD; with train-layers = head only its last linear layer moves (the frozen pretrained encoder's start)."""
+    strategy, history = federation(tmp_path, PATIENT_DP, model="resnet18", **{
+        "resnet-width": 0.125, **GROUP_NORM, "patient-dp.train-layers": layers})
+    assert history[0]["aggregated"] == ["hospital-00", "hospital-01"]
+    trained = strategy.engine.method.evaluation_model().state_dict()
+    start = type(strategy)(min_train_nodes=1, min_available_nodes=2, run_config=strategy.job.to_flat())
+    moved = {k for k, v in start.engine.method.evaluation_model().state_dict().items()
+             if not torch.equal(v, trained[k])}
+    assert moved == {"fc.weight", "fc.bias"} if layers == "head" else len(moved) > 2
+
+
+def test_an_extra_loss_that_declares_no_kind_is_refused():
+    dp_sgd = DPSGD(PatientDP(noise_multiplier=1.0, max_grad_norm=1.0), Release(1.0, 1.0, 1, "patient", 1))
+    cfg = load_job_config({**SMALL_CLASSIFICATION, **GROUP_NORM})
+    with pytest.raises(PolicyRefusal, match="declares neither per-sample nor data-free"):
+        dp_sgd.fit(type("Task", (), {"cfg": cfg})(), torch.nn.Linear(2, 2), None, "cpu", 0,
+                   extra_loss=lambda *_: torch.zeros(()))
+
+
 @pytest.mark.parametrize("method,named", [("fedbn", "BatchNorm"), ("fedproto", "class means"),
-                                          ("fedprox", "proximal term"), ("moon", "contrastive term")])
+                                          ("fedproin", "prototype losses")])
 def test_a_method_dp_sgd_cannot_serve_is_refused_with_its_reason(tmp_path, method, named):
     from common.methods.registry import strategy_class
 

@@ -11,7 +11,8 @@ Each finished run is ``<out>/runs/<row>.json`` and is skipped when the command i
 the policy ``[patient-dp] target-epsilon = E, max-grad-norm = C, delta = 1e-5, unit = "patient"`` and its own ledger;
 the noise is what spends E over the run's rounds (every hospital trains every round). The no-DP row is the same run
 (the same GroupNorm network, data, split and seeds) trained with the task's own loop. "pretrained" starts from the
-encoder trained centrally on the other data set (benchmarks.fedproin.pretrain, with GroupNorm; a ResNet-18).
+encoder trained centrally on the other data set (benchmarks.fedproin.pretrain, with GroupNorm; a ResNet-18), and
+"pretrained-head" trains only its last linear layer under DP (the no-DP row is "pretrained"'s, every layer trained).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -46,7 +48,12 @@ PARTITIONS = {"iid": {"partitioner": "iid"}, "dirichlet": {"partitioner": "diric
 JOB = {"image_size": 28, "num_server_rounds": 10, "local_epochs": 4, "batch_size": 32, "learning_rate": 1e-3,
        "fraction_train": 1.0, "min_train_hospitals": HOSPITALS, "min_available_hospitals": HOSPITALS,
        "min_partition_size": 10, "val_fraction": 0.0, "test_fraction": 0.2, "device": "cpu", "evaluate_every": 5}
-MODELS = {"scratch": {"model": "small-cnn"}, "pretrained": {"model": "resnet18", "resnet_width": 0.25}}
+MODELS = {"scratch": {"model": "small-cnn"}, "pretrained": {"model": "resnet18", "resnet_width": 0.25},
+          "pretrained-head": {"model": "resnet18", "resnet_width": 0.25}}
+#: what a start changes in the DP plan: "pretrained-head" trains the last linear layer alone on the frozen encoder
+#: under DP (its no-DP row is the same as "pretrained": the task's own loop, every layer)
+START_PLAN = {"pretrained-head": {"train_layers": "head"}}
+NO_DP_START = {"pretrained-head": "pretrained"}
 #: tuned on blood cells, Dir(0.5), seed 0 at epsilon 8 (docs/privacy.md lists the tries)
 PLAN = {"group_norm": True, "batch_size": 128, "learning_rate": 1.0, "momentum": 0.9, "augmentations": 1,
         "averaging": 0.0}
@@ -59,17 +66,20 @@ TRICKS: dict[str, dict[str, Any]] = {
     "parameter averaging 0.9": {"averaging": 0.9},
     "logical batch 64": {"batch_size": 64},
     "logical batch 1024": {"batch_size": 1024},
+    "8 local epochs (twice the steps, at the same epsilon)": {"local_epochs": 8},
 }
+#: trick keys that change the job rather than the DP plan
+JOB_KEYS = {"local_epochs"}
 
 
 def job(dataset: str, partition: str, start: str, seed: int, plan: dict[str, Any]) -> JobConfig:
     fields = {**JOB, **DATASETS[dataset], **PARTITIONS[partition], **MODELS[start], "seed": seed,
               "strategy": "fedavg", "run_name": "patient-dp"}
-    if start == "pretrained":
+    if start.startswith("pretrained"):
         source = OTHER[dataset]
         fields["encoder_weights"] = str(pretrain(DATASETS[source], source, JOB["image_size"], 0.25, 10,
                                                  group_norm=plan["group_norm"]))
-    return JobConfig(**fields, patient_dp=plan)
+    return JobConfig(**fields, patient_dp={**plan, **START_PLAN.get(start, {})})
 
 
 def run(cfg: JobConfig, epsilon: float | None) -> dict[str, Any]:
@@ -92,7 +102,9 @@ def run(cfg: JobConfig, epsilon: float | None) -> dict[str, Any]:
             history = run_rounds(cfg, sites).history
     refused = sorted({reason for r in history for reason in (r.get("refused") or {}).values()})
     trained = sum(len(r.get("aggregated") or []) for r in history)
-    return {"test": history[-1].get("test", {}) if trained else {}, "seconds": time.time() - started,
+    curve = [[r["round"], round(r["test"]["accuracy"], 4)] for r in history if "accuracy" in (r.get("test") or {})]
+    return {"test": history[-1].get("test", {}) if trained else {}, "curve": curve, "seconds": time.time() - started,
+            "load": round(os.getloadavg()[1], 1),
             "spent": max((ledger.epsilon(1e-5) for ledger in ledgers.values()), default=None),
             "refused": refused[:1]}
 
@@ -107,13 +119,14 @@ def rows(args) -> list[tuple[str, dict[str, Any]]]:
                     for epsilon in [None, *args.epsilons]:
                         for seed in args.seeds:
                             chosen.append({"dataset": dataset, "partition": partition, "method": method,
-                                           "start": start, "epsilon": epsilon, "seed": seed, "trick": ""})
+                                           "start": NO_DP_START.get(start, start) if epsilon is None else start,
+                                           "epsilon": epsilon, "seed": seed, "trick": ""})
     if args.tricks:
-        for trick in TRICKS:
+        for trick in [t for t in TRICKS if not args.trick or any(t.startswith(n) for n in args.trick)]:
             for seed in args.seeds:
                 chosen.append({"dataset": "blood", "partition": "dirichlet", "method": "fedavg", "start": "scratch",
                                "epsilon": TRICKS[trick].get("epsilon", 8.0), "seed": seed, "trick": trick})
-    return [(name(row), row) for row in chosen]
+    return list({name(row): row for row in chosen}.items())
 
 
 def name(row: dict[str, Any]) -> str:
@@ -147,7 +160,11 @@ def report(out: Path, command: str) -> str:
         spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
         return f"{mean:.3f}{spread} (n={len(values)})", mean
 
-    lines = [f"# Patient-level DP-SGD: what it costs\n\nMade by `{command}` on {cpu_name()}. Accuracy for blood "
+    loads = [r["load"] for r in records if "load" in r]
+    load = (f" (2 cores shared with other work: 5-minute load average {min(loads)}-{max(loads)} at the runs' ends)"
+            if loads else "")
+    lines = [f"# Patient-level DP-SGD: what it costs\n\nLast made by `{command}` on {cpu_name()}{load}; each run's "
+             "own command is in its file under runs/. Accuracy for blood "
              "cells, weighted F1 for HAM10000, final round, mean ± std over the seeds run (n); in brackets each DP "
              "row's share of its no-DP row; epsilon per patient at delta 1e-5, the most any hospital's ledger "
              f"holds. {HOSPITALS} hospitals, every one trains every round; "
@@ -156,7 +173,7 @@ def report(out: Path, command: str) -> str:
              "|---|---|---|---|---|---|---|---|"]
     combos = sorted({k[:4] for k in groups if not k[4]})
     for combo in combos:
-        base, base_mean = cell(combo + ("", None))
+        base, base_mean = cell(combo[:3] + (NO_DP_START.get(combo[3], combo[3]), "", None))
         row = [*combo, base]
         for epsilon in (1.0, 3.0, 8.0):
             text, mean = cell(combo + ("", epsilon))
@@ -169,13 +186,17 @@ def report(out: Path, command: str) -> str:
         lines.append("| " + " | ".join(row) + " |")
     tricks = [k for k in groups if k[4]]
     if tricks:
-        base = cell(("blood", "dirichlet", "fedavg", "scratch", "", 8.0))
+        plan_key = ("blood", "dirichlet", "fedavg", "scratch", "", 8.0)
+        base = cell(plan_key)
         lines += ["", "What each trick adds (blood cells, Dir(0.5), FedAvg, from scratch, epsilon 8; one change from "
                   "the plan each):", "", "| change | accuracy | against the plan |", "|---|---|---|",
                   f"| the plan | {base[0]} | |"]
+        plan_runs = {r["seed"]: headline(r) for r in groups.get(plan_key, [])}
         for key in sorted(tricks, key=lambda k: k[4]):
             text, mean = cell(key)
-            moved = f"{mean - base[1]:+.3f}" if mean is not None and base[1] is not None else ""
+            pairs = [(headline(r), plan_runs.get(r["seed"])) for r in groups[key]]
+            pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+            moved = (f"{statistics.mean(a - b for a, b in pairs):+.3f} (the plan's same seeds)" if pairs else "")
             lines.append(f"| {key[4]} | {text} | {moved} |")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
@@ -192,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--tricks", action=argparse.BooleanOptionalAction, default=True,
                         help="also the rows of TRICKS (blood cells, Dir(0.5), FedAvg, epsilon 8)")
+    parser.add_argument("--trick", action="append", default=[],
+                        help="only the TRICKS rows whose name starts so (repeatable; default all)")
     parser.add_argument("--rounds", type=int, default=JOB["num_server_rounds"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "privacy-patient")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the runs there")
@@ -206,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         target = args.out / "runs" / f"{file}.json"
         if target.exists():
             continue
-        plan = {**PLAN, **{k: v for k, v in TRICKS.get(row["trick"], {}).items() if k != "epsilon"}}
+        trick = TRICKS.get(row["trick"], {})
+        plan = {**PLAN, **{k: v for k, v in trick.items() if k != "epsilon" and k not in JOB_KEYS}}
         cfg = job(row["dataset"], row["partition"], row["start"], row["seed"], plan)
-        cfg = cfg.model_copy(update={"strategy": row["method"]})
+        cfg = cfg.model_copy(update={"strategy": row["method"], **{k: v for k, v in trick.items() if k in JOB_KEYS}})
         result = run(cfg, row["epsilon"])
         target.write_text(json.dumps({**row, **result, "command": command}, indent=1) + "\n")
         print(f"{file}: {headline({**row, **result})} eps {result['spent']} in {result['seconds']:.0f}s "

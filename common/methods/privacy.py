@@ -66,10 +66,9 @@ class PrivacyRules:
 
 #: The reply is the received model, trained (FedAvg, FedProx, MOON): local DP clips and noises its update.
 MODEL_UPDATE = PrivacyRules()
-#: FedProx and MOON: the received model trained with a term of their own beside the task's loss.
-MODEL_UPDATE_WITH_TERM = PrivacyRules(no_patient_dp=(
-    "its extra loss term (FedProx's proximal term, MOON's contrastive term) is not taken through per-patient "
-    "gradients yet, so DP-SGD would not bound it"))
+#: FedProx and MOON: the received model trained with a term of their own beside the task's loss (each term declares
+#: how DP-SGD takes it: common.trust.patient_dp.loss_term, FedProx's data-free, MOON's per-sample).
+MODEL_UPDATE_WITH_TERM = PrivacyRules()
 #: A method whose package declares nothing.
 UNDECLARED = PrivacyRules(no_local_dp="its package declares no privacy rules (privacy.py), so nothing bounds its "
                                       "reply", no_patient_dp="its package declares no privacy rules (privacy.py)")

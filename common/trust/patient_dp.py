@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,20 @@ def plan_release(table: PatientDP, cfg, data) -> Release:
     return Release(sigma, rate, steps, table.unit, units)
 
 
+#: How a method's extra loss term (``common.tasks.base.ExtraLoss``) goes through DP-SGD, set as its ``patient_dp``
+#: attribute by :func:`loss_term`. PER_SAMPLE: the batch mean of a term of each image alone (MOON's contrastive term);
+#: its per-sample gradients are clipped with the task loss's. DATA_FREE: a term of the parameters alone (FedProx's
+#: proximal term), called with no data; its gradient is added after the noise. A term that declares neither is refused.
+PER_SAMPLE, DATA_FREE = "per-sample", "data-free"
+
+
+def loss_term(term, kind: str):
+    """``term`` declared as a PER_SAMPLE or DATA_FREE extra loss (how DP-SGD takes it)."""
+    assert kind in (PER_SAMPLE, DATA_FREE), kind
+    term.patient_dp = kind
+    return term
+
+
 def check_network(model) -> None:
     """Refuse a network Opacus cannot take per-sample gradients of (BatchNorm), with the reason and the fix."""
     from opacus.validators import ModuleValidator
@@ -137,8 +152,11 @@ class DPSGD:
         import torch
         from opacus import GradSampleModule
 
-        if extra_loss is not None:
-            raise PolicyRefusal("patient-dp: the method adds a loss term that per-patient gradients do not cover")
+        kind = getattr(extra_loss, "patient_dp", None) if extra_loss is not None else None
+        if extra_loss is not None and kind not in (PER_SAMPLE, DATA_FREE):
+            raise PolicyRefusal("patient-dp: the method adds a loss term that declares neither per-sample nor "
+                                "data-free (common/trust/patient_dp.py), so per-patient clipping cannot bound it")
+        per_sample = extra_loss if kind == PER_SAMPLE else None
         plan, release = task.cfg.patient_dp, self.release
         clip = self.table.max_grad_norm
         torch.manual_seed(seed)
@@ -152,6 +170,14 @@ class DPSGD:
         for module in model.modules():  # Opacus's backward hooks cannot see through in-place activations
             if getattr(module, "inplace", False):
                 module.inplace = False
+        if plan.train_layers == "head":
+            from common.models.representations import classifier_head
+
+            head = classifier_head(model, method="patient-dp.train-layers = 'head'")[1]
+            for p in model.parameters():
+                p.requires_grad_(False)
+            head.requires_grad_(True)
+        residuals = _out_of_place_residuals(model)
         sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         params = [p for p in model.parameters() if p.requires_grad]
         if optimizer is None:
@@ -166,11 +192,16 @@ class DPSGD:
                 summed = [torch.zeros_like(p) for p in params]
                 for chunk in _whole_units(chosen, starts, plan.physical_batch):
                     loss = self._clipped_sum(task, sampled, params, data, members, starts, chunk, device, private,
-                                             summed, clip)
+                                             summed, clip, per_sample)
                     total, count = total + loss, count + len(chunk)
                 for p, s in zip(params, summed):
                     s += torch.normal(0.0, release.noise_multiplier * clip, p.shape, generator=noise).to(device)
                     p.grad = s / expected
+                if kind == DATA_FREE:  # its gradient reads no patient: added after the noise, at no privacy cost
+                    for p, g in zip(params, torch.autograd.grad(extra_loss(model, None, None, None), params,
+                                                                allow_unused=True)):
+                        if g is not None:
+                            p.grad += g
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 self.steps_done += 1
@@ -184,9 +215,12 @@ class DPSGD:
                         p.copy_(a)
         finally:
             sampled._close()
+            for block in residuals:
+                del block.forward
         return {"train-loss": total / max(count, 1)}
 
-    def _clipped_sum(self, task, sampled, params, data, members, starts, chunk, device, rng, summed, clip) -> float:
+    def _clipped_sum(self, task, sampled, params, data, members, starts, chunk, device, rng, summed, clip,
+                     per_sample=None) -> float:
         """Adds to ``summed`` the clipped gradients of the patients in ``chunk``; their mean loss per patient."""
         import torch
 
@@ -199,7 +233,11 @@ class DPSGD:
         (x,) = random_flips(rng, x)
         y = torch.from_numpy(np.repeat(data.labels[index], k)).to(device)
         owner = owner.repeat_interleave(k)
-        loss = task.loss(sampled(x), y) * len(y) / k  # the sum over images of the mean over their augmentations
+        output = sampled(x)
+        loss = task.loss(output, y)
+        if per_sample is not None:  # a mean over the batch of each image's own term (MOON's), clipped with it
+            loss = loss + per_sample(sampled, x, y, output)
+        loss = loss * len(y) / k  # the sum over images of the mean over their augmentations
         with warnings.catch_warnings():  # torch's note that the first layer's input needs no gradient
             warnings.filterwarnings("ignore", "Full backward hook is firing")
             loss.backward()
@@ -215,6 +253,25 @@ class DPSGD:
         for s, g in zip(summed, per_unit):
             s += torch.einsum("u,u...->...", scale, g)
         return float(loss.detach())
+
+
+def _residual_block_forward(self, x):
+    """MONAI's ``ResNetBlock.forward`` with ``out + residual`` for its in-place ``out += residual``: Opacus's hooks
+    hand back their layer's output as a view, which autograd refuses to modify in place."""
+    out = self.act(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    return self.act(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+def _out_of_place_residuals(model) -> list:
+    """The network's MONAI ResNet blocks (the built-in ``resnet18``), each given :func:`_residual_block_forward` for
+    the training (``del block.forward`` restores its own)."""
+    from monai.networks.nets.resnet import ResNetBlock
+
+    blocks = [m for m in model.modules() if type(m) is ResNetBlock]
+    for block in blocks:
+        block.forward = types.MethodType(_residual_block_forward, block)
+    return blocks
 
 
 def _whole_units(chosen: np.ndarray, starts: np.ndarray, physical: int):

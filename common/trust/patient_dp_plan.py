@@ -3,6 +3,8 @@ hospital's own policy, ``[patient-dp]``, holds the privacy numbers: common/trust
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from common.settings import Section
@@ -27,6 +29,9 @@ class PatientDPPlan(Section):
     averaging: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "Parameter averaging: the reply is the exponential moving average of the round's steps with this decay "
         "(0: the last step's)."))
+    train_layers: Literal["all", "head"] = Field("all", description=(
+        "What DP-SGD trains: every layer, or the classifier's last linear layer alone on a frozen (pretrained) "
+        "encoder, whose far fewer coordinates each carry the same noise (the field's usual start under DP)."))
     group_norm: bool = Field(False, description=(
         "Build the network with GroupNorm (groups of 16 channels) in place of BatchNorm, at the server and every "
         "hospital: DP-SGD needs per-sample gradients, which BatchNorm does not have."))

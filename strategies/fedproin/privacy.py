@@ -47,5 +47,6 @@ class FedProInRules(PrivacyRules):
 
 
 RULES = FedProInRules(protocol_metrics=frozenset({"influence"}), no_patient_dp=(
-    "FedProIn's prototype losses (FDL, PCL), its k-means prototype start and its influence counts are not taken "
-    "through per-patient gradients yet"))
+    "FedProIn's prototypes are a bare parameter of the network, for which Opacus has no per-sample gradient rule; "
+    "its k-means start and re-seeding place prototypes at single patients' features, and its influence counts would "
+    "need noise of their own (its prototype losses would fit: FDL per sample, PCL data-free)"))

@@ -6,6 +6,7 @@ import torch
 
 from common.methods.local_training import LocalTraining
 from common.tasks.base import ExtraLoss
+from common.trust.patient_dp import DATA_FREE, loss_term
 
 
 def proximal_term(mu: float, global_arrays: dict) -> ExtraLoss:
@@ -19,7 +20,7 @@ def proximal_term(mu: float, global_arrays: dict) -> ExtraLoss:
             total = total + (parameter - anchors[name]).pow(2).sum()
         return 0.5 * mu * total
 
-    return term
+    return loss_term(term, DATA_FREE)  # under patient-dp its gradient is added after the noise (it reads no data)
 
 
 class FedProxHospital(LocalTraining):

@@ -18,6 +18,7 @@ from common.methods.base import Payload
 from common.methods.local_training import LocalTraining
 from common.models.representations import ClassifierFeatures, FeatureTap, classifier_features, frozen_copy
 from common.tasks.base import ExtraLoss
+from common.trust.patient_dp import PER_SAMPLE, loss_term
 
 from .settings import MoonSettings
 
@@ -41,7 +42,7 @@ def moon_term(model: torch.nn.Module, previous: torch.nn.Module, settings: MoonS
             z_global, z_previous = global_features(x), previous_features(x)
         return settings.mu * model_contrastive_loss(tap.value, z_global, z_previous, settings.temperature)
 
-    return term, tap
+    return loss_term(term, PER_SAMPLE), tap  # each sample's own term: DP-SGD clips it with the task loss
 
 
 class MoonHospital(LocalTraining):
