@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -38,30 +37,27 @@ from common.logs import fedmed_logger_prints
 from common.methods.base import TRAINS_ITSELF, HospitalInfo
 from common.methods.registry import method_spec, method_tasks
 from common.payload import Payload
-from common.trust.audit import SERVER_HEAD_KEY, message_digest
+from common.trust.audit import SERVER_HEAD_KEY, AuditLog, message_digest
 
 from .audit_trail import AuditTrail
-from .cross_site import CrossSiteEvaluation
 from .hospitals import HospitalDirectory
 from .legacy_api import ARGUMENTS as LEGACY_ARGUMENTS
 from .legacy_api import METHODS as LEGACY_METHODS
 from .legacy_api import legacy_argument, legacy_method
 from .records import arrays_of, into_arrayrecord, numbers, round_metricrecord
-from .replies import ReplyIntake
+from .replies import ReplyIntake, ReplyLimits
 from .round_loop import EvaluateFn, OwnRoundLoop
 from .round_workflow import PlainRounds
+from .run_folder import RunFolder
+from .wrappers import FlowerWrappers
 
 if TYPE_CHECKING:
     from .secure_aggregation import SecureAggregation
-from .run_folder import RunFolder
-from .wrappers import FlowerWrappers
 
 log = logging.getLogger("fedmed")
 
 RoundCallback = Callable[[RoundEngine, dict[str, Any]], None]
 MetricsAggregation = Callable[[list[RecordDict], str], "MetricRecord | None"]
-
-
 
 
 def job_config(method: str, run_config: Mapping[str, Any] | JobConfig | None, **settings: Any) -> JobConfig:
@@ -82,8 +78,7 @@ class RunStopped(RuntimeError):
     """The SuperLink no longer serves this run (``flwr stop``): the round it cut short is not saved."""
 
 
-class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluation, RunFolder,
-                       OwnRoundLoop, Strategy):
+class HospitalStrategy(FlowerWrappers, OwnRoundLoop, Strategy):
     """A Flower strategy that runs one federated method over hospitals (subclasses name the method).
 
     Flower's arguments mean what they mean in ``FedAvg`` and come in its order, so they may be given by position
@@ -125,11 +120,11 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
             "fraction-train": fraction_train, "min-train-hospitals": min_train_nodes,
             "min-available-hospitals": min_available_nodes, **dict(settings or {}),
             **self.method_settings(**method_settings)})
-        self._name_chosen_for_it = not self.job.run_name  # a timestamp: moved on where another run holds it
+        self.run_folder = RunFolder(chosen_for_it=not self.job.run_name)  # a timestamp moves on where it is held
         if not self.job.run_name:  # hospitals keep their memory in a folder named after the run
             self.job = self.job.model_copy(update={"run_name": f"{self.job.task}-{self.method_name}-"
                                                                f"{time.strftime('%Y%m%d-%H%M%S')}"})
-        self._run_folder: Path | None = None  # the run folder this strategy holds (common/engine/run_lock.py)
+        self.audit = AuditTrail.of(self.job)  # the server's audit log (strategies/audit_trail.py)
         self.fraction_evaluate = fraction_evaluate
         self.min_evaluate_nodes = min_evaluate_nodes
         self.weighted_by_key = weighted_by_key
@@ -152,7 +147,6 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
         self._grid: Grid | None = None  # the grid of the round in progress (configure_train's)
         self._warned_gpus = False
         self._wrappers_checked = False  # Flower wrappers found and checked (once)
-        self._replies: dict[str, RecordDict] = {}  # this round's replies by hospital, for the metric aggregation fns
         self._record: dict[str, Any] | None = None  # the round in progress, finished once its model is released
         self._state_before: dict[str, Any] | None = None  # the method's state before an override's aggregation
         self._given: ArrayRecord | None = None  # the model configure_train was given: kept if a round is declined
@@ -247,6 +241,33 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
         return {**hospital_keys(self.job), "server-round": server_round, "run-name": self.job.run_name,
                 **self.records.as_config(), "weighted-by-key": self.weighted_by_key,
                 **({SERVER_HEAD_KEY: audit.head()} if audit is not None else {})}
+
+    def claim_run_folder(self) -> None:
+        """Hold the run folder for this run, before round 1 (:meth:`RunFolder.claim`); the name held is the run's."""
+        name = self.run_folder.claim(self.job.results_dir, self.job.run_name)
+        if name != self.job.run_name:
+            self.change_job(run_name=name)
+
+    def release_run_folder(self) -> None:
+        self.run_folder.release()
+
+    def audit_log(self) -> AuditLog | None:
+        """The server's audit log (run config ``audit-log``), None for 'none': :meth:`AuditTrail.log`."""
+        return self.audit.log()
+
+    def audit_message(self, *line: Any, **fields: Any) -> None:
+        """A line of the audit log for a message sent or received: :meth:`AuditTrail.message`."""
+        self.audit.message(*line, **fields)
+
+    def audit_messages(self, lines: list[tuple]) -> None:
+        """Lines of :meth:`audit_message` under one lock and one ``fsync``: :meth:`AuditTrail.messages`."""
+        self.audit.messages(lines)
+
+    def reply_intake(self) -> ReplyIntake:
+        """How replies are taken now: by the hospitals known, within the method's limits (strategies/replies.py)."""
+        return ReplyIntake(self.hospitals, self.audit, self.records,
+                           ReplyLimits.of(self.job.screening.max_reply_mb, self.engine.method.global_arrays),
+                           self.engine.method.flower_reply_arrays, self.workflow.masks_own_training)
 
     def discover(self, grid: Grid) -> None:
         """Learn the identity of every connected node not seen before (:meth:`HospitalDirectory.discover`)."""
@@ -348,11 +369,11 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
         on the test set and saved once its model is released (:meth:`configure_evaluate`), so what a subclass or a
         DP wrapper makes of these arrays is the model that is scored, saved and sent next; a subclass's
         ``aggregate_train`` that returns no arrays keeps the previous model (:meth:`aggregation_returned`)."""
-        self._replies = {}
         if type(self).aggregate_train is not HospitalStrategy.aggregate_train:  # an override may still decline
             self._state_before = {k: np.array(v, copy=True) for k, v in self.engine.method.state_dict().items()}
         folder = self.reply_folder()
-        round_replies = self.round_replies(server_round, replies, keep_arrays=folder is None)
+        intake = self.reply_intake()
+        round_replies = intake.round_replies(server_round, replies, [h.name for h in self._chosen], folder is None)
         if folder is not None:  # each reply screened as it arrives, what the method aggregates kept on disk
             record = self.engine.complete_round(server_round, self._chosen, round_replies, self._round_started,
                                                 self._bytes_down, evaluate=False, reply_folder=folder)
@@ -368,7 +389,7 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
             return None, None
         metrics = round_metricrecord(record)
         if self.train_metrics_aggr_fn is not None:
-            own = self.train_metrics_aggr_fn([self._replies[name] for name in record["aggregated"]],
+            own = self.train_metrics_aggr_fn([intake.kept[name] for name in record["aggregated"]],
                                              self.weighted_by_key)
             metrics = MetricRecord({**metrics, **dict(own or {})})
         if "skipped" in record:
@@ -525,6 +546,7 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         scores: list[tuple[float, dict[str, Any], RecordDict]] = []
+        intake = self.reply_intake() if self._evaluated else None
         for message in replies:
             hospital = self.hospitals.get(message.metadata.src_node_id)
             self.audit_message("received", message, server_round, hospital.name if hospital else None)
@@ -535,8 +557,7 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
                             cut(message.error.reason))
                 continue
             try:
-                metrics = self.decode_reply(hospital, message.content, self.reply_limit(), self.reply_tensor_limit(),
-                                            training=False).metrics
+                metrics = intake.decode(hospital, message.content, training=False).metrics
             except MalformedPayload as error:
                 log.warning("round %d: evaluation of %s refused: %s", server_round, hospital.name, error)
                 continue
@@ -557,6 +578,7 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
     def change_job(self, **changes: Any) -> None:
         """The job with ``changes``, for the method's server half too where it is built already (initial_arrays())."""
         self.job = self.job.model_copy(update=changes)
+        self.audit = AuditTrail.of(self.job)  # a new run name: the log in its folder
         if self._engine is not None:
             self._engine.cfg = self._engine.method.cfg = self._engine.method.task.cfg = self.job
 
@@ -603,7 +625,6 @@ class HospitalStrategy(AuditTrail, ReplyIntake, FlowerWrappers, CrossSiteEvaluat
             self.release_run_folder()
 
 
-
 def kept(server_round: int) -> str:
     """Which model a skipped round keeps."""
     return ("the initial global model is kept" if server_round == 1 else
@@ -612,7 +633,6 @@ def kept(server_round: int) -> str:
 
 class NoHospitalAggregated(RuntimeError):
     """A run none of whose rounds aggregated any hospital: what fedmed's own ServerApp makes of it (a failed run)."""
-
 
 
 def strategy_arguments(strategy: type[HospitalStrategy], cfg: JobConfig) -> dict[str, Any]:

@@ -123,14 +123,14 @@ class HospitalDirectory:
             config = ConfigRecord({"query": IDENTITY_QUERY, **self.strategy.hospital_config(0), NONCE_KEY: nonce})
             messages.append(Message(RecordDict({self.strategy.records.config: config}), message_type=MessageType.QUERY,
                                     dst_node_id=node))
-            self.strategy.audit_message("sent", messages[-1], 0, node=node)
+            self.strategy.audit.message("sent", messages[-1], 0, node=node)
         return messages
 
     def learn_identity(self, node: int, reply: Message) -> None:
         """Record which hospital ``node`` is; a reply without a usable identity, a claim the hospital cannot
         sign for (``hospital-keys``) or properties the method cannot use are logged and the node skipped."""
         claimed = None if reply.has_error() else reply.content.config_records.get("hospital", {}).get("name")
-        self.strategy.audit_message("received", reply, 0, claimed if isinstance(claimed, str) else None, node)
+        self.strategy.audit.message("received", reply, 0, claimed if isinstance(claimed, str) else None, node)
         if reply.has_error() and NO_QUERY_HANDLER in str(reply.error.reason):
             self.learn_flower_clientapp(node)
             return

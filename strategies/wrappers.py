@@ -41,7 +41,9 @@ def holders_of(value: object) -> Iterator[Strategy]:
 
 
 class FlowerWrappers:
-    # --- Flower's wrappers --------------------------------------------------------------------------
+    """A mixin of HospitalStrategy, not a part it holds: what it looks for is what holds the strategy object itself
+    (a part would hold only that one reference back to it, and be found among its holders)."""
+
     def wrappers(self) -> list[Strategy]:
         """The strategies wrapping this one, outermost last: :func:`wrappers_of`."""
         return wrappers_of(self)

@@ -231,7 +231,7 @@ def test_quantisation_is_plain_pytorch(import_graph):
 #: part it is built from (one job per module) within a bound of its own.
 SIZE_BOUNDS = {"strategies/base.py": 650, "strategies/hospitals.py": 260, "strategies/audit_trail.py": 130,
                "strategies/replies.py": 130, "strategies/cross_site.py": 90, "strategies/wrappers.py": 100,
-               "strategies/run_folder.py": 50, "strategies/round_loop.py": 130, "strategies/round_workflow.py": 80,
+               "strategies/run_folder.py": 50, "strategies/round_loop.py": 160, "strategies/round_workflow.py": 80,
                "common/engine/round_record.py": 100}
 
 
