@@ -384,6 +384,7 @@ def test_ctrl_c_stops_the_simulation_and_every_process_it_started(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # a whole Ray simulation: the fast tier's stop tests cover the process tree
 def test_sigterm_stops_the_simulation_once_ray_runs(tmp_path):
     def ray_started(run_dir, seen):  # cheaper than waiting for a round
         return "raylet" in seen.names

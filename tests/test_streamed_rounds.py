@@ -145,7 +145,13 @@ def assert_same(a: dict, b: dict, what: str) -> None:
         assert np.asarray(b[key]).tobytes() == np.asarray(value).tobytes(), f"{what}: {key} differs in its bits"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+#: the 3D brain baselines take tens of seconds each: the long tier; the first brain method keeps the fast tier's check
+FIRST_BRAIN = next(name for name, (_, settings) in CASES.items() if settings is BRAIN)
+STREAMED_CASES = [pytest.param(case, marks=pytest.mark.slow) if settings is BRAIN and case != FIRST_BRAIN else case
+                  for case, (_, settings) in CASES.items()]
+
+
+@pytest.mark.parametrize("case", STREAMED_CASES)
 def test_a_streamed_round_equals_the_round_with_every_reply_in_memory(tmp_path, case):
     method, settings = CASES[case]
     cfg = load_job_config({**settings, "strategy": method, "num-server-rounds": 2, "min-train-hospitals": 2,
