@@ -198,9 +198,10 @@ class DPSGD:
         view = model.per_sample_view() if hasattr(model, "per_sample_view") else model  # its parameters in leaves
         sampled = GradSampleModule(view, batch_first=True, loss_reduction="sum")
         params = [p for p in model.parameters() if p.requires_grad]
-        if optimizer is None:
-            optimizer = (torch.optim.SGD(params, lr=plan.learning_rate, momentum=plan.momentum) if plan.learning_rate
-                         else task.make_optimizer(model))
+        if plan.learning_rate:  # the consortium's plan: SGD on the noised mean gradient, whatever the method brings
+            optimizer = torch.optim.SGD(params, lr=plan.learning_rate, momentum=plan.momentum)
+        elif optimizer is None:
+            optimizer = task.make_optimizer(model)
         average = [p.detach().clone() for p in params] if plan.averaging else None
         expected = max(release.sample_rate * release.units, 1.0)
         total, count = 0.0, 0

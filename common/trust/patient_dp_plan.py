@@ -17,9 +17,9 @@ class PatientDPPlan(Section):
         "Patients expected in one step's logical batch: each is drawn with probability batch-size / its patients."))
     steps: int = Field(0, ge=0, description="Steps per round (0: local-epochs expected passes over the patients).")
     learning_rate: float = Field(1.0, ge=0.0, description=(
-        "SGD's step on the noised mean gradient (0: the task's own optimizer, Adam at learning-rate). Adam divides "
-        "by the noise's own scale, so it mostly follows the noise: on the blood cells at sigma 1 it learnt nothing "
-        "where SGD with momentum reached 0.45."))
+        "SGD's step on the noised mean gradient, for every method (0: the method's own optimizer, else the task's "
+        "Adam at learning-rate). Adam divides by the noise's own scale, so it mostly follows the noise: on the blood "
+        "cells at sigma 1 it learnt nothing where SGD with momentum reached 0.45."))
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD's momentum.")
     physical_batch: int = Field(256, ge=1, description=(
         "Images per backward pass (whole patients each): memory, never the privacy."))
