@@ -123,15 +123,27 @@ def test_a_spent_budget_reads_spent_with_what_one_more_round_would_make_it(two_r
     assert 'data-spent="true"' in page and f"would make it {view.privacy.next_epsilon:.2f}" in page
 
 
-def test_secure_rounds_it_refused_are_not_counted_as_taken_part_in(two_runs):
+def test_secure_rounds_it_refused_are_not_counted_as_taken_part_in(two_runs, tmp_path):
+    """A round is claimed where the hospital first adds to it (its collect stage), so the rounds its policy refused
+    before training are not in its memory; in a memory written when rounds were claimed at share keys, a round set up
+    and then refused is not counted as taken part in."""
+    import json
+
     folder = two_runs / "state" / "hospital-00"
     view = read_hospital(folder)
     memory = [e for e in lines(folder / "secure-aggregation.jsonl") if e["memory"] == "rounds"]
     refused = {(r.run, r.round) for r in view.refusals}
     assert refused and len(view.memory.rounds) == len(memory)
-    taken = sum(1 for e in memory if (e["run"], e["round"]) not in refused)
-    assert view.memory.taken_part == taken < len(memory)
-    assert view.memory.state.startswith(f"{taken} secure round(s) taken part in ({len(memory) - taken} more")
+    assert not refused & {(e["run"], e["round"]) for e in memory}
+    assert view.memory.taken_part == len(memory) and view.memory.state.startswith(f"{len(memory)} secure round(s)")
+    older = tmp_path / "older"
+    shutil.copytree(folder, older)
+    run, rnd = sorted(refused)[0]
+    with open(older / "secure-aggregation.jsonl", "a") as file:
+        file.write(json.dumps({"memory": "rounds", "run": run, "round": rnd, "session": "s", "time": "t"}) + "\n")
+    view = read_hospital(older)
+    assert len(view.memory.rounds) == len(memory) + 1 and view.memory.taken_part == len(memory)
+    assert view.memory.state.startswith(f"{len(memory)} secure round(s) taken part in (1 more set up, then refused)")
 
 
 def test_epsilon_charged_for_a_masked_update_never_unmasked_is_marked(tmp_path):
