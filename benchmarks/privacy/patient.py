@@ -58,6 +58,7 @@ MODELS = {"scratch": {"model": "small-cnn"}, "pretrained": {"model": "resnet18",
 START_PLAN = {"pretrained-head": {"train_layers": "head", "learning_rate": 4.0}}
 #: the policy of a no-DP row that trains the head alone: the DP-SGD path and plan with the clip at C = 10^6 (far
 #: above a linear head's gradient for one image) and noise of std sigma C = 10^-3 on a step's sum of about 128
+#: patients' gradients: neither acts
 NO_PRIVACY = PatientDP(noise_multiplier=1e-9, max_grad_norm=1e6)
 #: tuned on blood cells, Dir(0.5), seed 0 at epsilon 8 (docs/privacy.md lists the tries)
 PLAN = {"group_norm": True, "batch_size": 128, "learning_rate": 1.0, "momentum": 0.9, "augmentations": 1,
