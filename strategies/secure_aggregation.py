@@ -211,9 +211,13 @@ class SecureAggregation:
             return self.skip(progress, str(error))
 
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and same_setup(ahead, protocol):  # set up already, with the last round's unmask stage
-            protocol.session, protocol.public_keys = ahead.session, ahead.public_keys
-            protocol.key_signatures, protocol.setup_done = ahead.key_signatures, set(ahead.setup_done)
+        if ahead is not None and same_setup(ahead, protocol):  # set up already, with the last round's key stages
+            if ahead.keyed:  # its keys shared too, with the last round's unmask stage: it is this round's protocol
+                ahead.plan_text = protocol.plan_text
+                protocol = progress.protocol = ahead
+            else:
+                protocol.session, protocol.public_keys = ahead.session, ahead.public_keys
+                protocol.key_signatures, protocol.setup_done = ahead.key_signatures, set(ahead.setup_done)
         else:
             answers = self.exchange(progress, SETUP, {node: setup_config(protocol) for node in protocol.nodes})
             receive_public_keys(protocol, answers, self.verifier())
@@ -221,9 +225,10 @@ class SecureAggregation:
             or threshold_problem(protocol, protocol.setup_done, protocol.setup_done)
         if problem:
             return self.skip(progress, f"after the setup stage, {problem}")
-        answers = self.exchange(progress, SHARE_KEYS, {node: share_keys_config(protocol, node)
-                                                             for node in sorted(protocol.setup_done)})
-        receive_key_shares(protocol, answers, self.verifier())
+        if not protocol.keyed:
+            answers = self.exchange(progress, SHARE_KEYS, {node: share_keys_config(protocol, node)
+                                                                 for node in sorted(protocol.setup_done)})
+            receive_key_shares(protocol, answers, self.verifier())
         problem = few_problem(protocol, protocol.keyed) or threshold_problem(protocol, protocol.keyed, protocol.keyed)
         if problem:
             return self.skip(progress, f"after the share-keys stage, {problem}")
@@ -291,10 +296,26 @@ class SecureAggregation:
             return None
 
     def setup_ahead_config(self, ahead: ServerRound | None) -> dict[str, Any]:
-        """What the hospitals need to answer ``ahead``'s setup stage now: its parameters, run and round."""
+        """What the hospitals need to answer ``ahead``'s setup stage now (``secagg.ahead.*``): its parameters, run and
+        round."""
         if ahead is None:
             return {}
-        return {**setup_config(ahead), "run-name": ahead.run, "server-round": ahead.rnd}
+        return {AHEAD_PREFIX + key: value for key, value in
+                {**setup_config(ahead), "run-name": ahead.run, "server-round": ahead.rnd}.items()}
+
+    def share_keys_ahead_config(self, ahead: ServerRound | None, node: int) -> dict[str, Any]:
+        """What ``node`` needs to answer ``ahead``'s share-keys stage now (``secagg.ahead.*``), once its setup was
+        answered: its neighbours' signed keys, run and round; none for a node that did not set it up."""
+        if ahead is None or node not in ahead.setup_done:
+            return {}
+        return {AHEAD_PREFIX + key: value for key, value in
+                {**share_keys_config(ahead, node), "run-name": ahead.run, "server-round": ahead.rnd}.items()}
+
+    @staticmethod
+    def ahead_answers(answers: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The ``secagg.ahead.*`` part of each reply, unprefixed."""
+        return {node: {k[len(AHEAD_PREFIX):]: v for k, v in answer.items() if k.startswith(AHEAD_PREFIX)}
+                for node, answer in answers.items()}
 
     def verifier(self) -> Verifier | None:
         """Checks a hospital's signature with its registered key (run config ``hospital-keys``), so that a hospital
@@ -440,21 +461,30 @@ class SecureAggregation:
             if problem:
                 skipped = f"before the unmask stage, {problem}; the global model is unchanged"
         if skipped is None:
-            verifier = self.verifier()
+            # the next round's key stages ride on this round's last two: its setup on the consistency stage and its
+            # key shares on the unmask stage (without a consistency stage, its setup on the unmask stage)
+            verifier, ahead = self.verifier(), self.plan_ahead(progress)
             if verifier is not None:  # signatures to collect and check (hospitals with peer keys require them)
-                answers = self.exchange(progress, CONSISTENCY, {node: consistency_config(protocol, node)
+                asked = self.setup_ahead_config(ahead)
+                answers = self.exchange(progress, CONSISTENCY, {node: {**consistency_config(protocol, node), **asked}
                                                                 for node in sorted(protocol.masked)})
                 receive_survivor_signatures(protocol, answers, verifier)
+                if ahead is not None:
+                    receive_public_keys(ahead, self.ahead_answers(answers), verifier)
+                    if few_problem(ahead, ahead.setup_done) or threshold_problem(ahead, ahead.setup_done,
+                                                                                 ahead.setup_done):
+                        ahead = None  # the next round sets itself up
+                asking = {node: self.share_keys_ahead_config(ahead, node) for node in protocol.masked}
             else:  # nobody compares signatures: the hospitals check the set at the unmask stage
                 settle_survivors(protocol)
-            ahead = self.plan_ahead(progress)
-            asked = {AHEAD_PREFIX + key: value for key, value in self.setup_ahead_config(ahead).items()}
-            answers = self.exchange(progress, UNMASK, {node: {**unmask_config(protocol, node), **asked}
+                asking = {node: self.setup_ahead_config(ahead) for node in protocol.masked}
+            answers = self.exchange(progress, UNMASK, {node: {**unmask_config(protocol, node), **asking[node]}
                                                        for node in sorted(protocol.masked)})
             if ahead is not None:
-                receive_public_keys(ahead, {node: {k[len(AHEAD_PREFIX):]: v for k, v in answer.items()
-                                                   if k.startswith(AHEAD_PREFIX)} for node, answer in answers.items()},
-                                    self.verifier())
+                if verifier is not None:
+                    receive_key_shares(ahead, self.ahead_answers(answers), verifier)
+                else:
+                    receive_public_keys(ahead, self.ahead_answers(answers), verifier)
                 self.ahead = ahead
             computing, before = time.perf_counter(), None
             try:

@@ -217,6 +217,38 @@ def test_the_swap_table_of_docs_own_serverapp_names_every_registered_strategy():
     assert named == {spec.strategy.rpartition(":")[2] for spec in methods().values()}
 
 
+def doc_table_rows(doc: str, header: str) -> dict[str, str]:
+    """Each registered name a row of ``doc``'s table (the one under ``header``) names in its first column, mapped to
+    that whole row; a name in two rows fails."""
+    import re
+
+    table = (ROOT / "docs" / doc).read_text().split(header, 1)[1].split("\n\n", 1)[0]
+    rows: dict[str, str] = {}
+    for row in table.splitlines()[2:]:
+        for name in re.findall(r"`([\w-]+)`", row.split(" | ", 1)[0]):
+            assert name not in rows, f"docs/{doc} names {name} in two rows"
+            rows[name] = row
+    return rows
+
+
+def test_the_secure_sum_table_of_docs_secure_aggregation_is_the_registry():
+    """docs/secure-aggregation.md's table of what each method sums names exactly the registered methods with a
+    secure sum (``MethodSpec.secure``), each in one row."""
+    rows = doc_table_rows("secure-aggregation.md", "| method | what a hospital adds to the sum |")
+    assert set(rows) == {name for name, spec in methods().items() if spec.secure}
+
+
+def test_the_reply_table_of_docs_privacy_is_the_registry():
+    """docs/privacy.md's table of what each method's reply tells names every registered method in one row, and says
+    "refused" under local DP exactly where the method's privacy rules refuse it."""
+    from common.methods.registry import privacy_rules
+
+    rows = doc_table_rows("privacy.md", "| method | the reply (what the server and SuperLink see) |")
+    assert set(rows) == set(methods())
+    refused = {name for name, row in rows.items() if row.rstrip(" |").rsplit(" | ", 1)[1].startswith("refused")}
+    assert refused == {name for name in methods() if privacy_rules(name).no_local_dp}
+
+
 # --- the ground floor's tools ----------------------------------------------------------------------------------------
 def test_quantisation_is_plain_pytorch(import_graph):
     """common/quantization holds models and codecs only: what loads a run, its config, data or task (``fedmed

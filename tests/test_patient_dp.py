@@ -217,8 +217,87 @@ def test_an_extra_loss_that_declares_no_kind_is_refused():
                    extra_loss=lambda *_: torch.zeros(()))
 
 
-@pytest.mark.parametrize("method,named", [("fedbn", "BatchNorm"), ("fedproto", "class means"),
-                                          ("fedproin", "prototype losses")])
+def test_fedproin_trains_under_dp_sgd_without_its_counts_or_a_prototype_placed_on_a_patient(tmp_path, monkeypatch):
+    """FedProIn under patient-level DP-SGD: encoder and prototypes train through per-patient gradients, FDL clipped
+    with the task loss and PCL (from round 2) after the noise; its round-1 k-means start and the server's re-seeding
+    never read the data, and its influence counts are its samples spread evenly (no count of any patient's); every
+    round is charged per patient."""
+    from common.methods.registry import strategy_class
+    from strategies.fedproin import hospital
+
+    seen, placed = [], []
+    fit = DPSGD.fit
+    monkeypatch.setattr(DPSGD, "fit", lambda self, task, *a, extra_loss=None, **k: (
+        seen.append((extra_loss.per_sample_part is not None, extra_loss.data_free_part is not None)),
+        fit(self, task, *a, extra_loss=extra_loss, **k))[1])
+    for name in ("initialise_prototypes", "reseed_prototypes", "influence_counts"):
+        monkeypatch.setattr(hospital, name, lambda *a, name=name, **k: placed.append(name))
+    strategy, history = federation(tmp_path, PATIENT_DP, rounds=2, strategy=strategy_class("fedproin"),
+                                   **GROUP_NORM, **{"fedproin.prototype-init": "class-means",
+                                                    "fedproin.reseed-after": 1})
+    assert [r["aggregated"] for r in history] == [["hospital-00", "hospital-01"]] * 2
+    assert placed == [] and (True, True) in seen and seen[0] == (True, False)  # PCL once a round was trained
+    start = type(strategy)(min_train_nodes=1, min_available_nodes=2, run_config=strategy.job.to_flat())
+    before = start.engine.method.evaluation_model().prototypes.detach()
+    assert not torch.equal(strategy.engine.method.evaluation_model().prototypes.detach(), before)
+    releases = PrivacyLedger(tmp_path / "state" / "hospital-00").releases()
+    assert [r["patient-dp"]["unit"] for r in releases] == ["patient", "patient"]
+
+
+def test_the_prototypes_per_patient_gradients_are_each_patients_own_with_the_feature_term():
+    """Through ``PrototypeNet.per_sample_view`` a patient's clipped gradient is the sum of its images' gradients of
+    the task loss and a term read from the encoder's features (FDL's path, which reaches the encoder other than
+    through the scores), prototypes included, clipped as one."""
+    from opacus import GradSampleModule
+
+    from common.models.prototype_net import PrototypeNet
+    from common.models.representations import FeatureTap
+    from common.tasks.base import images_to_tensor
+    from common.trust.patient_dp import _whole_units
+
+    cfg = load_job_config({**SMALL_CLASSIFICATION, "num-classes": 2})
+    rng = np.random.default_rng(3)
+    owners = [0, 0, 1, 2, 2, 2]
+    n = len(owners)
+    data = LabelledImages(rng.integers(0, 255, (n, 2, 2, 1), dtype=np.uint8), rng.integers(0, 2, n), ("a", "b"),
+                          groups=np.array([f"p{o}" for o in owners]))
+    torch.manual_seed(0)
+    model = PrototypeNet(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3)), 2, 2, 3)
+    tap = FeatureTap(model.encoder)
+    task = type("Task", (), {"cfg": cfg, "loss": staticmethod(torch.nn.functional.cross_entropy)})()
+    clip = 0.5
+
+    want = [torch.zeros_like(p) for p in model.parameters()]
+    for patient in sorted(set(owners)):
+        members = [i for i in range(n) if owners[i] == patient]
+        model.zero_grad()
+        output = model(images_to_tensor(data.images[members], torch.device("cpu")))
+        loss = torch.nn.functional.cross_entropy(output, torch.from_numpy(data.labels[members]), reduction="sum")
+        (loss + tap.value.pow(2).sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        for total, g in zip(want, grads):
+            total += g * min(1.0, clip / norm)
+
+    units = unit_ids(data, "patient")
+    members = np.argsort(units, kind="stable")
+    starts = np.searchsorted(units[members], np.arange(units.max() + 2))
+    sampled = GradSampleModule(model.per_sample_view(), batch_first=True, loss_reduction="sum")
+    params = list(model.parameters())
+    got = [torch.zeros_like(p) for p in params]
+    no_flips = type("NoFlips", (), {"random": lambda self, k: np.ones(k)})()
+    dp_sgd = DPSGD(PatientDP(noise_multiplier=1.0, max_grad_norm=clip), Release(1.0, 1.0, 1, "patient", 3))
+    features = loss_term(lambda _model, _x, _y, _output: tap.value.pow(2).sum(1).mean(), PER_SAMPLE)
+    for chunk in _whole_units(np.arange(3), starts, 4):
+        dp_sgd._clipped_sum(task, sampled, params, data, members, starts, chunk, torch.device("cpu"), no_flips, got,
+                            clip, features)
+    sampled._close()
+    assert torch.count_nonzero(next(g for g, p in zip(got, params) if p is model.prototypes))  # they do move
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
+
+
+@pytest.mark.parametrize("method,named", [("fedbn", "BatchNorm"), ("fedproto", "class means")])
 def test_a_method_dp_sgd_cannot_serve_is_refused_with_its_reason(tmp_path, method, named):
     from common.methods.registry import strategy_class
 

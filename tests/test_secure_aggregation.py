@@ -302,16 +302,30 @@ def stage_of_reply(message: Message) -> str | None:
     return None
 
 
-def test_rounds_after_the_first_open_with_the_share_keys_stage_and_sum_as_plain_rounds(tmp_path):
-    """Each unmask stage also sets up the next round (its keys answered with the shares), so a run of the same
-    hospitals has one setup stage, in round 1; the model after three rounds is the plain run's, up to quantisation;
-    the last round sets up nothing; each round is still claimed once in every hospital's memory."""
+@pytest.mark.parametrize("signed", [False, True])
+def test_rounds_after_the_first_set_up_ahead_and_sum_as_plain_rounds(tmp_path, signed):
+    """The next round's key stages ride on this round's last ones, so a run of the same hospitals has one setup
+    stage, in round 1: without signatures each unmask stage carries the next round's setup (its keys answered with
+    the shares), and every round opens with the share-keys stage; with the consortium's keys (``signed``) the
+    consistency stage carries the next round's setup and the unmask stage its key sharing, so every later round
+    opens with its collect stage (one round trip fewer). The model after three rounds is the plain run's, up to
+    quantisation; the last round sets up nothing; each round is claimed once in every hospital's memory."""
+    from .test_hostile_hospital import key_pair
+
     plain_config = config_of(tmp_path, SMALL_CLASSIFICATION, "plain")
     expected = arrays_of(FedAvgStrategy(min_train_nodes=3, min_available_nodes=3, run_config=plain_config).start(
         FakeGrid(plain_hospitals(plain_config, 3)), num_rounds=3).arrays)
-    config = config_of(tmp_path, SMALL_CLASSIFICATION, "secure")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    extra = {"hospital-keys": str(keys)} if signed else {}
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "secure", **extra)
+    nodes = secure_hospitals(config, 3)
+    if signed:
+        nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 3, "peer-keys": str(keys),
+                                                 "identity-key": str(key_pair(keys, f"hospital-{pid:02d}"))}, 101 + pid)
+                 for pid in range(3)}
     strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=3, min_available_nodes=3, run_config=config)
-    grid = FakeGrid(secure_hospitals(config, 3))
+    grid = FakeGrid(nodes)
     final = arrays_of(strategy.start(grid, num_rounds=3).arrays)
     start = initial_model(plain_config)
     moved = np.concatenate([(expected[k] - v).ravel() for k, v in start.items()])
@@ -320,12 +334,43 @@ def test_rounds_after_the_first_open_with_the_share_keys_stage_and_sum_as_plain_
     # quantisation error, carried through two more trainings (Adam's steps are normalised: tiny changes grow)
     assert np.linalg.norm(apart) < 0.05 * np.linalg.norm(moved), (np.linalg.norm(apart), np.linalg.norm(moved))
     stages = [set(r["secure-aggregation"]["stages"]) for r in strategy.engine.history]
-    assert ["setup" in s for s in stages] == [True, False, False] and all("share_keys" in s for s in stages)
-    unmasking = [m for m in grid.sent_of_type(MessageType.TRAIN) if stage_of_message(m) == UNMASK]
-    ahead = [int(m.content["config"].get("secagg.ahead.server-round", 0)) for m in unmasking]
-    assert ahead == [2, 2, 2, 3, 3, 3, 0, 0, 0]  # round 3, the run's last, sets up nothing
+    assert ["setup" in s for s in stages] == [True, False, False]
+    assert ["share_keys" in s for s in stages] == [True, not signed, not signed]
+    sent = grid.sent_of_type(MessageType.TRAIN)
+    for stage, rides in ((CONSISTENCY, signed), (UNMASK, True)):
+        ahead = [int(m.content["config"].get("secagg.ahead.server-round", 0)) for m in sent
+                 if stage_of_message(m) == stage]
+        assert ahead == ([2, 2, 2, 3, 3, 3, 0, 0, 0] if rides else [0] * len(ahead))  # round 3 sets up nothing
+    shared = [m for m in sent
+              if stage_of_message(m) == UNMASK and "secagg.ahead.secagg.neighbours" in m.content["config"]]
+    assert len(shared) == (6 if signed else 0)  # the unmask stage shares the next round's keys
     memory = (tmp_path / "secure" / "state" / "hospital-00" / "secure-aggregation.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in memory if '"rounds"' in line] == [1, 2, 3]
+
+
+def test_a_round_keyed_ahead_that_the_server_cannot_use_is_set_up_again(tmp_path):
+    """With the consortium's keys, a round's keys are shared ahead with the last round's unmask stage; where the next
+    round samples other hospitals, the server sets it up afresh, and the hospitals that shared keys ahead take part
+    (a round is claimed where a hospital first adds to it: its collect stage)."""
+    import random
+
+    from .test_hostile_hospital import key_pair
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "secure", **{"hospital-keys": str(keys)})
+    nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 4, "peer-keys": str(keys),
+                                             "identity-key": str(key_pair(keys, f"hospital-{pid:02d}"))}, 101 + pid)
+             for pid in range(4)}
+    random.seed(3)  # Flower's sampling: three of the four hospitals a round
+    strategy = with_secure_aggregation(FedAvgStrategy)(fraction_train=0.75, min_train_nodes=3, min_available_nodes=4,
+                                                       run_config=config)
+    strategy.start(FakeGrid(nodes), num_rounds=4)
+    history = strategy.engine.history
+    trained = [sorted(r["aggregated"]) for r in history]
+    assert all(len(names) == 3 for names in trained) and not any(r.get("skipped") for r in history)
+    again = [r["round"] for r in history[1:] if "setup" in r["secure-aggregation"]["stages"]]
+    assert again and all(trained[rnd - 1] != trained[rnd - 2] for rnd in again)  # set up afresh where it changed
 
 
 def stage_of_message(message: Message) -> str | None:

@@ -330,9 +330,10 @@ def test_the_consistency_stage_is_skipped_only_where_nobody_compares_signatures(
 
 
 def test_a_round_set_up_ahead_is_claimed_once_and_only_for_a_later_round_of_the_run():
-    """The unmask stage may carry the setup of the run's next round: the hospital answers it with its shares (new
-    key pairs, nothing claimed), then takes part in that round once, whichever setup the server uses; it sets up
-    nothing for an earlier round, another run or a round it took part in."""
+    """The unmask stage of a server that compares no signatures may carry the setup of the run's next round (with
+    signatures, the consistency stage does): the hospital answers it with its shares (new key pairs, nothing
+    claimed), then adds to that round once, whichever setup the server uses; it sets up nothing for an earlier
+    round, another run or a round it took part in."""
     from common.trust.secure_aggregation.messages import AHEAD_PREFIX
     from common.trust.secure_aggregation.server import plan_round
 
@@ -357,13 +358,17 @@ def test_a_round_set_up_ahead_is_claimed_once_and_only_for_a_later_round_of_the_
     assert protocol.states[3].stage == UNMASK  # nothing set up: it ends the run's round as before
     assert protocol.states[1].flower.pk1 not in {pk for pair in protocol.plan.public_keys.values() for pk in pair}
 
-    # the server sets round 1 up afresh after all (another session): accepted; the round is claimed at share keys
+    # the server sets round 1 up afresh after all (another session): accepted, its keys shared, and set up once more
+    # (nothing is claimed before the collect stage, where a hospital first adds to a sum); claimed there, then refused
     fresh = plan_round(nodes, SecureAggregationSettings(), [0, 1], SIZE, rnd=1)
     fresh_config = {**setup_config(fresh), "server-round": 1}
-    from common.trust.secure_aggregation.server import receive_public_keys
+    from common.trust.secure_aggregation.server import collect_config, receive_key_shares, receive_public_keys
 
     receive_public_keys(fresh, {n: protocol.ask(n, SETUP, fresh_config) for n in nodes})
-    protocol.ask(1, SHARE_KEYS, {**share_keys_config(fresh, 1), "server-round": 1})
+    receive_key_shares(fresh, {n: protocol.ask(n, SHARE_KEYS, {**share_keys_config(fresh, n), "server-round": 1})
+                               for n in nodes})
+    assert f"{AHEAD_PREFIX}secagg.pk1" not in protocol.ask(2, SETUP, {**setup_config(upcoming), "server-round": 1})
+    protocol.ask(1, COLLECT, {**collect_config(fresh, 1), "server-round": 1}, np.zeros(SIZE, np.int64))
     with pytest.raises(SecureAggregationRefusal, match="already took part in secure aggregation for run '' round 1"):
         protocol.ask(1, SETUP, {**setup_config(upcoming), "server-round": 1})
     # an ahead setup for an earlier round or another run: nothing set up

@@ -86,6 +86,7 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
         nodes = signed_nodes(root / f"keys-{name}", hospitals)
         config["hospital-keys"] = str(root / f"keys-{name}")
     in_hospitals = [0.0]  #: CPU seconds spent inside the hospitals' handlers (their share of the process)
+    by_stage: dict[str, list[float]] = {}  #: a hospital's CPU seconds per message, by what the message asks
 
     def timed(handler):
         def answer(message):
@@ -93,7 +94,9 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
             try:
                 return handler(message)
             finally:
-                in_hospitals[0] += time.process_time() - started
+                spent = time.process_time() - started
+                in_hospitals[0] += spent
+                by_stage.setdefault(message_stage(message), []).append(spent)
 
         return answer
 
@@ -135,7 +138,9 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
         "bytes-down-per-hospital": mean(r["bytes_down"] / hospitals for r in later),
         "training-reply-bytes": message_nbytes(trained[-1]),
         "hospital-seconds": mean(sum(m.get("hospital-seconds", 0.0) for m in r["hospital_metrics"].values())
-                                 for r in later)}
+                                 for r in later),
+        "hospital-cpu-ms-per-message": {stage: 1000 * mean(times) for stage, times in by_stage.items()},
+        "messages-per-hospital-round": {stage: len(times) / (hospitals * rounds) for stage, times in by_stage.items()}}
     if secure:
         stages = [r["secure-aggregation"]["stages"] for r in later]
         for stage in ("setup", "share_keys", "consistency_check", "unmask"):  # no consistency stage unsigned
@@ -146,6 +151,13 @@ def measure_rounds(root: Path, hospitals: int, rounds: int, secure: bool, num_sh
         row["threshold"] = later[-1]["secure-aggregation"]["threshold"]
         row["shares"] = later[-1]["secure-aggregation"]["shares"]
     return row
+
+
+def message_stage(message) -> str:
+    """What a message to a hospital asks: its secure-aggregation stage, else its type (train, evaluate, query)."""
+    kind = message.metadata.message_type.split(".")[0]
+    stage = message.content.config_records.get("config", {}).get("secagg.stage") if message.has_content() else None
+    return str(stage) if stage else kind
 
 
 def measure_protocol(values: int = 11_200_000, count: int = 5) -> dict[str, Any]:
@@ -219,7 +231,33 @@ def median_row(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(value, float):
             row[key] = float(np.median([r[key] for r in repeats]))
     row["cpu-seconds-per-round-runs"] = [round(r["cpu-seconds-per-round"], 4) for r in repeats]
+    row["hospital-cpu-ms-per-message"] = {stage: float(np.median([r["hospital-cpu-ms-per-message"].get(stage, 0.0)
+                                                                  for r in repeats]))
+                                          for stage in repeats[0]["hospital-cpu-ms-per-message"]}
     return row
+
+
+#: a secure round's messages to a hospital, in order (the setup rides on the last round's unmask)
+STAGE_ORDER = ("train", "setup", "share_keys", "collect_masked_vectors", "consistency_check", "unmask", "evaluate",
+               "query")
+
+
+def per_message_table(rows: list[dict[str, Any]]) -> list[str]:
+    """A hospital's CPU per message of each kind, and how many it answers a round: what each round trip of the key
+    stages costs beside the training message (read from the deployed rows)."""
+    chosen = [r for r in rows if r.get("signed")] or rows
+    chosen = [r for r in chosen if r["hospitals"] == max(c["hospitals"] for c in chosen)]
+    lines = ["", "One hospital's CPU per message it answers, in ms (median of the runs), and messages a round (all "
+             "rounds of the run, round 1's own setup included): a key stage's round trip costs the hospital its "
+             "audit lines, digests, rules and state besides the stage's own cryptography.", "",
+             "| run | " + " | ".join(s for s in STAGE_ORDER) + " | CPU ms a round |", "|---|" + "---:|" * 9]
+    for row in chosen:
+        per, count = row["hospital-cpu-ms-per-message"], row["messages-per-hospital-round"]
+        label = row["kind"] if row["kind"] == "plain" else f"{row['kind']}, {row['shares']} / {row['threshold']}"
+        cells = [f"{per[s]:.2f} ({count[s]:.2f})" if s in per else "-" for s in STAGE_ORDER]
+        total = sum(per[s] * count[s] for s in per)
+        lines.append(f"| {label}, {keys_label(row)} | " + " | ".join(cells) + f" | {total:.1f} |")
+    return lines
 
 
 def keys_label(row: dict[str, Any]) -> str:
@@ -287,6 +325,7 @@ def table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None, differenc
             f"{secure['server-cpu-seconds-per-round'] / plain['server-cpu-seconds-per-round']:.2f} | "
             f"{plain['hospital-cpu-seconds-per-round']:.3f} | {secure['hospital-cpu-seconds-per-round']:.3f} | "
             f"{secure['hospital-cpu-seconds-per-round'] / plain['hospital-cpu-seconds-per-round']:.2f} |")
+    lines += per_message_table(rows)
     if before:
         lines += ["", f"Before and after, on this machine: {before['label']} (`{before['command']}`, "
                   f"{before['cpu']}) against this run, load average {before['load'][0]:.1f} and "

@@ -36,3 +36,30 @@ class PrototypeNet(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C) class scores: minus the squared distance to the class's nearest prototype."""
         return -self.distances(x).min(dim=2).values
+
+    def per_sample_view(self) -> torch.nn.Module:
+        """The same network, its parameters shared, with the prototypes in a leaf module of their own: per-sample
+        gradients (Opacus, patient-level DP-SGD) are taken layer by layer, and a module that holds parameters beside
+        children would be taken as one opaque layer, losing the gradient that reaches the encoder other than
+        through the scores (FedProIn's feature divergence loss)."""
+        return _PerSampleView(self)
+
+
+class _PrototypeScores(torch.nn.Module):
+    """(B, d) features -> (B, C) scores against ``prototypes`` (the network's own parameter)."""
+
+    def __init__(self, prototypes: torch.nn.Parameter):
+        super().__init__()
+        self.prototypes = prototypes
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return -squared_distances(features, self.prototypes).min(dim=2).values
+
+
+class _PerSampleView(torch.nn.Module):
+    def __init__(self, net: PrototypeNet):
+        super().__init__()
+        self.encoder, self.scores = net.encoder, _PrototypeScores(net.prototypes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scores(self.encoder(x))

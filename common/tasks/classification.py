@@ -72,10 +72,12 @@ class ClassificationTask(Task):
         with its last linear layer taken out (that layer's input is the feature)."""
         in_channels = int(self.spec.get("in-channels", 3))
         if self.network_name == "resnet18":
-            return (build_resnet18_encoder(in_channels, self.cfg.image_size, width=self.cfg.resnet_width),
+            return (self.dp_compatible(build_resnet18_encoder(in_channels, self.cfg.image_size,
+                                                              width=self.cfg.resnet_width)),
                     encoder_feature_dim(self.cfg.resnet_width))
         if self.network_name == "small-cnn":  # built with one class, as it always was: the same draws of the seed
-            return headless(build_small_cnn(1, in_channels), self.network_name, self.cfg.strategy)
+            encoder, features = headless(build_small_cnn(1, in_channels), self.network_name, self.cfg.strategy)
+            return self.dp_compatible(encoder), features
         return headless(self.build_classifier(), self.network_name, self.cfg.strategy)
 
     def initial_model(self) -> torch.nn.Module:

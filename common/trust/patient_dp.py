@@ -117,14 +117,30 @@ def plan_release(table: PatientDP, cfg, data) -> Release:
 #: How a method's extra loss term (``common.tasks.base.ExtraLoss``) goes through DP-SGD, set as its ``patient_dp``
 #: attribute by :func:`loss_term`. PER_SAMPLE: the batch mean of a term of each image alone (MOON's contrastive term);
 #: its per-sample gradients are clipped with the task loss's. DATA_FREE: a term of the parameters alone (FedProx's
-#: proximal term), called with no data; its gradient is added after the noise. A term that declares neither is refused.
-PER_SAMPLE, DATA_FREE = "per-sample", "data-free"
+#: proximal term), called with no data; its gradient is added after the noise. SPLIT: the sum of one of each
+#: (FedProIn's feature divergence, per sample, and prototype contrastive loss, data-free; :func:`split_term`). A term
+#: that declares none of them is refused.
+PER_SAMPLE, DATA_FREE, SPLIT = "per-sample", "data-free", "split"
 
 
 def loss_term(term, kind: str):
     """``term`` declared as a PER_SAMPLE or DATA_FREE extra loss (how DP-SGD takes it)."""
     assert kind in (PER_SAMPLE, DATA_FREE), kind
     term.patient_dp = kind
+    return term
+
+
+def split_term(per_sample, data_free):
+    """The extra loss ``per_sample + data_free`` (either may be None), each part declared as its kind: plain training
+    adds both; DP-SGD clips the first with the task loss and adds the second's gradient after the noise."""
+    parts = [part for part in (per_sample, data_free) if part is not None]
+
+    def term(model, x, y, output):
+        return sum(part(model, x, y, output) for part in parts)
+
+    term.patient_dp = SPLIT
+    term.per_sample_part = loss_term(per_sample, PER_SAMPLE) if per_sample is not None else None
+    term.data_free_part = loss_term(data_free, DATA_FREE) if data_free is not None else None
     return term
 
 
@@ -153,10 +169,11 @@ class DPSGD:
         from opacus import GradSampleModule
 
         kind = getattr(extra_loss, "patient_dp", None) if extra_loss is not None else None
-        if extra_loss is not None and kind not in (PER_SAMPLE, DATA_FREE):
+        if extra_loss is not None and kind not in (PER_SAMPLE, DATA_FREE, SPLIT):
             raise PolicyRefusal("patient-dp: the method adds a loss term that declares neither per-sample nor "
                                 "data-free (common/trust/patient_dp.py), so per-patient clipping cannot bound it")
-        per_sample = extra_loss if kind == PER_SAMPLE else None
+        per_sample = extra_loss if kind == PER_SAMPLE else getattr(extra_loss, "per_sample_part", None)
+        data_free = extra_loss if kind == DATA_FREE else getattr(extra_loss, "data_free_part", None)
         plan, release = task.cfg.patient_dp, self.release
         clip = self.table.max_grad_norm
         torch.manual_seed(seed)
@@ -178,7 +195,8 @@ class DPSGD:
                 p.requires_grad_(False)
             head.requires_grad_(True)
         residuals = _out_of_place_residuals(model)
-        sampled = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        view = model.per_sample_view() if hasattr(model, "per_sample_view") else model  # its parameters in leaves
+        sampled = GradSampleModule(view, batch_first=True, loss_reduction="sum")
         params = [p for p in model.parameters() if p.requires_grad]
         if optimizer is None:
             optimizer = (torch.optim.SGD(params, lr=plan.learning_rate, momentum=plan.momentum) if plan.learning_rate
@@ -197,8 +215,8 @@ class DPSGD:
                 for p, s in zip(params, summed):
                     s += torch.normal(0.0, release.noise_multiplier * clip, p.shape, generator=noise).to(device)
                     p.grad = s / expected
-                if kind == DATA_FREE:  # its gradient reads no patient: added after the noise, at no privacy cost
-                    for p, g in zip(params, torch.autograd.grad(extra_loss(model, None, None, None), params,
+                if data_free is not None:  # its gradient reads no patient: added after the noise, at no privacy cost
+                    for p, g in zip(params, torch.autograd.grad(data_free(model, None, None, None), params,
                                                                 allow_unused=True)):
                         if g is not None:
                             p.grad += g

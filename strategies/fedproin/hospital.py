@@ -30,6 +30,7 @@ from common.models.prototype_net import squared_distances
 from common.models.representations import FeatureTap, frozen_copy
 from common.tasks import Task
 from common.tasks.base import ExtraLoss
+from common.trust.patient_dp import split_term
 
 from .messages import INFLUENCE, RESEED
 from .optimizer_state import optimizer_arrays, restore_optimizer
@@ -153,18 +154,25 @@ def fedproin_regulariser(model: torch.nn.Module, settings: FedProInSettings, pre
     global_prototypes = model.prototypes.detach().clone().to(device)
     previous = torch.from_numpy(previous_prototypes).to(device) if use_pcl else None
 
-    def term(net: torch.nn.Module, x: torch.Tensor, _y: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        total = output.new_zeros(())
-        if use_fdl:
-            with torch.no_grad():
-                reference_features = reference(x)
-            total = total + settings.fdl_weight * F.mse_loss(tap.value, reference_features)
-        if use_pcl:
-            total = total + settings.pcl_weight * prototype_contrastive_loss(
-                net.prototypes, global_prototypes, previous, settings.pcl_margin)
-        return total
+    def fdl(_net: torch.nn.Module, x: torch.Tensor, _y: torch.Tensor, _output: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            reference_features = reference(x)
+        return settings.fdl_weight * F.mse_loss(tap.value, reference_features)  # a batch mean of each image's own
 
-    return term, tap
+    def pcl(net: torch.nn.Module, *_unused) -> torch.Tensor:  # of the prototypes alone
+        return settings.pcl_weight * prototype_contrastive_loss(net.prototypes, global_prototypes, previous,
+                                                                settings.pcl_margin)
+
+    return split_term(fdl if use_fdl else None, pcl if use_pcl else None), tap
+
+
+def withheld_influence(model: torch.nn.Module, samples: int) -> np.ndarray:
+    """The influence counts a hospital training under patient-level DP-SGD sends: its samples spread evenly over the
+    prototypes, so that nothing but the DP-trained model and its sample count tells of its data (the counts, one per
+    sample, would need noise and a budget of their own); the server's influence weighting then weighs each
+    hospital's prototypes by its size, as FedAvg does."""
+    classes, per_class = model.prototypes.shape[:2]
+    return np.full((classes, per_class), samples // (classes * per_class), dtype=np.int64)
 
 
 class FedProInHospital(LocalTraining):
@@ -174,10 +182,11 @@ class FedProInHospital(LocalTraining):
     def train(self, rnd: int, payload: Payload) -> Payload:
         settings, device = self.cfg.fedproin, self.site.device
         model = self.task.model_from_payload(payload)
-        if rnd == 1 and settings.prototype_init != "normal":
+        patient_dp = self.dp_sgd is not None  # nothing but DP-SGD may read its data: no prototype placed on features
+        if rnd == 1 and settings.prototype_init != "normal" and not patient_dp:
             initialise_prototypes(model, self.task, self.site.train, settings.prototype_init, device,
                                   self.site.round_seed(rnd))
-        if payload.config.get(RESEED):
+        if payload.config.get(RESEED) and not patient_dp:
             reseed_prototypes(model, self.task, self.site.train, list(payload.config[RESEED]), device)
         term, tap = fedproin_regulariser(model, settings, self.previous_prototypes(rnd, model), device)
         optimizer = self.task.make_optimizer(model)
@@ -186,8 +195,11 @@ class FedProInHospital(LocalTraining):
         reply = self.train_model(rnd, model, term, optimizer)
         if tap is not None:
             tap.remove()
-        counted = self.task.model_from_payload(payload) if self.privacy_bounded else model
-        counts = influence_counts(counted, self.task, self.site.train, device)
+        if patient_dp:
+            counts = withheld_influence(model, len(self.site.train))
+        else:
+            counted = self.task.model_from_payload(payload) if self.privacy_bounded else model
+            counts = influence_counts(counted, self.task, self.site.train, device)
         reply.metrics[INFLUENCE] = counts.ravel().tolist()
         kept = optimizer_arrays(optimizer) if settings.keep_optimizer_state else {}
         self.site.state.save(rnd, {"prototypes": reply.arrays["model"]["prototypes"], **kept})

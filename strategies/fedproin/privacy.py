@@ -6,6 +6,11 @@ Under local DP the model update is clipped and noised like any other, and the co
 ``COUNT_NOISE_FACTOR`` x sigma; the hospital then counts with the model it received, which its data did not shape, so
 one replaced record moves two counts by one (docs/privacy.md, "What epsilon means here"). Under min-samples k, a
 count below k (after the noise) is sent as 0 and its prototype as received.
+
+Under patient-level DP-SGD the encoder and prototypes train through per-patient gradients (the prototypes in a leaf
+of their own: ``PrototypeNet.per_sample_view``), FDL clipped with the task loss and PCL, which reads no data, added
+after the noise; no prototype is placed on a patient's features (no k-means start, no re-seeding), and the counts
+are withheld: the hospital's samples spread evenly over the prototypes (``hospital.withheld_influence``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,4 @@ class FedProInRules(PrivacyRules):
         return {"prototypes-withheld": int(small.sum()), "of": int(small.size)}
 
 
-RULES = FedProInRules(protocol_metrics=frozenset({"influence"}), no_patient_dp=(
-    "FedProIn's prototypes are a bare parameter of the network, for which Opacus has no per-sample gradient rule; "
-    "its k-means start and re-seeding place prototypes at single patients' features, and its influence counts would "
-    "need noise of their own (its prototype losses would fit: FDL per sample, PCL data-free)"))
+RULES = FedProInRules(protocol_metrics=frozenset({"influence"}))

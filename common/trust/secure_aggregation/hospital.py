@@ -457,6 +457,8 @@ class HospitalRound:
     model: str = ""  #: SHA-256 of the model it trained from
     plan: str = ""  #: SHA-256 of the round plan it masked under (signed with the survivor set)
     parts: dict[str, list[str]] = field(default_factory=dict)  #: the plan's parts and who adds to each
+    #: the next round of the run, set up with this round's consistency stage (its keys shared with the unmask stage)
+    ahead: "HospitalRound | None" = None
 
     @classmethod
     def new(cls) -> "HospitalRound":
@@ -475,6 +477,7 @@ class HospitalRound:
         self.flower = SecAggPlusState()
         self.flower.current_stage = UNMASK
         self.names, self.survivors, self.model, self.plan, self.parts = {}, [], "", "", {}
+        self.ahead = None
 
     def to_bytes(self) -> bytes:
         """The whole state as one JSON text (bytes as hex), for the ClientApp's ``context.state`` between stages:
@@ -487,7 +490,8 @@ class HospitalRound:
                                     for k, (a, b) in getattr(own, "public_keys_dict", {}).items()}
         data["ours"] = {"run": self.run, "round": self.rnd, "session": self.session,
                         "names": {str(k): v for k, v in self.names.items()}, "survivors": self.survivors,
-                        "model": self.model, "plan": self.plan, "parts": self.parts}
+                        "model": self.model, "plan": self.plan, "parts": self.parts,
+                        "ahead": self.ahead.to_bytes().decode() if self.ahead is not None else None}
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -508,8 +512,10 @@ class HospitalRound:
         own.public_keys_dict = {int(k): (bytes.fromhex(a), bytes.fromhex(b))
                                 for k, (a, b) in state["public_keys_dict"].items()}
         ours_ = state["ours"]
+        ahead = ours_.get("ahead")
         return cls(own, ours_["run"], ours_["round"], ours_["session"], {int(k): v for k, v in ours_["names"].items()},
-                   ours_["survivors"], ours_["model"], ours_["plan"], ours_["parts"])
+                   ours_["survivors"], ours_["model"], ours_["plan"], ours_["parts"],
+                   cls.from_bytes(ahead.encode()) if ahead else None)
 
 
 #: SecAggPlusState's fields, as HospitalRound.to_bytes writes them
@@ -541,7 +547,12 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
                 "it holds the consortium's keys (peer-keys), so it reveals shares only once every survivor has "
                 "signed the survivor set in the consistency stage, which the server skipped (it runs it with run "
                 "config hospital-keys)")
-        state, _ = hospital_stage(state, CONSISTENCY, config, node_id, rules)
+        check_turn(state, CONSISTENCY, config)
+        try:
+            state, _ = consistency(state, rules, config)  # (the request's setup ahead is answered after unmasking)
+        except Exception:
+            state.forget()
+            raise
     run, rnd, session = check_turn(state, stage, config)
     try:
         flower = flower_config(stage, config)
@@ -556,19 +567,25 @@ def hospital_stage(state: HospitalRound, stage: str, config: Mapping[str, Any], 
             problem = protocol_problem(state.flower, read)
             if problem:
                 raise SecureAggregationRefusal(problem)
+            rules.memory.claim_round(state.run, state.rnd, state.session)  # one contribution to a round, ever
             state.flower.current_stage, state.model, state.plan = COLLECT, model, digest
             state.parts = read.get(PARTS_KEY) or {}
             masked = mask_vector(state.flower, flower, vector, config.get(SHARE_DIGESTS_KEY), digest.encode())
             contribution_masked(rules.name, state.rnd, vector)
             return state, {"masked": masked}
         if stage == CONSISTENCY:
-            return consistency(state, rules, config)
+            state, answer = consistency(state, rules, config)
+            state.ahead, ahead_answer = setup_ahead(config, node_id, rules, run, rnd)
+            return state, {**answer, **ahead_answer}
         done, answer = unmask(state, rules, flower, config)
     except Exception:
         if stage != SETUP:
             state.forget()
         raise
-    ahead, ahead_answer = setup_ahead(config, node_id, rules, run, rnd)
+    if state.ahead is not None:  # the next round set up with the consistency stage: its keys shared now
+        ahead, ahead_answer = share_keys_ahead(state.ahead, config, rules)
+    else:
+        ahead, ahead_answer = setup_ahead(config, node_id, rules, run, rnd)
     return ahead or done, {**answer, **ahead_answer}
 
 
@@ -581,16 +598,35 @@ def contribution_masked(hospital: str, rnd: int, vector: np.ndarray) -> None:
 
 def setup_ahead(config: Mapping[str, Any], node_id: int, rules: HospitalRules, run: str, rnd: int) -> tuple[
         HospitalRound | None, dict[str, Any]]:
-    """The setup of a later round of the same run that an unmask request carries (``secagg.ahead.*``), answered with
-    the unmask shares so that round opens with the share-keys stage: its state and answer (prefixed), or (None, {})
-    when there is none, it is for another run or an earlier round, or it is refused (then the server sets the round
-    up as usual and hears why). Nothing is claimed: a round is claimed at its share-keys stage."""
+    """The setup of a later round of the same run that a consistency request carries (``secagg.ahead.*``; an unmask
+    request, where the server runs no consistency stage), answered with this round's answer: its state and answer
+    (prefixed), or (None, {}) when there is none, it is for another run or an earlier round, or it is refused (then
+    the server sets the round up as usual and hears why). Nothing is claimed: a round is claimed at its collect
+    stage, where the hospital first adds to a sum."""
     ahead = {key[len(AHEAD_PREFIX):]: value for key, value in config.items() if key.startswith(AHEAD_PREFIX)}
     try:
         if not ahead or str(ahead.get("run-name")) != run or int(ahead.get("server-round", 0)) <= rnd:
             return None, {}
         next_run, next_rnd, session = check_turn(HospitalRound.new(), SETUP, ahead)
         state, answer = setup(rules, next_run, next_rnd, session, flower_config(SETUP, ahead), node_id, ahead=True)
+    except (ValueError, KeyError, TypeError):  # SecureAggregationRefusal is a ValueError
+        return None, {}
+    return state, {AHEAD_PREFIX + key: value for key, value in answer.items()}
+
+
+def share_keys_ahead(ahead: HospitalRound, config: Mapping[str, Any], rules: HospitalRules) -> tuple[
+        HospitalRound | None, dict[str, Any]]:
+    """The share-keys stage of the round set up with the consistency stage (``ahead``), which an unmask request
+    carries (``secagg.ahead.*``), answered with the unmask shares so that round opens with its collect stage: its
+    state and answer (prefixed); ``ahead`` as it was, unanswered, when the request carries none (the server then
+    shares the keys in a stage of their own); (None, {}) when it is refused (the server then sets the round up
+    again, and hears why)."""
+    asked = {key[len(AHEAD_PREFIX):]: value for key, value in config.items() if key.startswith(AHEAD_PREFIX)}
+    if not asked:
+        return ahead, {}
+    try:
+        check_turn(ahead, SHARE_KEYS, asked)
+        state, answer = share_keys(ahead, rules, flower_config(SHARE_KEYS, asked), asked)
     except (ValueError, KeyError, TypeError):  # SecureAggregationRefusal is a ValueError
         return None, {}
     return state, {AHEAD_PREFIX + key: value for key, value in answer.items()}
@@ -624,8 +660,8 @@ def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_i
           ahead: bool = False) -> tuple[HospitalRound, dict]:
     """Flower's ``_setup`` with X25519 key pairs (:mod:`.keys`): the round's parameters checked against the
     hospital's rules, a (run, round) it took part in refused at once (``ahead``: a setup answered with the last
-    round's unmask stage leaves that to the share-keys stage, where the round is claimed), and its two public keys
-    signed."""
+    round's key stages leaves that to the share-keys stage; the round is claimed at its collect stage), and its two
+    public keys signed."""
     from flwr.client.mod.secure_aggregation.secaggplus_mod import check_configs
     from flwr.common.secure_aggregation.secaggplus_constants import Key
 
@@ -642,7 +678,7 @@ def setup(rules: HospitalRules, run: str, rnd: int, session: str, flower, node_i
     problem = plan_problem(own, rules)
     if problem:
         raise SecureAggregationRefusal(problem)
-    refusal = "" if ahead else rules.memory.took_part(run, rnd)  # claimed where secrets first leave: share keys
+    refusal = "" if ahead else rules.memory.took_part(run, rnd)  # claimed where it first adds: collect
     if refusal:
         raise SecureAggregationRefusal(refusal)
     (own.sk1, own.pk1), (own.sk2, own.pk2) = new_key_pair(), new_key_pair()  # masks; encrypting key shares
@@ -736,7 +772,9 @@ def share_keys(state: HospitalRound, rules: HospitalRules, flower, config: Mappi
             if problem:
                 raise SecureAggregationRefusal(f"the public keys of neighbour {names[nid]!r} (node {nid}) are not "
                                                f"signed by its registered key: {problem}")
-    rules.memory.claim_round(state.run, state.rnd, state.session)  # before any share of a secret leaves
+    refusal = rules.memory.took_part(state.run, state.rnd)  # claimed where it first adds: the collect stage
+    if refusal:
+        raise SecureAggregationRefusal(refusal)
     own.current_stage = SHARE_KEYS
     answer, holders, digests = split_secrets(own, keys)
     state.names = names
