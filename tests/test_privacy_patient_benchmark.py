@@ -1,0 +1,34 @@
+"""Bookkeeping of the patient-level DP-SGD benchmark (benchmarks/privacy/patient.py): each DP row is measured against
+the no-DP run that trains the same layers, so a head trained alone under DP is not held to a network trained whole."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from benchmarks.privacy import patient
+
+
+def record(start: str, epsilon: float | None, accuracy: float) -> dict:
+    return {"dataset": "blood", "partition": "dirichlet", "method": "fedavg", "start": start, "epsilon": epsilon,
+            "seed": 0, "trick": "", "test": {"accuracy": accuracy}, "spent": epsilon, "load": 1.0}
+
+
+def test_each_start_has_its_own_no_dp_row_and_its_dp_rows_are_a_share_of_that_row(tmp_path):
+    args = SimpleNamespace(datasets=["blood"], partitions=["dirichlet"], methods=["fedavg"],
+                           starts=["pretrained", "pretrained-head"], epsilons=[8.0], seeds=[0], tricks=False,
+                           trick=[])
+    names = [name for name, _ in patient.rows(args)]
+    assert names == ["blood-dirichlet-fedavg-pretrained-nodp-seed0", "blood-dirichlet-fedavg-pretrained-eps8-seed0",
+                     "blood-dirichlet-fedavg-pretrained-head-nodp-seed0",
+                     "blood-dirichlet-fedavg-pretrained-head-eps8-seed0"]
+    (tmp_path / "runs").mkdir()
+    for rec in (record("pretrained", None, 0.8), record("pretrained-head", None, 0.4),
+                record("pretrained-head", 8.0, 0.38)):
+        (tmp_path / "runs" / f"{patient.name(rec)}.json").write_text(json.dumps(rec))
+    table = patient.report(tmp_path, "test")
+    head = next(line for line in table.splitlines() if "| pretrained-head |" in line)
+    whole = next(line for line in table.splitlines() if "| pretrained |" in line)
+    assert "| 0.400 (n=1) |" in head and "0.380 (n=1) [95%], eps 8.00" in head  # not 48 % of the whole network's
+    assert "| 0.800 (n=1) | not run | not run | not run |" in whole
+    assert patient.NO_PRIVACY.max_grad_norm >= 1e6 and patient.NO_PRIVACY.noise_multiplier * 1e6 <= 1e-3
