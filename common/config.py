@@ -146,7 +146,9 @@ class CoreConfig(Section):
         "Fraction of the connected hospitals trained per round, at least min-train-hospitals (0: that many), as "
         "Flower's FedAvg samples."))
     min_train_hospitals: int = Field(2, ge=1, description="A round needs at least this many replies.")
-    min_available_hospitals: int = Field(2, ge=1, description="Wait for this many hospitals before round 1.")
+    min_available_hospitals: int = Field(2, ge=1, description=(
+        "Wait for this many hospitals before each round: up to the strategy's wait-for-nodes before round 1, up to "
+        "round-timeout before a later one."))
     round_timeout: float = Field(600.0, gt=0.0, description="Seconds to wait for hospital replies per round.")
     messages_in_flight: int = Field(0, ge=0, description=(
         "Most messages pending at once; the next goes out as a reply comes in. 0: all at once in a deployment, "

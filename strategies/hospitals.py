@@ -68,12 +68,18 @@ class HospitalDirectory:
         self._warned_names = False
 
     def discover(self, grid: Grid) -> None:
-        """Learn the identity of every connected node not seen before (one query message each)."""
-        deadline, needed = time.time() + self.strategy.wait_for_nodes, self.strategy.job.min_available_hospitals
+        """Learn the identity of every connected node not seen before (one query message each), once
+        ``min-available-hospitals`` nodes are connected, as Flower's strategies wait for ``min_available_nodes``
+        before each round: up to ``wait_for_nodes`` before the first, up to ``round-timeout`` before a later one (a
+        hospital that left gets time to come back, instead of the rounds its peers' policies refuse without it
+        running out meanwhile), then with whoever is connected."""
+        job = self.strategy.job
+        patience = job.round_timeout if self.hospitals else self.strategy.wait_for_nodes
+        deadline, needed = time.time() + patience, job.min_available_hospitals
         while True:
             nodes = list(grid.get_node_ids())
-            if self.hospitals or len(nodes) >= needed or time.time() > deadline:
-                break  # the minimum gates the start of the run; later rounds go on with whoever is connected
+            if len(nodes) >= needed or time.time() > deadline:
+                break
             log.info("waiting for hospitals: %d connected, %d needed", len(nodes), needed)
             time.sleep(2.0)
         connected = set(nodes)

@@ -109,6 +109,7 @@ class SecureRound:
     norm_bound: float = 0.0
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
     traffic: dict[str, dict[str, int]] = field(default_factory=dict)  #: hospital -> key-stage bytes each way
+    silent: set[int] = field(default_factory=set)  #: nodes that did not answer some key stage in time
 
     def name(self, node: int) -> str:
         return self.hospitals[node].name
@@ -396,6 +397,8 @@ class SecureAggregation:
             answers[node] = payload.config
         for node in configs:
             if node not in answers:
+                if node not in kept:
+                    progress.silent.add(node)
                 protocol.lost.setdefault(node, f"{stage}: no reply within {timeout:.0f} s")
                 log.warning("round %d: secure aggregation lost %s at the %s stage: %s", progress.rnd,
                             progress.name(node), stage, protocol.lost[node])
@@ -500,6 +503,9 @@ class SecureAggregation:
                 skipped = f"the unmasked sums cannot be used: {error}; the global model is unchanged"
             else:
                 method_record.update(method.server_step(rnd))
+        if skipped is not None:  # a hospital that fell silent after its update came in cost the round: missing too
+            silent = {progress.name(node) for node in progress.silent}
+            missing += [h.name for h in chosen if h.name in silent and h.name not in missing]
         for node, why in sorted(protocol.hostile.items()) if protocol is not None else ():
             log.warning("round %d: %s sent a share that does not fit: %s", rnd, progress.name(node), why)
         bytes_down = bytes_down or {}

@@ -21,7 +21,7 @@ import pytest
 
 from cli.launch import FlowerHome, flwr, free_port, run_log, submit_run, wait_for_run
 from cli.main import main as fedmed
-from server_app.results import read_history
+from server_app.results import aggregated_in, read_history
 
 from .conftest import ROOT
 
@@ -230,7 +230,7 @@ def test_compose_consortium_runs_loses_a_hospital_and_takes_it_back(consortium):
 
     def back_in(history):
         missed = [r["round"] for r in history if "hospital-c" in r["missing"]]
-        return [r for r in history if missed and r["round"] > max(missed) and "hospital-c" in r["aggregated"]]
+        return [r for r in history if missed and r["round"] > max(missed) and "hospital-c" in aggregated_in(r)]
 
     wait_for(lambda: back_in(history_of(project, "compose-second")), 600, "hospital-c training again")
     assert flwr(home, "stop", str(second), "consortium").returncode == 0

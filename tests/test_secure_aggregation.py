@@ -47,6 +47,7 @@ from common.trust.secure_aggregation.server import (
     setup_config,
     unmask_config,
 )
+from server_app.results import aggregated_in
 from strategies import (
     FedAvgStrategy,
     FedBNStrategy,
@@ -371,6 +372,31 @@ def test_a_round_keyed_ahead_that_the_server_cannot_use_is_set_up_again(tmp_path
     assert all(len(names) == 3 for names in trained) and not any(r.get("skipped") for r in history)
     again = [r["round"] for r in history[1:] if "setup" in r["secure-aggregation"]["stages"]]
     assert again and all(trained[rnd - 1] != trained[rnd - 2] for rnd in again)  # set up afresh where it changed
+
+
+def test_a_hospital_silent_after_its_update_came_in_is_named_missing_in_the_round_it_cost(tmp_path):
+    """With the consortium's keys every survivor signs the survivor set before anyone unmasks: hospital-02, whose
+    masked update is in the sum but which stops answering at the consistency stage (its SuperNode killed), leaves
+    the others refusing to unmask, and the skipped round names it missing (not aggregated, not merely lost in the
+    protocol's summary); the model is unchanged."""
+    from .test_hostile_hospital import key_pair
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    config = config_of(tmp_path, SMALL_CLASSIFICATION, "killed", **{"hospital-keys": str(keys)})
+    nodes = {101 + pid: secure_node(config, {"partition-id": pid, "num-partitions": 3, "peer-keys": str(keys),
+                                             "identity-key": str(key_pair(keys, f"hospital-{pid:02d}"))}, 101 + pid,
+                                    silent_at=CONSISTENCY if pid == 2 else None)
+             for pid in range(3)}
+    strategy = with_secure_aggregation(FedAvgStrategy)(min_train_nodes=2, min_available_nodes=3, run_config=config)
+    before = arrays_of(strategy.initial_arrays())
+    strategy.start(FakeGrid(nodes), num_rounds=1)
+    record = strategy.engine.history[0]
+    assert "skipped" in record and record["missing"] == ["hospital-02"]
+    assert aggregated_in(record) == []
+    assert record["secure-aggregation"]["lost"]["hospital-02"].startswith(f"{CONSISTENCY}: no reply")
+    for name, value in arrays_of(strategy.initial_arrays()).items():
+        np.testing.assert_array_equal(value, before[name])
 
 
 def stage_of_message(message: Message) -> str | None:

@@ -184,6 +184,38 @@ def test_hospital_restarted_under_a_new_node_id_is_recognised_by_name(tmp_path):
     assert grid.sent_of_type(MessageType.TRAIN)[-3].metadata.dst_node_id == 777
 
 
+class LeavesAfterRoundOne(FakeGrid):
+    """hospital-02's node is gone from the SuperLink's list after round 1 and back (a new node, as a restarted
+    SuperNode) after ``away`` more looks at the list."""
+
+    def __init__(self, nodes, config, away: int):
+        super().__init__(nodes)
+        self.config, self.away, self.looks = config, away, 0
+
+    def get_node_ids(self):
+        if self.sent_of_type(MessageType.TRAIN) and 103 in self.nodes:
+            del self.nodes[103]
+        if 103 not in self.nodes and 777 not in self.nodes:
+            self.looks += 1
+            if self.looks > self.away:
+                self.nodes[777] = hospital_node(self.config, {"partition-id": 2, "num-partitions": 3}, 777)
+        return super().get_node_ids()
+
+
+@pytest.mark.parametrize("timeout,back_in_round_2", [(30.0, True), (1.0, False)])
+def test_a_later_round_waits_up_to_the_round_timeout_for_min_available_hospitals(tmp_path, timeout, back_in_round_2):
+    """As Flower's strategies wait for ``min_available_nodes`` before each round, round 2 waits for the third hospital
+    while it restarts (here two looks at the list, 2 s apart) if the round timeout allows, and goes on with the two
+    that are connected when it does not: a hospital that left is not written off at once, and a consortium that
+    lost one for good still trains."""
+    config = run_config(tmp_path, SMALL_CLASSIFICATION, **{"round-timeout": timeout})
+    grid = LeavesAfterRoundOne(simulated_hospitals(config, 3), config, away=2)
+    strategy = FedAvgStrategy(min_train_nodes=2, min_available_nodes=3, run_config=config)
+    strategy.start(grid, num_rounds=2)
+    second = strategy.engine.history[1]
+    expected = ["hospital-00", "hospital-01", "hospital-02"] if back_in_round_2 else ["hospital-00", "hospital-01"]
+    assert sorted(second["aggregated"]) == expected and not second["missing"]
+
 def reply_with(content: RecordDict | Error):
     def answer(message: Message) -> Message:
         return Message(content, reply_to=message)
