@@ -32,3 +32,22 @@ def test_each_start_has_its_own_no_dp_row_and_its_dp_rows_are_a_share_of_that_ro
     assert "| 0.400 (n=1) |" in head and "0.380 (n=1) [95%], eps 8.00" in head  # not 48 % of the whole network's
     assert "| 0.800 (n=1) | not run | not run | not run |" in whole
     assert patient.NO_PRIVACY.max_grad_norm >= 1e6 and patient.NO_PRIVACY.noise_multiplier * 1e6 <= 1e-3
+
+
+def test_tricks_run_on_each_partition_asked_and_each_is_measured_against_its_own_partitions_plan(tmp_path):
+    args = SimpleNamespace(datasets=["blood"], partitions=["iid"], methods=["fedavg"], starts=["scratch"],
+                           epsilons=[8.0], seeds=[0], tricks=True, trick=["parameter averaging"],
+                           tricks_on=["iid", "dirichlet"])
+    names = [name for name, _ in patient.rows(args)]
+    assert names[-2:] == ["blood-iid-fedavg-scratch-eps8-parameter-averaging-0.9-seed0",
+                          "blood-dirichlet-fedavg-scratch-eps8-parameter-averaging-0.9-seed0"]
+    (tmp_path / "runs").mkdir()
+    runs = [("iid", "", 0.6), ("iid", "parameter averaging 0.9", 0.5), ("dirichlet", "", 0.2),
+            ("dirichlet", "parameter averaging 0.9", 0.35)]
+    for partition, trick, accuracy in runs:
+        rec = {**record("scratch", 8.0, accuracy), "partition": partition, "trick": trick}
+        (tmp_path / "runs" / f"{patient.name(rec)}.json").write_text(json.dumps(rec))
+    table = patient.report(tmp_path, "test")
+    iid, dirichlet = table.split("(blood cells, IID,")[1], table.split("(blood cells, Dir(0.5),")[1]
+    assert "| parameter averaging 0.9 | 0.500 (n=1) | -0.100 (the plan's same seeds) |" in iid.split("What each")[0]
+    assert "| parameter averaging 0.9 | 0.350 (n=1) | +0.150 (the plan's same seeds) |" in dirichlet
