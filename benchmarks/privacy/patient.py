@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     JOB["num_server_rounds"] = args.rounds
     (args.out / "runs").mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.privacy.patient " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.privacy.patient " + shlex.join(argv if argv is not None else sys.argv[1:])
     for file, row in ([] if args.report_only else rows(args)):
         target = args.out / "runs" / f"{file}.json"
         if target.exists():
