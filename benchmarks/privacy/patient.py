@@ -133,7 +133,7 @@ def rows(args) -> list[tuple[str, dict[str, Any]]]:
                                            "epsilon": epsilon, "seed": seed, "trick": ""})
     if args.tricks:
         for trick in [t for t in TRICKS if not args.trick or any(t.startswith(n) for n in args.trick)]:
-            for partition in getattr(args, "tricks_on", ["dirichlet"]):
+            for partition in args.tricks_on:
                 for seed in args.seeds:
                     chosen.append({"dataset": "blood", "partition": partition, "method": "fedavg",
                                    "start": "scratch", "epsilon": TRICKS[trick].get("epsilon", 8.0), "seed": seed,
