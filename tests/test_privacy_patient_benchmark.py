@@ -17,7 +17,7 @@ def record(start: str, epsilon: float | None, accuracy: float) -> dict:
 def test_each_start_has_its_own_no_dp_row_and_its_dp_rows_are_a_share_of_that_row(tmp_path):
     args = SimpleNamespace(datasets=["blood"], partitions=["dirichlet"], methods=["fedavg"],
                            starts=["pretrained", "pretrained-head"], epsilons=[8.0], seeds=[0], tricks=False,
-                           trick=[])
+                           trick=[], hospitals=[10])
     names = [name for name, _ in patient.rows(args)]
     assert names == ["blood-dirichlet-fedavg-pretrained-nodp-seed0", "blood-dirichlet-fedavg-pretrained-eps8-seed0",
                      "blood-dirichlet-fedavg-pretrained-head-nodp-seed0",
@@ -29,7 +29,7 @@ def test_each_start_has_its_own_no_dp_row_and_its_dp_rows_are_a_share_of_that_ro
     table = patient.report(tmp_path, "test")
     head = next(line for line in table.splitlines() if "| pretrained-head |" in line)
     whole = next(line for line in table.splitlines() if "| pretrained |" in line)
-    assert "| 0.400 (n=1) |" in head and "0.380 (n=1) [95%], eps 8.00" in head  # not 48 % of the whole network's
+    assert "| 10 | 0.400 (n=1) |" in head and "0.380 (n=1) [95%], eps 8.00" in head  # not 48 % of the whole network's
     assert "| 0.800 (n=1) | not run | not run | not run |" in whole
     assert patient.NO_PRIVACY.max_grad_norm >= 1e6 and patient.NO_PRIVACY.noise_multiplier * 1e6 <= 1e-3
 
@@ -37,7 +37,7 @@ def test_each_start_has_its_own_no_dp_row_and_its_dp_rows_are_a_share_of_that_ro
 def test_tricks_run_on_each_partition_asked_and_each_is_measured_against_its_own_partitions_plan(tmp_path):
     args = SimpleNamespace(datasets=["blood"], partitions=["iid"], methods=["fedavg"], starts=["scratch"],
                            epsilons=[8.0], seeds=[0], tricks=True, trick=["parameter averaging"],
-                           tricks_on=["iid", "dirichlet"])
+                           tricks_on=["iid", "dirichlet"], hospitals=[10])
     names = [name for name, _ in patient.rows(args)]
     assert names[-2:] == ["blood-iid-fedavg-scratch-eps8-parameter-averaging-0.9-seed0",
                           "blood-dirichlet-fedavg-scratch-eps8-parameter-averaging-0.9-seed0"]
@@ -51,3 +51,27 @@ def test_tricks_run_on_each_partition_asked_and_each_is_measured_against_its_own
     iid, dirichlet = table.split("(blood cells, IID,")[1], table.split("(blood cells, Dir(0.5),")[1]
     assert "| parameter averaging 0.9 | 0.500 (n=1) | -0.100 (the plan's same seeds) |" in iid.split("What each")[0]
     assert "| parameter averaging 0.9 | 0.350 (n=1) | +0.150 (the plan's same seeds) |" in dirichlet
+
+
+def test_fewer_hospitals_are_rows_of_their_own_each_measured_against_its_own_no_dp_run(tmp_path):
+    """The same patients split between fewer hospitals (more patients each, so more amplification by sampling) are
+    other rows, never averaged with the ten-hospital runs; runs recorded before the column existed count as ten."""
+    args = SimpleNamespace(datasets=["blood"], partitions=["iid"], methods=["fedavg"], starts=["scratch"],
+                           epsilons=[8.0], seeds=[0], tricks=False, trick=[], hospitals=[1, 10])
+    rows = dict(patient.rows(args))
+    assert list(rows) == ["blood-iid-fedavg-scratch-1hospitals-nodp-seed0", "blood-iid-fedavg-scratch-nodp-seed0",
+                          "blood-iid-fedavg-scratch-1hospitals-eps8-seed0", "blood-iid-fedavg-scratch-eps8-seed0"]
+    cfg = patient.job("blood", "iid", "scratch", 0, patient.PLAN, rows["blood-iid-fedavg-scratch-1hospitals-eps8-seed0"]
+                      ["hospitals"])
+    assert cfg.min_train_hospitals == cfg.min_available_hospitals == 1
+    (tmp_path / "runs").mkdir()
+    old = {**record("scratch", None, 0.8), "partition": "iid"}  # recorded before the column: no "hospitals"
+    for rec in (old, {**old, "epsilon": 8.0, "spent": 8.0, "test": {"accuracy": 0.6}},
+                {**old, "hospitals": 1, "test": {"accuracy": 0.9}},
+                {**old, "hospitals": 1, "epsilon": 8.0, "spent": 8.0, "test": {"accuracy": 0.81}}):
+        (tmp_path / "runs" / f"{patient.name(rec)}.json").write_text(json.dumps(rec))
+    table = patient.report(tmp_path, "test").splitlines()
+    assert "| blood | iid | fedavg | scratch | 1 | 0.900 (n=1) | not run | not run | 0.810 (n=1) [90%], eps 8.00 |" \
+        in table
+    assert "| blood | iid | fedavg | scratch | 10 | 0.800 (n=1) | not run | not run | 0.600 (n=1) [75%], eps 8.00 |" \
+        in table

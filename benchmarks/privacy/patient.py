@@ -50,8 +50,8 @@ PARTITIONS = {"iid": {"partitioner": "iid"}, "dirichlet": {"partitioner": "diric
 PARTITION_NAMES = {"iid": "IID", "dirichlet": "Dir(0.5)"}
 #: the job every row shares (CPU-sized: 28 px, 10 rounds); the DP rows add the plan below
 JOB = {"image_size": 28, "num_server_rounds": 10, "local_epochs": 4, "batch_size": 32, "learning_rate": 1e-3,
-       "fraction_train": 1.0, "min_train_hospitals": HOSPITALS, "min_available_hospitals": HOSPITALS,
-       "min_partition_size": 10, "val_fraction": 0.0, "test_fraction": 0.2, "device": "cpu", "evaluate_every": 5}
+       "fraction_train": 1.0, "min_partition_size": 10, "val_fraction": 0.0, "test_fraction": 0.2, "device": "cpu",
+       "evaluate_every": 5}
 MODELS = {"scratch": {"model": "small-cnn"}, "pretrained": {"model": "resnet18", "resnet_width": 0.25},
           "pretrained-head": {"model": "resnet18", "resnet_width": 0.25}}
 #: what a start changes in the DP plan: "pretrained-head" trains the last linear layer alone on the frozen encoder,
@@ -80,9 +80,11 @@ TRICKS: dict[str, dict[str, Any]] = {
 JOB_KEYS = {"local_epochs"}
 
 
-def job(dataset: str, partition: str, start: str, seed: int, plan: dict[str, Any]) -> JobConfig:
+def job(dataset: str, partition: str, start: str, seed: int, plan: dict[str, Any],
+        hospitals: int = HOSPITALS) -> JobConfig:
     fields = {**JOB, **DATASETS[dataset], **PARTITIONS[partition], **MODELS[start], "seed": seed,
-              "strategy": "fedavg", "run_name": "patient-dp"}
+              "strategy": "fedavg", "run_name": "patient-dp", "min_train_hospitals": hospitals,
+              "min_available_hospitals": hospitals}
     if start.startswith("pretrained"):
         source = OTHER[dataset]
         fields["encoder_weights"] = str(pretrain(DATASETS[source], source, JOB["image_size"], 0.25, 10,
@@ -92,7 +94,7 @@ def job(dataset: str, partition: str, start: str, seed: int, plan: dict[str, Any
 
 def run(cfg: JobConfig, epsilon: float | None) -> dict[str, Any]:
     """One federation; its final test metrics and the most any hospital spent."""
-    sites = simulated_sites(cfg, HOSPITALS)
+    sites = simulated_sites(cfg, cfg.min_train_hospitals)
     for site in sites:
         site.state = HospitalStateStore(None, keep=1)
     ledgers: dict[str, PrivacyLedger] = {}
@@ -128,16 +130,17 @@ def rows(args) -> list[tuple[str, dict[str, Any]]]:
                 for start in args.starts:
                     for epsilon in [None, *args.epsilons]:
                         for seed in args.seeds:
-                            chosen.append({"dataset": dataset, "partition": partition, "method": method,
-                                           "start": start,
-                                           "epsilon": epsilon, "seed": seed, "trick": ""})
+                            for hospitals in args.hospitals:
+                                chosen.append({"dataset": dataset, "partition": partition, "method": method,
+                                               "start": start, "epsilon": epsilon, "seed": seed, "trick": "",
+                                               "hospitals": hospitals})
     if args.tricks:
         for trick in [t for t in TRICKS if not args.trick or any(t.startswith(n) for n in args.trick)]:
             for partition in args.tricks_on:
                 for seed in args.seeds:
                     chosen.append({"dataset": "blood", "partition": partition, "method": "fedavg",
                                    "start": "scratch", "epsilon": TRICKS[trick].get("epsilon", 8.0), "seed": seed,
-                                   "trick": trick})
+                                   "trick": trick, "hospitals": HOSPITALS})
     return list({name(row): row for row in chosen}.items())
 
 
@@ -145,7 +148,14 @@ def name(row: dict[str, Any]) -> str:
     eps = "nodp" if row["epsilon"] is None else f"eps{row['epsilon']:g}"
     trick = row["trick"].split(" (")[0].replace(",", "").replace(" ", "-")
     trick = f"-{trick}" if trick else ""
-    return f"{row['dataset']}-{row['partition']}-{row['method']}-{row['start']}-{eps}{trick}-seed{row['seed']}"
+    sites = "" if hospitals(row) == HOSPITALS else f"-{hospitals(row)}hospitals"
+    return (f"{row['dataset']}-{row['partition']}-{row['method']}-{row['start']}{sites}-{eps}{trick}"
+            f"-seed{row['seed']}")
+
+
+def hospitals(row: dict[str, Any]) -> int:
+    """How many hospitals the row's patients are split between (HOSPITALS for runs recorded before it varied)."""
+    return int(row.get("hospitals", HOSPITALS))
 
 
 def headline(record: dict[str, Any]) -> float | None:
@@ -158,7 +168,8 @@ def report(out: Path, command: str) -> str:
     records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
-        key = tuple(record[k] for k in ("dataset", "partition", "method", "start", "trick")) + (record["epsilon"],)
+        key = (*(record[k] for k in ("dataset", "partition", "method", "start")), hospitals(record), record["trick"],
+               record["epsilon"])
         groups.setdefault(key, []).append(record)
 
     def cell(key) -> tuple[str, float | None]:
@@ -182,15 +193,16 @@ def report(out: Path, command: str) -> str:
              "task's own loop for scratch and pretrained (fine-tuned), the last linear layer alone on the frozen "
              "encoder for pretrained-head, through the same DP-SGD path and plan with the clip at 10^6 and the noise "
              "multiplier at 10^-9; epsilon per patient at delta 1e-5, the most any hospital's ledger "
-             f"holds. {HOSPITALS} hospitals, every one trains every round; "
+             "holds. The data set's training patients are split between the hospitals the row names (the tricks: "
+             f"{HOSPITALS}), every one trains every round; "
              f"{JOB['num_server_rounds']} rounds, 28 px; DP plan {PLAN}, max-grad-norm {MAX_GRAD_NORM}; what a start "
              f"changes in it: {START_PLAN}.\n",
-             "| data set | partition | method | start | no DP | eps 1 | eps 3 | eps 8 |",
-             "|---|---|---|---|---|---|---|---|"]
-    combos = sorted({k[:4] for k in groups if not k[4]})
+             "| data set | partition | method | start | hospitals | no DP | eps 1 | eps 3 | eps 8 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    combos = sorted({k[:5] for k in groups if not k[5]})
     for combo in combos:
         base, base_mean = cell(combo + ("", None))
-        row = [*combo, base]
+        row = [*combo[:4], str(combo[4]), base]
         for epsilon in (1.0, 3.0, 8.0):
             text, mean = cell(combo + ("", epsilon))
             spent = [r.get("spent") for r in groups.get(combo + ("", epsilon), []) if r.get("spent")]
@@ -200,20 +212,20 @@ def report(out: Path, command: str) -> str:
                 text += f", eps {max(spent):.2f}"
             row.append(text)
         lines.append("| " + " | ".join(row) + " |")
-    for partition in sorted({k[1] for k in groups if k[4]}):
-        tricks = [k for k in groups if k[4] and k[1] == partition]
-        plan_key = ("blood", partition, "fedavg", "scratch", "", 8.0)
+    for partition in sorted({k[1] for k in groups if k[5]}):
+        tricks = [k for k in groups if k[5] and k[1] == partition]
+        plan_key = ("blood", partition, "fedavg", "scratch", HOSPITALS, "", 8.0)
         base = cell(plan_key)
         lines += ["", f"What each trick adds (blood cells, {PARTITION_NAMES[partition]}, FedAvg, from scratch, "
                   "epsilon 8; one change from the plan each):", "", "| change | accuracy | against the plan |",
                   "|---|---|---|", f"| the plan | {base[0]} | |"]
         plan_runs = {r["seed"]: headline(r) for r in groups.get(plan_key, [])}
-        for key in sorted(tricks, key=lambda k: k[4]):
+        for key in sorted(tricks, key=lambda k: k[5]):
             text, mean = cell(key)
             pairs = [(headline(r), plan_runs.get(r["seed"])) for r in groups[key]]
             pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
             moved = (f"{statistics.mean(a - b for a, b in pairs):+.3f} (the plan's same seeds)" if pairs else "")
-            lines.append(f"| {key[4]} | {text} | {moved} |")
+            lines.append(f"| {key[5]} | {text} | {moved} |")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
@@ -227,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", nargs="+", choices=sorted(MODELS), default=["scratch", "pretrained"])
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--hospitals", nargs="+", type=int, default=[HOSPITALS],
+                        help="how many hospitals the patients are split between (fewer: more patients each)")
     parser.add_argument("--tricks", action=argparse.BooleanOptionalAction, default=True,
                         help="also the rows of TRICKS (blood cells, FedAvg, epsilon 8; --tricks-on)")
     parser.add_argument("--tricks-on", nargs="+", choices=sorted(PARTITIONS), default=["dirichlet"],
@@ -249,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         trick = TRICKS.get(row["trick"], {})
         plan = {**PLAN, **{k: v for k, v in trick.items() if k != "epsilon" and k not in JOB_KEYS}}
-        cfg = job(row["dataset"], row["partition"], row["start"], row["seed"], plan)
+        cfg = job(row["dataset"], row["partition"], row["start"], row["seed"], plan, hospitals(row))
         cfg = cfg.model_copy(update={"strategy": row["method"], **{k: v for k, v in trick.items() if k in JOB_KEYS}})
         result = run(cfg, row["epsilon"])
         target.write_text(json.dumps({**row, **result, "command": command}, indent=1) + "\n")
