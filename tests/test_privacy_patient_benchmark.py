@@ -75,3 +75,18 @@ def test_fewer_hospitals_are_rows_of_their_own_each_measured_against_its_own_no_
         in table
     assert "| blood | iid | fedavg | scratch | 10 | 0.800 (n=1) | not run | not run | 0.600 (n=1) [75%], eps 8.00 |" \
         in table
+
+
+def test_a_dp_row_whose_model_predicts_one_class_says_so_beside_its_share(tmp_path):
+    """HAM10000's nevi are two thirds of it: a model that calls every lesion a nevus keeps a weighted F1 near 0.54,
+    which as a share of the no-DP row reads like a model that learnt; the cell names the runs that predict one class."""
+    (tmp_path / "runs").mkdir()
+    base = {**record("scratch", None, 0.0), "dataset": "ham10000", "partition": "iid"}
+    runs = [{**base, "test": {"f1_weighted": 0.68, "mcc": 0.39}},
+            {**base, "epsilon": 8.0, "spent": 8.0, "test": {"f1_weighted": 0.54, "mcc": 0.0}},
+            {**base, "epsilon": 8.0, "spent": 8.0, "seed": 1, "test": {"f1_weighted": 0.56, "mcc": 0.05}}]
+    for rec in runs:
+        (tmp_path / "runs" / f"{patient.name(rec)}.json").write_text(json.dumps(rec))
+    row = next(line for line in patient.report(tmp_path, "test").splitlines() if line.startswith("| ham10000"))
+    assert "| 0.680 (n=1) |" in row
+    assert "| 0.550 ± 0.014 (n=2, 1 of 2 one class) [81%], eps 8.00 |" in row

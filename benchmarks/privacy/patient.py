@@ -71,6 +71,7 @@ TRICKS: dict[str, dict[str, Any]] = {
     "no DP, BatchNorm (what GroupNorm costs without DP)": {"group_norm": False, "epsilon": None},
     "BatchNorm kept (no GroupNorm)": {"group_norm": False},
     "augmentation multiplicity 4": {"augmentations": 4},
+    "augmentation multiplicity 8": {"augmentations": 8},
     "parameter averaging 0.9": {"averaging": 0.9},
     "logical batch 64": {"batch_size": 64},
     "logical batch 1024": {"batch_size": 1024},
@@ -164,6 +165,12 @@ def headline(record: dict[str, Any]) -> float | None:
     return test.get("f1_weighted" if record["dataset"] == "ham10000" else "accuracy")
 
 
+def one_class(record: dict[str, Any]) -> bool:
+    """Whether the run's model predicts one class for every test image (Matthews correlation 0): on an imbalanced
+    data set such as HAM10000 that still scores (its weighted F1 is then the majority class's share times its F1)."""
+    return (record.get("test") or {}).get("mcc") == 0.0
+
+
 def report(out: Path, command: str) -> str:
     records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -181,7 +188,9 @@ def report(out: Path, command: str) -> str:
             return f"refused: {(found[0].get('refused') or ['no test result'])[0][:90]}", None
         mean = statistics.mean(values)
         spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
-        return f"{mean:.3f}{spread} (n={len(values)})", mean
+        flat = sum(map(one_class, found))
+        flat_note = f", {flat} of {len(values)} one class" if flat else ""
+        return f"{mean:.3f}{spread} (n={len(values)}{flat_note})", mean
 
     loads = [r["load"] for r in records if "load" in r]
     load = (f" (2 cores shared with other work: 5-minute load average {min(loads)}-{max(loads)} at the runs' ends)"
@@ -192,7 +201,8 @@ def report(out: Path, command: str) -> str:
              "row's share of its no-DP row (the goal's ratio), which trains the same layers: every layer with the "
              "task's own loop for scratch and pretrained (fine-tuned), the last linear layer alone on the frozen "
              "encoder for pretrained-head, through the same DP-SGD path and plan with the clip at 10^6 and the noise "
-             "multiplier at 10^-9; epsilon per patient at delta 1e-5, the most any hospital's ledger "
+             "multiplier at 10^-9; \"one class\": runs whose model predicts one class for every test image "
+             "(Matthews correlation 0); epsilon per patient at delta 1e-5, the most any hospital's ledger "
              "holds. The data set's training patients are split between the hospitals the row names (the tricks: "
              f"{HOSPITALS}), every one trains every round; "
              f"{JOB['num_server_rounds']} rounds, 28 px; DP plan {PLAN}, max-grad-norm {MAX_GRAD_NORM}; what a start "
