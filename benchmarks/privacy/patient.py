@@ -5,6 +5,8 @@ hospital's policy at epsilon 1, 3 and 8 per patient (delta 1e-5), side by side, 
                                                                   # FedAvg, FedProIn x no DP, eps 1, 3, 8 x scratch,
                                                                   # pretrained x 3 seeds, and the tricks (a GPU's work)
     python -m benchmarks.privacy.patient --datasets blood --methods fedavg --starts scratch --epsilons 8 --seeds 0
+    python -m benchmarks.privacy.patient --datasets blood --partitions iid --methods fedavg --starts scratch \
+        --epsilons 8 --hospitals 1 2 5 --no-tricks                # the same patients in fewer, larger hospitals
 
 Each finished run is ``<out>/runs/<row>.json`` and is skipped when the command is started again; the table
 (``<out>/results.md``) is rebuilt from whatever runs exist and names each cell that has not run. Every hospital holds
