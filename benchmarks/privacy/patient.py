@@ -75,6 +75,8 @@ TRICKS: dict[str, dict[str, Any]] = {
     "augmentation multiplicity 4": {"augmentations": 4},
     "augmentation multiplicity 8": {"augmentations": 8},
     "parameter averaging 0.9": {"averaging": 0.9},
+    "learning rate 0.5": {"learning_rate": 0.5},
+    "learning rate 2": {"learning_rate": 2.0},
     "logical batch 64": {"batch_size": 64},
     "logical batch 1024": {"batch_size": 1024},
     "8 local epochs (twice the steps, at the same epsilon)": {"local_epochs": 8},
@@ -175,7 +177,7 @@ def one_class(record: dict[str, Any]) -> bool:
 
 def report(out: Path, command: str) -> str:
     records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    groups: dict[tuple, list[dict[str, Any]]] = {}  # (dataset, partition, method, start, hospitals, trick, epsilon)
     for record in records:
         key = (*(record[k] for k in ("dataset", "partition", "method", "start")), hospitals(record), record["trick"],
                record["epsilon"])
